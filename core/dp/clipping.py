@@ -1,0 +1,318 @@
+"""Per-sample gradient clipping for DP-SGD (eq. 3.1): one interface, several exact implementations.
+
+Every DP clipper leaves in ``p.grad`` (added to what is there, like ``Tensor.backward``) the
+**sum** over the batch of the clipped per-sample gradients ``sum_i c_i g_i`` -- no noise, no
+averaging: the optimizer / trainer adds ``N(0, sigma^2 C^2)`` and divides by the batch size. A
+DP clipper writes a gradient (possibly zero) for every trainable parameter, so that noise is added
+to all of them.
+
+Coefficients (:func:`clip_coefficients`):
+
+* flat clipping, eq. 3.1: ``c_i = min(1, C / (||g_i|| + 1e-6))`` (Opacus' exact formula; the 1e-6
+  guards zero gradients and keeps ``||c_i g_i|| < C``);
+* normalisation / automatic clipping (Bu et al., 2023; the paper "normalize[s] the gradients and
+  set[s] C=1"): ``c_i = C / (||g_i|| + gamma)`` with stability constant gamma (default 0.01, as in
+  Bu et al.); ``||c_i g_i|| < C`` holds as well.
+
+Methods (:class:`ClippingMethod`):
+
+* ``nonprivate``: plain ``sum_i L_i`` backward, no clipping (baseline).
+* ``phantom``: :class:`core.dp.phantom.PhantomClipping` (norms without per-sample gradients, tied
+  embeddings included, book-keeping instead of a second backward).
+* ``opacus_hooks``: Opacus ``GradSampleModule`` materialises per-sample gradients (a tied embedding
+  works: its grad samples from both uses are summed).
+* ``opacus_ghost``: Opacus 1.6 ``GradSampleModuleFastGradientClipping`` (ghost norms, then a second
+  backward of ``sum_i c_i L_i``); refuses tied parameters.
+* ``loop``: slow reference, one ``autograd.grad`` per sample.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+import torch
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from torch import Tensor, nn
+
+from core.dp.phantom import PhantomClipping
+from core.errors import ConfigError, DataError, PrivacyError
+
+FLAT_CLIP_EPS = 1e-6
+
+
+class ClippingMethod(str, Enum):
+    """How per-sample gradients are clipped (see the module docstring)."""
+
+    NONPRIVATE = "nonprivate"
+    PHANTOM = "phantom"
+    OPACUS_HOOKS = "opacus_hooks"
+    OPACUS_GHOST = "opacus_ghost"
+    LOOP = "loop"  # brute-force reference
+
+
+@runtime_checkable
+class Clipper(Protocol):
+    """One clipping step: ``loss = f(clipper.model(x)); norms = clipper.backward(loss)``."""
+
+    model: nn.Module  # the module to call forward on (Opacus may wrap the original)
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor | None:
+        """per_sample_loss (B,). Adds to each trainable p.grad the SUM over samples of the clipped
+        per-sample gradients (no noise, no averaging); returns the per-sample norms before clipping
+        (B,) (None for nonprivate, where p.grad += grad of per_sample_loss.sum())."""
+        ...
+
+    def close(self) -> None:
+        """Remove every hook the clipper attached to the model."""
+        ...
+
+
+def clip_coefficients(norms: Tensor, *, clip_norm: float, normalize: bool, gamma: float = 0.01) -> Tensor:
+    """Per-sample scale factors c (B,) so that ``||c_i g_i|| < clip_norm`` (flat or normalised)."""
+    if normalize:
+        return clip_norm / (norms + gamma)
+    return (clip_norm / (norms + FLAT_CLIP_EPS)).clamp(max=1.0)
+
+
+def check_per_sample_loss(per_sample_loss: Tensor) -> None:
+    """Raise unless the loss is a finite (B,) tensor with B >= 1 that requires grad."""
+    if not isinstance(per_sample_loss, Tensor) or per_sample_loss.dim() != 1:
+        shape = tuple(per_sample_loss.shape) if isinstance(per_sample_loss, Tensor) else type(per_sample_loss)
+        raise DataError(
+            f"per_sample_loss must be a 1-D (B,) tensor, got {shape}; reduce over positions per "
+            "sequence, not over the batch (e.g. sequence_loss(..., reduction='none'))"
+        )
+    if per_sample_loss.shape[0] == 0:
+        raise PrivacyError(
+            "empty batch (B=0): there is no gradient to clip; a Poisson-sampled empty batch must "
+            "still be a noise-only step, handle it before calling the clipper"
+        )
+    bad = (~torch.isfinite(per_sample_loss.detach())).nonzero().flatten()
+    if bad.numel():
+        raise PrivacyError(
+            f"non-finite per-sample loss at batch indices {bad[:10].tolist()} "
+            f"(values {per_sample_loss.detach()[bad[:10]].tolist()}); lower the learning rate or check the inputs"
+        )
+    if not per_sample_loss.requires_grad:
+        raise PrivacyError("per_sample_loss does not require grad; compute it from the clipper's model")
+
+
+def _check_norms(norms: Tensor) -> None:
+    if not torch.isfinite(norms).all():
+        raise PrivacyError(
+            f"non-finite per-sample gradient norm at indices {(~torch.isfinite(norms)).nonzero().flatten()[:10].tolist()}; "
+            "the gradients overflowed, lower the learning rate or use float32/float64"
+        )
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _add_grad(p: nn.Parameter, grad: Tensor) -> None:
+    grad = grad.to(p.dtype).view_as(p)
+    p.grad = grad if p.grad is None else p.grad + grad
+
+
+def _stash_grads(params: list[nn.Parameter]) -> list[Tensor | None]:
+    """Take the current p.grad out of the way (Opacus' backward writes unclipped grads there)."""
+    stash = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return stash
+
+
+class NonPrivateClipper:
+    """No clipping: ``p.grad += d(sum_i L_i)/dp``; returns None."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def backward(self, per_sample_loss: Tensor) -> None:
+        check_per_sample_loss(per_sample_loss)
+        per_sample_loss.sum().backward()
+
+    def close(self) -> None:
+        return None
+
+
+class _DPClipper:
+    """Shared settings of the clipping methods."""
+
+    def __init__(self, model: nn.Module, *, clip_norm: float, normalize: bool, gamma: float) -> None:
+        self.model = model
+        self.clip_norm, self.normalize, self.gamma = clip_norm, normalize, gamma
+        self._params = _trainable(model)
+
+    def coefficients(self, norms: Tensor) -> Tensor:
+        _check_norms(norms)
+        return clip_coefficients(norms, clip_norm=self.clip_norm, normalize=self.normalize, gamma=self.gamma)
+
+    def close(self) -> None:
+        return None
+
+
+class PhantomClipper(_DPClipper):
+    """Phantom Clipping (Sec. 4.2): exact norms incl. tied embeddings, then book-keeping."""
+
+    def __init__(self, model: nn.Module, **settings: float) -> None:
+        super().__init__(model, **settings)
+        self.phantom = PhantomClipping(model)
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor:
+        check_per_sample_loss(per_sample_loss)
+        norms = self.phantom.per_sample_norms(per_sample_loss)
+        self.phantom.accumulate_grad(self.coefficients(norms))
+        return norms.detach()
+
+    def close(self) -> None:
+        self.phantom.remove()
+
+
+class LoopClipper(_DPClipper):
+    """Reference: per-sample gradients by one ``autograd.grad`` per sample, then clip and sum."""
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor:
+        check_per_sample_loss(per_sample_loss)
+        B = per_sample_loss.shape[0]
+        total = [torch.zeros_like(p) for p in self._params]
+        norms = per_sample_loss.new_zeros(B)
+        for i in range(B):
+            grads = torch.autograd.grad(
+                per_sample_loss[i], self._params, retain_graph=i < B - 1, allow_unused=True
+            )
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
+            norms[i] = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+            coef = self.coefficients(norms[i : i + 1])[0]
+            for acc, g in zip(total, grads, strict=True):
+                acc.add_(g, alpha=float(coef))
+        for p, g in zip(self._params, total, strict=True):
+            _add_grad(p, g)
+        return norms.detach()
+
+
+class OpacusHooksClipper(_DPClipper):
+    """Opacus ``GradSampleModule``: materialised per-sample gradients ``p.grad_sample`` (B, *p.shape)."""
+
+    def __init__(self, model: nn.Module, **settings: float) -> None:
+        super().__init__(model, **settings)
+        self.model = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor:
+        check_per_sample_loss(per_sample_loss)
+        B = per_sample_loss.shape[0]
+        stash = _stash_grads(self._params)
+        per_sample_loss.sum().backward()
+        samples = []
+        for p in self._params:
+            gs = getattr(p, "grad_sample", None)
+            if gs is None:
+                gs = p.new_zeros(B, *p.shape)  # parameter unused in this forward
+            elif isinstance(gs, list) or gs.shape[0] != B:
+                raise PrivacyError(
+                    "Opacus recorded several forward passes before this backward; run exactly one "
+                    "forward per backward in training mode"
+                )
+            samples.append(gs)
+            p.grad_sample = None
+        norms = torch.stack([gs.flatten(1).norm(dim=1) for gs in samples]).norm(dim=0)  # (B,)
+        coef = self.coefficients(norms).to(per_sample_loss.dtype)
+        for p, old, gs in zip(self._params, stash, samples, strict=True):
+            p.grad = old
+            _add_grad(p, torch.tensordot(coef.to(gs.dtype), gs, dims=1))
+        return norms.detach()
+
+    def close(self) -> None:
+        self.model.cleanup()
+
+
+class OpacusGhostClipper(_DPClipper):
+    """Opacus 1.6 fast gradient (ghost) clipping: ghost norms, then a second backward of sum_i c_i L_i."""
+
+    def __init__(self, model: nn.Module, **settings: float) -> None:
+        super().__init__(model, **settings)
+        tied = tied_parameter_names(model, tuple(GradSampleModuleFastGradientClipping.NORM_SAMPLERS))
+        if tied:
+            raise ConfigError(
+                f"opacus_ghost does not support parameter tying (Opacus: 'Parameter tying is not "
+                f"supported with Ghost Clipping'), but {', '.join(tied)} are shared between modules; "
+                "build the model with tied=False (the paper's footnote 5 also halves d_model) or use "
+                "the phantom clipper"
+            )
+        self.model = GradSampleModuleFastGradientClipping(
+            model, batch_first=True, loss_reduction="sum", max_grad_norm=self.clip_norm, use_ghost_clipping=True
+        )
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor:
+        check_per_sample_loss(per_sample_loss)
+        stash = _stash_grads(self._params)
+        per_sample_loss.sum().backward(retain_graph=True)
+        norms = self.model.get_norm_sample()  # (B,)
+        coef = self.coefficients(norms).to(per_sample_loss.dtype).detach()
+        _stash_grads(self._params)  # drop the unclipped gradients of the first backward
+        self.model.disable_hooks()
+        try:
+            (coef * per_sample_loss).sum().backward()
+        finally:
+            self.model.enable_hooks()
+        for p, old in zip(self._params, stash, strict=True):
+            new = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = old
+            _add_grad(p, new)
+        return norms.detach()
+
+    def close(self) -> None:
+        self.model.cleanup()
+
+
+def tied_parameter_names(model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None) -> list[str]:
+    """Names of trainable parameters owned by more than one module (of ``module_types`` if given)."""
+    owners: dict[int, list[str]] = {}
+    for mod_name, module in model.named_modules():
+        if module_types is not None and type(module) not in module_types:
+            continue
+        for p_name, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(f"{mod_name}.{p_name}" if mod_name else p_name)
+    return [" = ".join(names) for names in owners.values() if len(names) > 1]
+
+
+def make_clipper(
+    method: ClippingMethod | str,
+    model: nn.Module,
+    *,
+    clip_norm: float,
+    normalize: bool,
+    gamma: float = 0.01,
+) -> Clipper:
+    """Build the clipper for ``method`` on ``model``; call forward on the returned ``clipper.model``.
+
+    Args:
+        method: a :class:`ClippingMethod` or its value ("nonprivate", "phantom", ...).
+        clip_norm: C > 0 (ignored by nonprivate).
+        normalize: automatic clipping ``C / (||g|| + gamma)`` instead of flat clipping.
+        gamma: stability constant of normalisation, > 0.
+    """
+    try:
+        method = ClippingMethod(method)
+    except ValueError:
+        known = ", ".join(m.value for m in ClippingMethod)
+        raise ConfigError(f"unknown clipping method={method!r}; known: {known}") from None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not math.isfinite(clip_norm) or clip_norm <= 0:
+        raise ConfigError(f"clip_norm must be a finite number > 0, got {clip_norm=}")
+    if not isinstance(normalize, bool):
+        raise ConfigError(f"normalize must be a bool, got {normalize=}")
+    if not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma <= 0:
+        raise ConfigError(f"gamma must be a finite number > 0, got {gamma=}")
+    if method is ClippingMethod.NONPRIVATE:
+        return NonPrivateClipper(model)
+    settings = {"clip_norm": float(clip_norm), "normalize": normalize, "gamma": float(gamma)}
+    classes: dict[ClippingMethod, type[_DPClipper]] = {
+        ClippingMethod.PHANTOM: PhantomClipper,
+        ClippingMethod.OPACUS_HOOKS: OpacusHooksClipper,
+        ClippingMethod.OPACUS_GHOST: OpacusGhostClipper,
+        ClippingMethod.LOOP: LoopClipper,
+    }
+    return classes[method](model, **settings)

@@ -1,0 +1,255 @@
+"""Sequential recommenders of DPFormer (App. E.2): a SASRec-style Transformer and GRU/LSTM baselines.
+
+All models map left-padded item ids (B, L) -- 0 is padding, items are 1..num_items -- to next-item
+scores over all ``num_items + 1`` rows of the item embedding, (B, L, num_items + 1). Column 0 (the
+padding row) is scored like any item but is never a target (see :func:`core.models.loss.sequence_loss`).
+
+Design choices (documented because the privacy machinery depends on them):
+
+* **Tied embedding.** ``logits = h E^T`` through an ``nn.Linear(d, M + 1, bias=False)`` whose
+  ``weight`` *is* the item-embedding Parameter ``E`` (M + 1, d): the parameter sharing of Sec. 4.1.
+  Phantom Clipping (Claim 4.1) and Opacus' GradSampleModule both see the two uses through plain
+  modules. ``tied=False`` gives the output layer its own weight (the "no sharing" setting; the
+  paper's footnote 5 halves ``d_model`` there for a similar parameter count).
+* **Padding.** Item embeddings (plus positions) are multiplied by the non-padding mask, and real
+  queries never attend to padding keys, so padding positions receive exactly zero gradient and the
+  input side of ``E`` gets no gradient in row 0; the output side does (row 0 is a candidate that
+  the softmax pushes down). ``nn.Embedding.padding_idx`` is therefore not needed and not set.
+* **Positions** are learned and right-aligned: the most recent item always sits at position
+  ``max_len - 1``, so a batch shorter than ``max_len`` sees the same positions as a full one.
+* **Pre-LN** blocks ``x + Drop(Attn(LN(x)))``, ``x + Drop(FFN(LN(x)))`` with a final LayerNorm
+  (Xiong et al., 2020): trains without learning-rate warm-up, which matters under DP noise.
+* **RNN baselines** use Opacus' ``DPGRU`` / ``DPLSTM`` (cells built from ``RNNLinear``, an
+  ``nn.Linear`` subclass) so that Phantom Clipping and Opacus can compute their per-sample norms.
+  They run the recurrence in Python, hence are slower than cuDNN/ATen RNNs even without DP. Under
+  left padding their state evolves through the (zeroed) padding inputs, so their outputs depend on
+  the padding length; gradients remain exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from opacus.layers import DPGRU, DPLSTM
+from torch import Tensor, nn
+
+from core.errors import ConfigError, DataError
+from core.models.attention import CausalSelfAttention, ScoreCorrection
+
+Arch = Literal["transformer", "gru", "lstm"]
+Activation = Literal["relu", "gelu"]
+PADDING_ID = 0
+
+
+@dataclass(frozen=True)
+class SeqRecConfig:
+    """Hyper-parameters of a sequential recommender (defaults: App. E.2, MovieLens dropout).
+
+    Attributes:
+        num_items: M, number of real items; ids are 1..M and 0 is padding.
+        max_len: L_max, longest input sequence (number of learned positions).
+        d_model: model / embedding dimension d.
+        n_heads: attention heads (transformer only).
+        n_layers: transformer blocks or stacked RNN layers.
+        dropout: 0.2 for MovieLens, 0.5 for Amazon (App. E.3).
+        tied: share the item embedding with the output layer (Sec. 4.1).
+        arch: "transformer", "gru" or "lstm".
+        d_ff: feed-forward width (transformer); None means 4 * d_model (Vaswani et al., 2017).
+        activation: feed-forward non-linearity, "relu" (Vaswani et al.) or "gelu".
+    """
+
+    num_items: int
+    max_len: int
+    d_model: int = 64
+    n_heads: int = 1
+    n_layers: int = 2
+    dropout: float = 0.2
+    tied: bool = True
+    arch: Arch = "transformer"
+    d_ff: int | None = None
+    activation: Activation = "relu"
+
+    def __post_init__(self) -> None:
+        for name in ("num_items", "max_len", "d_model", "n_heads", "n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {name}={value!r}")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
+            raise ConfigError(f"d_ff must be a positive int or None (= 4 * d_model), got d_ff={self.d_ff!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ConfigError(
+                f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got dropout={self.dropout!r}")
+        if self.arch not in get_args(Arch):
+            raise ConfigError(f"unknown arch={self.arch!r}; known: {', '.join(get_args(Arch))}")
+        if self.activation not in get_args(Activation):
+            raise ConfigError(
+                f"unknown activation={self.activation!r}; known: {', '.join(get_args(Activation))}"
+            )
+        if not isinstance(self.tied, bool):
+            raise ConfigError(f"tied must be a bool, got tied={self.tied!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the item embedding: num_items + 1 (row 0 = padding)."""
+        return self.num_items + 1
+
+
+class FeedForward(nn.Module):
+    """Position-wise ``W_2 act(W_1 x)``: (B, L, d) -> (B, L, d)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: Activation, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.act = nn.ReLU() if activation == "relu" else nn.GELU()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN encoder block with causal self-attention: (B, L, d) -> (B, L, d)."""
+
+    def __init__(self, cfg: SeqRecConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.ln_ff = nn.LayerNorm(cfg.d_model)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.activation, cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, key_valid: Tensor) -> Tensor:
+        x = x + self.dropout(self.attn(self.ln_attn(x), key_valid))
+        return x + self.dropout(self.ff(self.ln_ff(x)))
+
+
+class SeqRecModel(nn.Module):
+    """Shared parts: item embedding (M + 1, d), final LayerNorm, (tied) output layer.
+
+    Subclasses implement :meth:`encode` (B, L) ids -> (B, L, d) hidden states before the final norm.
+    """
+
+    def __init__(self, cfg: SeqRecConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.item_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.item_emb.weight, std=cfg.d_model**-0.5)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.final_norm = nn.LayerNorm(cfg.d_model)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied:
+            self.output.weight = self.item_emb.weight  # the same Parameter: logits = h E^T
+
+    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def check_input(self, input_ids: Tensor) -> None:
+        """Raise DataError unless ``input_ids`` is an integer (B, L) tensor of ids in [0, M], L <= L_max."""
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2:
+            raise DataError(
+                f"input_ids must be an int64 (B, L) tensor, got dtype={input_ids.dtype}, "
+                f"shape={tuple(input_ids.shape)}"
+            )
+        L = input_ids.shape[1]
+        if not 1 <= L <= self.cfg.max_len:
+            raise DataError(f"sequence length must be in [1, max_len={self.cfg.max_len}], got {L=}")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() > self.cfg.num_items):
+            raise DataError(
+                f"item ids must be in [0, num_items={self.cfg.num_items}] (0 = padding), got range "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+
+    def hidden(self, input_ids: Tensor) -> Tensor:
+        """Final-normed hidden states (B, L, d) of left-padded ids (B, L)."""
+        self.check_input(input_ids)
+        valid = input_ids != PADDING_ID  # (B, L)
+        return self.final_norm(self.encode(input_ids, valid))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Next-item scores (B, L, M + 1) = hidden (B, L, d) @ E^T (tied) or @ W_out^T (untied)."""
+        return self.output(self.hidden(input_ids))
+
+
+class TransformerSeqRec(SeqRecModel):
+    """SASRec-style causal Transformer (App. E.2) with learned positions and pre-LN blocks."""
+
+    def __init__(self, cfg: SeqRecConfig) -> None:
+        super().__init__(cfg)
+        self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
+        nn.init.normal_(self.pos_emb.weight, std=cfg.d_model**-0.5)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+
+    @property
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        """The attention modules, first block first (where Re-Attention plugs its correction)."""
+        return [block.attn for block in self.blocks]
+
+    def set_score_correction(self, correction: ScoreCorrection | Sequence[ScoreCorrection | None] | None) -> None:
+        """Install one correction for every block, one per block (a sequence), or None to remove."""
+        layers = self.attention_layers
+        if correction is None or callable(correction):
+            per_layer = [correction] * len(layers)
+        else:
+            per_layer = list(correction)
+            if len(per_layer) != len(layers):
+                raise ConfigError(
+                    f"need one score correction per block ({len(layers)}), got {len(per_layer)}"
+                )
+        for layer, fn in zip(layers, per_layer, strict=True):
+            layer.score_correction = fn
+
+    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+        B, L = input_ids.shape
+        positions = torch.arange(self.cfg.max_len - L, self.cfg.max_len, device=input_ids.device)
+        positions = positions.expand(B, L)  # (B, L), right-aligned
+        x = (self.item_emb(input_ids) + self.pos_emb(positions)) * valid.unsqueeze(-1)  # (B, L, d)
+        x = self.emb_dropout(x)
+        for block in self.blocks:
+            x = block(x, valid)
+        return x
+
+
+class RNNSeqRec(SeqRecModel):
+    """GRU4Rec-style baseline on Opacus' DP-compatible recurrent layers, same tied embedding."""
+
+    def __init__(self, cfg: SeqRecConfig) -> None:
+        super().__init__(cfg)
+        rnn_cls = DPGRU if cfg.arch == "gru" else DPLSTM
+        inter_layer_dropout = cfg.dropout if cfg.n_layers > 1 else 0.0
+        self.rnn = rnn_cls(
+            cfg.d_model, cfg.d_model, num_layers=cfg.n_layers, batch_first=True, dropout=inter_layer_dropout
+        )
+        self.out_dropout = nn.Dropout(cfg.dropout)
+
+    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+        x = self.item_emb(input_ids) * valid.unsqueeze(-1)  # (B, L, d)
+        out, _ = self.rnn(self.emb_dropout(x))  # (B, L, d)
+        return self.out_dropout(out)
+
+
+def build_seqrec(cfg: SeqRecConfig) -> SeqRecModel:
+    """Build the model named by ``cfg.arch`` (raises ConfigError listing known architectures)."""
+    if not isinstance(cfg, SeqRecConfig):
+        raise ConfigError(f"build_seqrec needs a SeqRecConfig, got {type(cfg).__name__}")
+    if cfg.arch == "transformer":
+        return TransformerSeqRec(cfg)
+    return RNNSeqRec(cfg)
+
+
+__all__ = [
+    "PADDING_ID",
+    "FeedForward",
+    "RNNSeqRec",
+    "SeqRecConfig",
+    "SeqRecModel",
+    "TransformerBlock",
+    "TransformerSeqRec",
+    "build_seqrec",
+]

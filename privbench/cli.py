@@ -1,0 +1,253 @@
+"""The ``privbench`` command line (Typer). Machine-readable output (``--json``) goes to stdout; progress,
+tables and hints go to stderr, so ``privbench results list --json | jq`` always works."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from core.errors import ConfigError, PrivbenchError
+from privbench.settings import get_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0] if __doc__ else None,
+                  pretty_exceptions_enable=False)
+results_app = typer.Typer(no_args_is_help=True, help="Query the results store.")
+app.add_typer(results_app, name="results")
+err = Console(stderr=True)
+
+ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="run profile: quick (CI, minutes) or paper")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="a YAML config file instead of the profile")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override one value: key=value (repeatable)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
+
+
+def main() -> None:
+    app()
+
+
+@app.command()
+def run(
+    flow: Annotated[str, typer.Argument(help="which flow: " + ", ".join(["prepare", "benchmark"]))],
+    profile: ProfileOpt = "quick",
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run a stage flow (or the whole ``benchmark`` chain) and record it in the store and MLflow."""
+    from privbench.config import load_config
+    from privbench.runner import FLOWS, run_flow
+
+    if flow not in FLOWS:
+        _fail(f"unknown flow {flow!r}; known flows: {', '.join(FLOWS)}", code=2)
+    try:
+        cfg = load_config(profile, config_file=config, overrides=tuple(set_ or ()))
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    _raise_on_sigterm()
+    try:
+        with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
+            summary = run_flow(flow, cfg)
+    except KeyboardInterrupt:
+        from storage.recording import fail_open_runs
+
+        failed = fail_open_runs("interrupted (Ctrl-C or SIGTERM)")
+        err.print(f"[yellow]interrupted[/]: marked {len(failed)} open run(s) failed")
+        raise typer.Exit(130) from None
+    except PrivbenchError as exc:
+        _fail(f"flow {flow} failed: {exc}\n(the failed run is in `privbench results list --status failed`)")
+    _print_summary(flow, summary)
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help="benchmark name (see `privbench bench --list`)")] = "",
+    profile: ProfileOpt = "quick",
+    as_json: JsonOpt = False,
+    list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
+) -> None:
+    """Micro-benchmarks: ratios measured side by side in one run (interleaved, medians), plus absolutes."""
+    from privbench.bench import BENCHMARKS, run_benchmark
+
+    if list_ or not name:
+        for key, spec in BENCHMARKS.items():
+            err.print(f"[cyan]{key}[/]: {spec.description}")
+        return
+    if name not in BENCHMARKS:
+        _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
+    try:
+        result = run_benchmark(name, profile=profile, progress=err)
+    except PrivbenchError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        err.print_json(json.dumps(result))
+
+
+@results_app.command("list")
+def results_list(
+    as_json: JsonOpt = False,
+    stage: Annotated[str | None, typer.Option(help="only this stage")] = None,
+    flow: Annotated[str | None, typer.Option(help="only this flow")] = None,
+    status: Annotated[str | None, typer.Option(help="running, finished or failed")] = None,
+    limit: Annotated[int, typer.Option(help="newest N runs (0 = all)")] = 50,
+) -> None:
+    """Runs, newest first."""
+    repo = _repo()
+    rows = _store_call(lambda: repo.list_runs(stage=stage, flow=flow, status=status, limit=limit or None))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("id", "flow", "stage", "technique", "dataset", "status", "started", "secs", "mlflow run")
+    for r in rows:
+        colour = {"finished": "green", "failed": "red"}.get(r["status"], "yellow")
+        table.add_row(r["id"][:12], r["flow"], r["stage"], r["technique"], r["dataset"] or "",
+                      f"[{colour}]{r['status']}[/]", (r["started_at"] or "")[:19],
+                      f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "", r["mlflow_run_id"] or "")
+    Console().print(table)
+
+
+@results_app.command("show")
+def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique prefix")], as_json: JsonOpt = False) -> None:
+    """One run with its metrics, privacy ledger, MPC costs, attack results and child runs."""
+    repo = _repo()
+    data = _store_call(lambda: repo.get_run(run_id))
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    out = Console()
+    out.print(f"[bold]{data['id']}[/]  {data['flow']}/{data['stage']}/{data['technique']}  "
+              f"dataset={data['dataset']}  status={data['status']}  mlflow={data['mlflow_run_id']}")
+    if data["error"]:
+        out.print(f"[red]error[/]: {data['error']}")
+    for section in ("metrics", "privacy_ledger", "mpc_costs", "attack_results", "datasets", "children"):
+        rows = data[section]
+        if rows:
+            table = Table(*rows[0].keys(), title=section)
+            for row in rows:
+                table.add_row(*(_cell(v) for v in row.values()))
+            out.print(table)
+
+
+@results_app.command("query")
+def results_query(sql: Annotated[str, typer.Argument(help="one read-only SQL statement")], as_json: JsonOpt = False) -> None:
+    """Run read-only SQL against the store, e.g. ``select technique, count(*) from runs group by 1``."""
+    repo = _repo()
+    columns, rows = _store_call(lambda: repo.query(sql))
+    if as_json:
+        print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], indent=2, default=str))
+        return
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(_cell(v) for v in row))
+    Console().print(table)
+
+
+@results_app.command("export")
+def results_export(
+    fmt: Annotated[str, typer.Option("--format", "-f", help="csv or parquet")] = "csv",
+    out: Annotated[Path, typer.Option("--out", "-o", help="output folder")] = Path("privbench-export"),
+) -> None:
+    """Write every table of the store to ``OUT/<table>.<format>``."""
+    if fmt not in ("csv", "parquet"):
+        _fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
+    repo = _repo()
+    for path in _store_call(lambda: repo.export(out, fmt)):  # type: ignore[arg-type]
+        err.print(f"wrote {path}")
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1")] = 5000,
+    host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")] = "127.0.0.1",
+    print_only: Annotated[bool, typer.Option("--print", help="only print the command")] = False,
+) -> None:
+    """Start the MLflow UI on the configured tracking store (or print the command with --print)."""
+    cmd = mlflow_ui_command(port=port, host=host)
+    if print_only:
+        print(shlex.join(cmd))
+        return
+    err.print(f"MLflow UI on http://{host}:{port}  (Ctrl-C stops)\n  {shlex.join(cmd)}")
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    os.execvpe(cmd[0], cmd, env)
+
+
+def mlflow_ui_command(*, port: int, host: str) -> list[str]:
+    settings = get_settings()
+    mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
+    cmd = [mlflow_bin, "ui", "--backend-store-uri", settings.tracking_uri, "--host", host, "--port", str(port),
+           "--workers", "1"]
+    if settings.tracking_is_default:
+        cmd += ["--default-artifact-root", settings.artifact_root.as_uri()]
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _repo():  # noqa: ANN202
+    from storage.repository import ResultsRepository
+
+    return ResultsRepository()
+
+
+def _store_call(fn):  # noqa: ANN001, ANN202
+    try:
+        return fn()
+    except PrivbenchError as exc:
+        _fail(str(exc))
+
+
+def _print_summary(flow: str, summary: dict[str, Any]) -> None:
+    settings = get_settings()
+    repo = _repo()
+    rows = repo.list_runs(limit=None)
+    ids = {summary["run_id"]}
+    mine = []
+    for r in reversed(rows):  # oldest first: parents precede children
+        if r["id"] in ids or r["parent_id"] in ids:
+            ids.add(r["id"])
+            mine.append(r)
+    table = Table("run", "stage", "technique", "dataset", "status", "secs", title=f"flow {flow}")
+    for r in mine:
+        table.add_row(r["id"][:12], r["stage"], r["technique"], r["dataset"] or "", r["status"],
+                      f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "")
+    err.print(table)
+    err.print(
+        f"[green]done[/]. Results store: {settings.db_url}\n"
+        f"  MLflow tracking: {settings.tracking_uri}\n"
+        f"  list runs:      privbench results list\n"
+        f"  this flow run:  privbench results show {summary['run_id'][:12]}\n"
+        f"  query:          privbench results query \"select name, value from metrics limit 20\"\n"
+        f"  MLflow UI:      privbench ui   (then open http://127.0.0.1:5000)"
+    )
+
+
+def _raise_on_sigterm() -> None:
+    """SIGTERM (a scheduler stopping us) is handled like Ctrl-C: open runs are marked failed."""
+
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict | list):
+        return json.dumps(value)[:80]
+    return "" if value is None else str(value)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error[/]: {message}", highlight=False)
+    raise typer.Exit(code)

@@ -1,0 +1,216 @@
+"""Frozen, validated run configuration: one object is the Prefect flow parameter, the MLflow params
+(flattened) and the ``config_json`` of the results row.
+
+Profiles live in ``configs/<name>.yaml``; ``--config FILE`` replaces the profile file and
+``--set key=value`` overrides single values (``--set prepare.datasets.0.synthetic.scale=0.5``). Every bad
+value is refused before anything runs, with a message that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from core.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PROFILES = ("quick", "paper")
+DATASET_SOURCES = ("recbole-ml100k", "file", "synthetic")
+DATASET_FORMATS = ("ml-1m", "ml-100k", "recbole-inter", "amazon-csv", "amazon-jsonl")
+
+
+class FrozenConfig(BaseModel):
+    """Base of every config: immutable, keyword-only, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class SyntheticSpec(FrozenConfig):
+    """A seeded long-tailed synthetic dataset written in a real file format (see ``core.data.synthetic``)."""
+
+    preset: Literal["ml-1m", "amazon-games"] = "ml-1m"
+    format: Literal["ml-1m", "amazon-csv", "amazon-jsonl"] = "ml-1m"
+    scale: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the preset's users")
+    zipf_a: float = Field(1.1, gt=0.0, description="Zipf exponent of item popularity")
+    seed: int = Field(0, ge=0)
+
+
+class DatasetSpec(FrozenConfig):
+    """One dataset to prepare for sequential recommendation (DPFormer App. E.1)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    source: Literal["recbole-ml100k", "file", "synthetic"]
+    format: Literal["ml-1m", "ml-100k", "recbole-inter", "amazon-csv", "amazon-jsonl"] | None = None
+    path: str | None = None
+    synthetic: SyntheticSpec | None = None
+    min_interactions: int = Field(5, ge=1, description="k of the iterative k-core filter")
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> DatasetSpec:
+        if self.source == "file" and (self.path is None or self.format is None):
+            raise ValueError(
+                f"dataset {self.name!r} has source='file' but path={self.path!r}, format={self.format!r}; "
+                f"give both path and format (one of {', '.join(DATASET_FORMATS)})"
+            )
+        if self.source == "synthetic" and self.synthetic is None:
+            raise ValueError(
+                f"dataset {self.name!r} has source='synthetic' but no 'synthetic' section; "
+                "add synthetic: {preset: ml-1m, scale: 0.1, seed: 0}"
+            )
+        return self
+
+
+class PrepareConfig(FrozenConfig):
+    """Stage 1: data preparation."""
+
+    datasets: tuple[DatasetSpec, ...] = Field(min_length=1)
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, datasets: tuple[DatasetSpec, ...]) -> tuple[DatasetSpec, ...]:
+        names = [d.name for d in datasets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dataset names must be unique, got duplicates {dupes}; rename one of them")
+        return datasets
+
+    def dataset(self, name: str) -> DatasetSpec:
+        for spec in self.datasets:
+            if spec.name == name:
+                return spec
+        known = ", ".join(d.name for d in self.datasets)
+        raise ConfigError(f"unknown dataset {name!r}; this profile prepares: {known}")
+
+
+class BenchmarkConfig(FrozenConfig):
+    """The whole chain. Later stages add their sections here."""
+
+    profile: str = Field("quick", pattern=r"^[a-z0-9_-]+$")
+    prepare: PrepareConfig
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_config(
+    profile: str = "quick", *, config_file: str | Path | None = None, overrides: tuple[str, ...] = ()
+) -> BenchmarkConfig:
+    """Build the config from a profile (or a YAML file) and ``key=value`` overrides, validated."""
+    raw = _read_yaml(config_file) if config_file is not None else _read_yaml(_profile_path(profile))
+    base = validate(BenchmarkConfig, raw, origin=str(config_file or _profile_path(profile)))
+    if not overrides:
+        return base
+    tree = base.model_dump(mode="json")
+    for item in overrides:
+        _apply_override(tree, item)
+    return validate(BenchmarkConfig, tree, origin="--set " + " ".join(overrides))
+
+
+def validate(model: type[FrozenConfig], data: Any, *, origin: str) -> Any:
+    """``model.model_validate(data)`` with pydantic's errors turned into one readable ``ConfigError``."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, origin)) from None
+
+
+def config_hash(config: BaseModel) -> str:
+    """Stable sha256 of the canonical JSON of a config (key order and float repr independent of input)."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+def canonical_json(config: BaseModel) -> str:
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def flatten(config: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten to dotted keys for MLflow params: ``{"prepare.datasets.0.name": "ml-100k", ...}``."""
+    tree = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{key}.{i}")
+        else:
+            out[key] = "null" if node is None else str(node)
+
+    walk(tree, prefix)
+    return out
+
+
+def _profile_path(profile: str) -> Path:
+    path = CONFIG_DIR / f"{profile}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown profile {profile!r}; known profiles: {', '.join(known)} (in {CONFIG_DIR})")
+    return path
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value, got {item!r}; e.g. --set prepare.datasets.0.min_interactions=10")
+    parts = key.strip().split(".")
+    node: Any = tree
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[:depth]) or "<top level>"
+        if isinstance(node, dict):
+            if part not in node:
+                raise ConfigError(
+                    f"--set {item!r}: unknown key {part!r} under {where}; known keys: {', '.join(sorted(node))}"
+                )
+            if last:
+                node[part] = _parse_value(text)
+            node = node[part]
+        elif isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {item!r}: {where} is a list of {len(node)}; use an index 0..{len(node) - 1}")
+            if last:
+                node[int(part)] = _parse_value(text)
+            node = node[int(part)]
+        else:
+            raise ConfigError(f"--set {item!r}: {where} is a value, not a section; it has no key {part!r}")
+
+
+def _parse_value(text: str) -> Any:
+    """YAML scalar semantics: ``10`` -> int, ``0.5`` -> float, ``true`` -> bool, ``null`` -> None."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _format_validation_error(exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid configuration ({origin}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (remove it or check the spelling)")
+            continue
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {loc} = {shown}: {err['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""MLflow adapter: one experiment per stage, explicit run ids through ``MlflowClient`` (never the fluent
+``mlflow.start_run`` stack, so parallel tasks cannot log into each other's runs).
+
+By default tracking goes to ``sqlite:///.privbench/mlflow.db`` with artifacts under
+``.privbench/mlartifacts``; ``MLFLOW_TRACKING_URI`` (a file, database or ``http://`` server) wins.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mlflow.entities import Metric as MlflowMetric
+from mlflow.entities import Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from core.errors import StoreError
+
+EXPERIMENT_PREFIX = "privbench"
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+_BATCH = 100  # MLflow's limit on params/tags per log_batch call
+_sqlite_locks: dict[str, threading.Lock] = {}
+_T = TypeVar("_T")
+
+
+def experiment_name(stage: str) -> str:
+    return f"{EXPERIMENT_PREFIX}/{stage}"
+
+
+class Tracker:
+    """Thin, thread-safe wrapper over ``MlflowClient`` for privbench's runs."""
+
+    def __init__(self, tracking_uri: str, artifact_root: Path | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.artifact_root = artifact_root
+        self._is_sqlite = tracking_uri.startswith("sqlite:")
+        if self._is_sqlite:
+            Path(tracking_uri.split(":///", 1)[1]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        self._lock = _sqlite_locks.setdefault(tracking_uri, threading.Lock()) if self._is_sqlite else None
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self._experiments: dict[str, str] = {}
+
+    # ---------------------------------------------------------------------------------------- runs
+    def experiment_id(self, stage: str) -> str:
+        name = experiment_name(stage)
+        if name not in self._experiments:
+            self._experiments[name] = self._call(lambda: self._get_or_create_experiment(name))
+        return self._experiments[name]
+
+    def start_run(
+        self,
+        *,
+        stage: str,
+        run_name: str,
+        params: Mapping[str, str],
+        tags: Mapping[str, str],
+        parent_mlflow_run_id: str | None = None,
+    ) -> tuple[str, str]:
+        """Create a run (nested under ``parent_mlflow_run_id`` if given); returns (experiment id, run id)."""
+        exp_id = self.experiment_id(stage)
+        all_tags = dict(tags)
+        if parent_mlflow_run_id:
+            all_tags["mlflow.parentRunId"] = parent_mlflow_run_id
+        run = self._call(lambda: self.client.create_run(exp_id, run_name=run_name, tags=all_tags))
+        run_id = run.info.run_id
+        items = [Param(k, _clip(v)) for k, v in params.items()]
+        for i in range(0, len(items), _BATCH):
+            chunk = items[i : i + _BATCH]
+            self._call(lambda chunk=chunk: self.client.log_batch(run_id, params=chunk, synchronous=True))
+        return exp_id, run_id
+
+    def log_metrics(self, run_id: str, metrics: Iterable[tuple[str, float, int | None]]) -> None:
+        now = int(time.time() * 1000)
+        items = [MlflowMetric(name, float(value), now, int(step or 0)) for name, value, step in metrics]
+        for i in range(0, len(items), 1000):
+            chunk = items[i : i + 1000]
+            self._call(lambda chunk=chunk: self.client.log_batch(run_id, metrics=chunk, synchronous=True))
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        items = [RunTag(k, _clip(str(v))) for k, v in tags.items()]
+        for i in range(0, len(items), _BATCH):
+            chunk = items[i : i + _BATCH]
+            self._call(lambda chunk=chunk: self.client.log_batch(run_id, tags=chunk, synchronous=True))
+
+    def log_json(self, run_id: str, name: str, obj: Any) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+            self._call(lambda: self.client.log_artifact(run_id, str(path)))
+
+    def log_file(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        self._call(lambda: self.client.log_artifact(run_id, str(path), artifact_path))
+
+    def end_run(self, run_id: str, status: str) -> None:
+        self._call(lambda: self.client.set_terminated(run_id, status=status))
+
+    # ------------------------------------------------------------------------------------ internals
+    def _get_or_create_experiment(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        location = None
+        if self.artifact_root is not None:
+            location = (self.artifact_root / name.replace("/", "-")).absolute().as_uri()
+        try:
+            exp_id = self.client.create_experiment(name, artifact_location=location)
+        except MlflowException as exc:  # created concurrently by another process
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise StoreError(f"cannot create MLflow experiment {name!r} at {self.tracking_uri}: {exc}") from exc
+            return found.experiment_id
+        self._enable_wal()
+        return exp_id
+
+    def _enable_wal(self) -> None:
+        """WAL lets the MLflow UI read while flows write; it persists in the file once set."""
+        if not self._is_sqlite:
+            return
+        path = self.tracking_uri.split(":///", 1)[1]
+        conn = sqlite3.connect(path, timeout=60)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+        finally:
+            conn.close()
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """Serialise calls per SQLite file within a process and retry when another process holds the lock."""
+        for attempt in range(8):
+            try:
+                if self._lock is None:
+                    return fn()
+                with self._lock:
+                    return fn()
+            except MlflowException as exc:
+                if "locked" not in str(exc).lower() or attempt == 7:
+                    raise
+                time.sleep(0.25 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _clip(value: str) -> str:
+    return value if len(value) <= MAX_PARAM_LEN else value[: MAX_PARAM_LEN - 14] + "...[truncated]"

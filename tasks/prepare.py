@@ -1,0 +1,181 @@
+"""Data-preparation tasks: materialise a dataset's source file, then prepare it once, content-addressed.
+
+A prepared dataset lives in ``<PRIVBENCH_HOME>/data/<name>-<cache key>/`` where the cache key hashes the
+dataset spec, the source file's bytes and the preprocessing version: an unchanged dataset is never
+prepared twice (a second run finds the manifest and records a cache hit), and a changed file or spec
+gets a new folder. Folders are written to a temporary name and renamed into place, so a crash or a
+concurrent run never leaves a half-written dataset behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from core.data.registry import parse_ratings, recbole_ml100k_path
+from core.data.sequential import SequentialDataset, build_sequential_dataset
+from core.data.synthetic import preset_spec, write_synthetic
+from core.errors import ConfigError, DataError
+from privbench.config import DatasetSpec, canonical_json
+from privbench.settings import get_settings
+from storage.recording import RunRef
+from storage.repository import ResultsRepository
+from tasks.records import retry_transient, task_record
+
+PREP_VERSION = "seqrec-v1"  # bump when preprocessing changes: every cache key changes with it
+MANIFEST = "manifest.json"
+_SYNTHETIC_FILES = {"ml-1m": "ratings.dat", "amazon-csv": "ratings.csv", "amazon-jsonl": "reviews_5core.json"}
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """A raw ratings file ready to parse."""
+
+    path: str
+    format: str
+    sha256: str
+    origin: str  # "recbole ml-100k wheel", "file", "synthetic <preset> seed <n>"
+
+
+@dataclass(frozen=True)
+class PreparedRef:
+    """What later stages receive: where the prepared dataset is and what is in it."""
+
+    name: str
+    path: str
+    content_hash: str
+    cache_key: str
+    stats: dict[str, Any]
+    cached: bool
+    run_id: str | None = None
+
+
+@task(name="materialize-source", retries=2, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s))
+def materialize_source(spec: DatasetSpec) -> SourceRef:
+    """Find (recbole, file) or generate once (synthetic) the raw ratings file of ``spec``."""
+    if spec.source == "recbole-ml100k":
+        path = recbole_ml100k_path()
+        return SourceRef(str(path), "recbole-inter", sha256_file(path), "recbole==1.2.1 wheel (MovieLens-100k)")
+    if spec.source == "file":
+        path = Path(spec.path or "").expanduser()
+        if not path.is_file():
+            raise DataError(f"dataset {spec.name!r}: file {str(path)!r} does not exist; fix prepare.datasets[].path")
+        return SourceRef(str(path.absolute()), str(spec.format), sha256_file(path), "file")
+    return _synthetic_source(spec)
+
+
+@task(name="prepare-dataset", retries=1, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s))
+def prepare_dataset(spec: DatasetSpec, source: SourceRef, parent: RunRef) -> PreparedRef:
+    """Parse, k-core filter, split leave-last-out and save ``spec``'s dataset, recorded as one run."""
+    key = cache_key(spec, source)
+    out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
+    with task_record(parent=parent, technique="seqrec-prep", config=spec, dataset=spec.name) as rec:
+        manifest = read_manifest(out_dir)
+        cached = manifest is not None
+        if manifest is None:
+            manifest, timings = _build(spec, source, key, out_dir)
+            rec.metrics(timings, units={k: "s" for k in timings})
+        stats = manifest["stats"]
+        rec.metrics({k: v for k, v in stats.items() if isinstance(v, int | float)})
+        rec.metric("cache_hit", float(cached))
+        if ResultsRepository().find_dataset(spec.name, key) is None:
+            rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
+                        source=source.origin, stats=stats)
+        rec.tag("privbench.dataset_hash", manifest["content_hash"])
+        rec.artifact_json("manifest.json", manifest)
+    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+
+
+def cache_key(spec: DatasetSpec, source: SourceRef) -> str:
+    """sha256 of the spec (its name excluded: renaming does not change content), source bytes, prep version."""
+    spec_json = canonical_json(spec.model_copy(update={"name": "_"}))
+    return hashlib.sha256(f"{PREP_VERSION}|{spec_json}|{source.format}|{source.sha256}".encode()).hexdigest()
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a complete prepared dataset, or None if there is none (or it is unreadable)."""
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return manifest if manifest.get("prep_version") == PREP_VERSION else None
+
+
+def load_prepared(ref: PreparedRef | str | Path) -> SequentialDataset:
+    """Load a prepared dataset (for later stages), checking its content hash against the manifest."""
+    path = Path(ref.path if isinstance(ref, PreparedRef) else ref)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise DataError(f"{path} is not a prepared dataset (no valid {MANIFEST}); run `privbench run prepare`")
+    data = SequentialDataset.load(path)
+    if data.content_hash() != manifest["content_hash"]:
+        raise DataError(f"{path}: content hash differs from its manifest (modified on disk?); delete the folder "
+                        "and run `privbench run prepare` again")
+    return data
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- internals
+
+
+def _build(spec: DatasetSpec, source: SourceRef, key: str, out_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    t0 = time.perf_counter()
+    interactions = parse_ratings(source.format, source.path)
+    t1 = time.perf_counter()
+    data = build_sequential_dataset(interactions, k=spec.min_interactions)
+    t2 = time.perf_counter()
+    manifest = {
+        "name": spec.name, "prep_version": PREP_VERSION, "cache_key": key, "content_hash": data.content_hash(),
+        "spec": spec.model_dump(mode="json"), "source": asdict(source), "stats": data.stats(),
+        "raw": {"n_users": int(interactions.n_users), "n_items": int(interactions.n_items),
+                "n_interactions": len(interactions)},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _write_atomically(out_dir, lambda tmp: (data.save(tmp), (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))))
+    t3 = time.perf_counter()
+    written = read_manifest(out_dir)  # a concurrent writer may have won the rename; theirs is identical
+    return written or manifest, {"parse_s": t1 - t0, "preprocess_s": t2 - t1, "write_s": t3 - t2}
+
+
+def _synthetic_source(spec: DatasetSpec) -> SourceRef:
+    syn = spec.synthetic
+    if syn is None:
+        raise ConfigError(f"dataset {spec.name!r}: source 'synthetic' needs a 'synthetic' section")
+    params = preset_spec(syn.preset, scale=syn.scale) | {"zipf_a": syn.zipf_a, "seed": syn.seed}
+    digest = hashlib.sha256(json.dumps([syn.format, params], sort_keys=True).encode()).hexdigest()[:16]
+    folder = get_settings().home / "raw" / f"synthetic-{syn.preset}-{digest}"
+    path = folder / _SYNTHETIC_FILES[syn.format]
+    if not path.is_file():
+        _write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, fmt=syn.format, **params))
+    return SourceRef(str(path), syn.format, sha256_file(path), f"synthetic {syn.preset} x{syn.scale} seed {syn.seed}")
+
+
+def _write_atomically(target: Path, write: Any) -> None:
+    """Fill a temporary sibling folder with ``write(tmp)`` and rename it to ``target`` (first writer wins)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # target exists: another run finished first
+            if not target.exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,76 @@
+"""Shared fixtures: an isolated PRIVBENCH_HOME per test, one MLflow store per session (creating one costs
+seconds), the results store on SQLite and (in CI, or when PRIVBENCH_TEST_PG_URL is set) PostgreSQL, and one
+session-scoped Prefect test harness for the flow tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import privbench  # noqa: F401  - offline defaults before prefect/mlflow are imported
+
+PG_ENV = "PRIVBENCH_TEST_PG_URL"
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mlflow_uri: str) -> Path:
+    """A fresh PRIVBENCH_HOME with its own SQLite results store; MLflow shared for the session."""
+    monkeypatch.setenv("PRIVBENCH_HOME", str(tmp_path / ".privbench"))
+    monkeypatch.delenv("PRIVBENCH_DB_URL", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    return tmp_path / ".privbench"
+
+
+def postgres_url() -> str:
+    """The CI PostgreSQL URL; outside CI a missing server skips with a reason, in CI it fails."""
+    url = os.environ.get(PG_ENV)
+    if url:
+        return url
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must provide PostgreSQL through {PG_ENV} (.ci/run starts one)")
+    pytest.skip(f"no PostgreSQL: set {PG_ENV}=postgresql+psycopg://user@127.0.0.1:5432/db to run this test")
+
+
+def reset_postgres(url: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    from storage.db import dispose_engines, normalize_url
+
+    dispose_engines()
+    engine = create_engine(normalize_url(url))
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The results store under test, exported as PRIVBENCH_DB_URL: SQLite, then PostgreSQL."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{home / 'results.db'}"
+    else:
+        url = postgres_url()
+        reset_postgres(url)
+    monkeypatch.setenv("PRIVBENCH_DB_URL", url)
+    yield url
+    from storage.db import dispose_engines
+
+    dispose_engines()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One ephemeral Prefect API for the whole session (starting one costs ~15 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from core.errors import ConfigError
+from privbench.config import (
+    PROFILES,
+    BenchmarkConfig,
+    DatasetSpec,
+    config_hash,
+    flatten,
+    load_config,
+)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profiles_load_and_validate(profile: str) -> None:
+    cfg = load_config(profile)
+    assert isinstance(cfg, BenchmarkConfig)
+    assert cfg.profile == profile
+    assert "ml-100k" in [d.name for d in cfg.prepare.datasets]
+
+
+def test_override_changes_one_value_and_keeps_the_rest() -> None:
+    base = load_config("quick")
+    cfg = load_config("quick", overrides=("prepare.datasets.1.synthetic.scale=0.5", "prepare.datasets.0.min_interactions=10"))
+    assert cfg.prepare.datasets[1].synthetic is not None and cfg.prepare.datasets[1].synthetic.scale == 0.5
+    assert cfg.prepare.datasets[0].min_interactions == 10
+    assert cfg.prepare.datasets[2] == base.prepare.datasets[2]
+    assert config_hash(cfg) != config_hash(base)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("prepare.datasets.1.synthetic.scal=0.5", "unknown key 'scal' under prepare.datasets.1.synthetic; known keys: format"),
+        ("prepare.datasets.1.min_interactions=0", "prepare.datasets.1.min_interactions = 0: Input should be greater"),
+        ("prepare.datasets.1.synthetic.scale=2", "prepare.datasets.1.synthetic.scale = 2: Input should be less than"),
+        ("prepare.datasets.0.source=web", "'recbole-ml100k', 'file' or 'synthetic'"),
+        ("prepare.datasets.9.name=x", "prepare.datasets is a list of 3; use an index 0..2"),
+        ("prepare.datasets.0.name.x=1", "is a value, not a section"),
+        ("noequals", "--set expects key=value"),
+        ("prepare.datasets.0.name=Bad Name", "String should match pattern"),
+    ],
+)
+def test_bad_override_names_key_value_and_allowed(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("quick", overrides=(override,))
+    assert expected in str(info.value)
+
+
+def test_unknown_profile_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown profile 'huge'; known profiles: paper, quick"):
+        load_config("huge")
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(config_file=tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profile: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(config_file=bad)
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("profile: mine\nprepare: {datasets: [{name: a, source: recbole-ml100k}]}\ntypo_section: 1\n")
+    with pytest.raises(ConfigError, match="typo_section: unknown key"):
+        load_config(config_file=extra)
+
+
+def test_config_file_replaces_profile(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("profile: mine\nprepare: {datasets: [{name: a, source: recbole-ml100k}]}\n")
+    cfg = load_config(config_file=path)
+    assert cfg.profile == "mine" and [d.name for d in cfg.prepare.datasets] == ["a"]
+
+
+def test_source_requirements_and_unique_names() -> None:
+    with pytest.raises(ValidationError, match="give both path and format"):
+        DatasetSpec(name="x", source="file")
+    with pytest.raises(ValidationError, match="no 'synthetic' section"):
+        DatasetSpec(name="x", source="synthetic")
+    with pytest.raises(ConfigError, match=r"duplicates \['ml-100k'\]"):
+        load_config("quick", overrides=("prepare.datasets.1.name=ml-100k",))
+
+
+def test_configs_are_frozen_and_hash_is_stable() -> None:
+    cfg = load_config("quick")
+    with pytest.raises(ValidationError):
+        cfg.profile = "x"  # type: ignore[misc]
+    assert config_hash(cfg) == config_hash(load_config("quick"))
+    flat = flatten(cfg)
+    assert flat["prepare.datasets.0.name"] == "ml-100k"
+    assert flat["prepare.datasets.1.synthetic.seed"] == "0"
