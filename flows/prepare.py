@@ -19,7 +19,7 @@ STAGE = "data"
 def prepare_flow(config: PrepareConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     """Materialise each dataset's source, then parse, filter, split and save it, once per content."""
     run = open_flow_record(flow="prepare", stage=STAGE, config=config, profile=profile, parent=parent)
-    sources = materialize_source.map(list(config.datasets))
+    sources = materialize_source.map(list(config.datasets)).result()  # a bad source stops here, named
     prepared = prepare_dataset.map(list(config.datasets), sources, parent=unmapped(run)).result()
     summary = {"run_id": run.run_id, "datasets": {p.name: {"path": p.path, "content_hash": p.content_hash,
                                                            "cached": p.cached, "stats": p.stats} for p in prepared}}

@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split
                   pretty_exceptions_enable=False)
 results_app = typer.Typer(no_args_is_help=True, help="Query the results store.")
 app.add_typer(results_app, name="results")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="run profile: quick (CI, minutes) or paper")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="a YAML config file instead of the profile")]
@@ -130,6 +130,9 @@ def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique 
         out.print(f"[red]error[/]: {data['error']}")
     for section in ("metrics", "privacy_ledger", "mpc_costs", "attack_results", "datasets", "children"):
         rows = data[section]
+        if section == "datasets":
+            rows = [{k: d[k] for k in ("name", "n_users", "n_items", "n_interactions", "content_hash", "path")}
+                    for d in rows]
         if rows:
             table = Table(*rows[0].keys(), title=section)
             for row in rows:

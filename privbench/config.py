@@ -35,8 +35,8 @@ class SyntheticSpec(FrozenConfig):
 
     preset: Literal["ml-1m", "amazon-games"] = "ml-1m"
     format: Literal["ml-1m", "amazon-csv", "amazon-jsonl"] = "ml-1m"
-    scale: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the preset's users")
-    zipf_a: float = Field(1.1, gt=0.0, description="Zipf exponent of item popularity")
+    scale: float = Field(1.0, gt=0.0, le=1.0, description="size relative to the preset (see core.data.synthetic)")
+    zipf_a: float | None = Field(None, gt=0.0, description="Zipf exponent of item popularity (None: the preset's)")
     seed: int = Field(0, ge=0)
 
 

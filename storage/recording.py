@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
@@ -41,6 +42,7 @@ from storage.models import AttackResult, Dataset, Metric, MpcCost, PrivacyLedger
 from storage.tracking import Tracker
 
 _ATTACK_FIELDS = frozenset(c.name for c in AttackResult.__table__.columns) - {"id", "run_id", "extra_json"}
+_METRIC_NAME = re.compile(r"[\w\-. :/]{1,250}")
 _open_runs: dict[str, RunRef] = {}
 _open_lock = threading.Lock()
 _trackers: dict[tuple[str, str | None], Tracker] = {}
@@ -74,6 +76,9 @@ class Recorder:
         return self.ref.run_id
 
     def metric(self, name: str, value: float, *, step: int | None = None, unit: str | None = None) -> None:
+        if not _METRIC_NAME.fullmatch(name):
+            raise ValueError(f"metric name {name!r} may only contain letters, digits, _ - . : / and spaces "
+                             "(the same name goes to MLflow); e.g. 'ndcg_at_10' instead of 'ndcg@10'")
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"metric {name!r} has non-finite value {value}; fix the computation or skip it")

@@ -8,6 +8,7 @@ By default tracking goes to ``sqlite:///.privbench/mlflow.db`` with artifacts un
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import tempfile
 import threading
@@ -28,6 +29,9 @@ MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 _BATCH = 100  # MLflow's limit on params/tags per log_batch call
 _sqlite_locks: dict[str, threading.Lock] = {}
 _T = TypeVar("_T")
+
+# MLflow announces its own schema migrations at INFO on every new store; keep our output clean
+logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def experiment_name(stage: str) -> str:

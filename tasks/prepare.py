@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from prefect import task
 
 from core.data.registry import parse_ratings, recbole_ml100k_path
 from core.data.sequential import SequentialDataset, build_sequential_dataset
-from core.data.synthetic import preset_spec, write_synthetic
+from core.data.synthetic import amazon_games_shaped, ml1m_shaped, write_synthetic
 from core.errors import ConfigError, DataError
 from privbench.config import DatasetSpec, canonical_json
 from privbench.settings import get_settings
@@ -33,6 +33,7 @@ from tasks.records import retry_transient, task_record
 
 PREP_VERSION = "seqrec-v1"  # bump when preprocessing changes: every cache key changes with it
 MANIFEST = "manifest.json"
+_PRESETS = {"ml-1m": ml1m_shaped, "amazon-games": amazon_games_shaped}
 _SYNTHETIC_FILES = {"ml-1m": "ratings.dat", "amazon-csv": "ratings.csv", "amazon-jsonl": "reviews_5core.json"}
 
 
@@ -157,12 +158,14 @@ def _synthetic_source(spec: DatasetSpec) -> SourceRef:
     syn = spec.synthetic
     if syn is None:
         raise ConfigError(f"dataset {spec.name!r}: source 'synthetic' needs a 'synthetic' section")
-    params = preset_spec(syn.preset, scale=syn.scale) | {"zipf_a": syn.zipf_a, "seed": syn.seed}
-    digest = hashlib.sha256(json.dumps([syn.format, params], sort_keys=True).encode()).hexdigest()[:16]
-    folder = get_settings().home / "raw" / f"synthetic-{syn.preset}-{digest}"
+    shaped = _PRESETS[syn.preset](syn.scale)
+    if syn.zipf_a is not None:
+        shaped = replace(shaped, zipf_a=syn.zipf_a)
+    digest = hashlib.sha256(json.dumps([syn.format, syn.seed, asdict(shaped)], sort_keys=True).encode()).hexdigest()
+    folder = get_settings().home / "raw" / f"synthetic-{syn.preset}-{digest[:16]}"
     path = folder / _SYNTHETIC_FILES[syn.format]
     if not path.is_file():
-        _write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, fmt=syn.format, **params))
+        _write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, shaped, fmt=syn.format, seed=syn.seed))
     return SourceRef(str(path), syn.format, sha256_file(path), f"synthetic {syn.preset} x{syn.scale} seed {syn.seed}")
 
 

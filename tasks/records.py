@@ -58,12 +58,10 @@ def mark_flow_failed(flow: Any, flow_run: Any, state: Any) -> None:
 def retry_transient(state: Any) -> bool:
     """Retry only what may be transient (I/O, a busy database), never a bad config or bad data."""
     try:
-        state.result(raise_on_failure=True)
-    except PrivbenchError:
-        return False
-    except Exception:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # the result itself could not be read: treat as transient
         return True
-    return False
+    return isinstance(error, BaseException) and not isinstance(error, PrivbenchError)
 
 
 def _str_or_none(value: object) -> str | None:

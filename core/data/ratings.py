@@ -46,8 +46,8 @@ __all__ = [
     "Interactions",
     "parse_amazon_csv",
     "parse_amazon_jsonl",
-    "parse_ml100k",
     "parse_ml1m",
+    "parse_ml100k",
     "parse_recbole",
 ]
 
@@ -419,7 +419,7 @@ def parse_amazon_jsonl(path: PathLike) -> Interactions:
             user, item, rating, timestamp = _amazon_record(json.loads(line))
         except json.JSONDecodeError as exc:
             raise DataError(f"{file}:{lineno}: invalid JSON ({exc.msg}) in {_show(line)}") from None
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise DataError(f"{file}:{lineno}: {exc} in {_show(line)}; fix or delete that line") from None
         users.append(user)
         items.append(item)
@@ -438,16 +438,16 @@ def parse_amazon_jsonl(path: PathLike) -> Interactions:
 
 def _amazon_record(obj: object) -> tuple[str, str, float, int]:
     if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object with keys {list(_AMAZON_KEYS)}, got {type(obj).__name__}")
+        raise TypeError(f"expected a JSON object with keys {list(_AMAZON_KEYS)}, got {type(obj).__name__}")
     missing = [key for key in _AMAZON_KEYS if key not in obj]
     if missing:
         raise ValueError(f"missing key(s) {missing} (an Amazon review needs {list(_AMAZON_KEYS)})")
     user, item, rating, timestamp = (obj[key] for key in _AMAZON_KEYS)
     for key, value in (("reviewerID", user), ("asin", item)):
         if not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {value!r}")
+            raise TypeError(f"{key} must be a string, got {value!r}")
         _str_id(key, value)
     for key, value in (("overall", rating), ("unixReviewTime", timestamp)):
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{key} must be a number, got {value!r}")
+            raise TypeError(f"{key} must be a number, got {value!r}")
     return user, item, _rating("overall", repr(rating)), _timestamp("unixReviewTime", repr(timestamp))

@@ -6,7 +6,7 @@ that exercise the same code path (real parser, k-core filter, leave-last-out spl
 
 * **Popularity**: Zipf's law, item of popularity rank ``r`` drawn with weight ``r ** -zipf_a``
   (ranks randomly assigned to item ids). Each user picks distinct items (weighted sampling without
-  replacement, via the Gumbel top-k trick), as on MovieLens where a user rates a film once.
+  replacement), as on MovieLens where a user rates a film once.
 * **Sequence lengths**: ``min_seq_len + round(LogNormal)`` with the requested mean, capped at
   ``max_seq_len``; the heavy right tail mimics a few very active users.
 * **Order and time**: each item has a latent "era" ``tau`` in [0, 1]; a user consumes the picked
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, get_args
@@ -88,6 +88,12 @@ class SyntheticSpec:
     break_days: float = 5.0
 
     def __post_init__(self) -> None:
+        integers = ("n_users", "n_items", "min_seq_len", "start_time")
+        if not all(_is_int(getattr(self, name)) for name in integers) or not (
+            self.max_seq_len is None or _is_int(self.max_seq_len)
+        ):
+            values = {name: getattr(self, name) for name in (*integers, "max_seq_len")}
+            raise ConfigError(f"SyntheticSpec fields {values} must be integers")
         checks = {
             "n_users": self.n_users >= 1,
             "min_seq_len": self.min_seq_len >= 1,
@@ -116,73 +122,74 @@ class SyntheticSpec:
         return self.n_items if self.max_seq_len is None else self.max_seq_len
 
 
-def ml1m_shaped(scale: float = 1.0) -> SyntheticSpec:
-    """MovieLens-1M look-alike: 6,040 users, 3,706 items, mean 165.6 ratings per user (min 20).
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
-    ``scale`` shrinks users, items and sequence lengths together (keeping the density; lengths
-    stay >= 5), so interactions shrink about as ``scale ** 2``: ``scale=0.05`` gives ~300 users.
+
+def ml1m_shaped(scale: float = 1.0) -> SyntheticSpec:
+    """MovieLens-1M look-alike: 6,040 users, 3,416 items, ~165 ratings per user (min 20, max 2,314).
+
+    The catalogue is ML-1M's 5-core one; at full scale every item survives a 5-core filter.
+    ``scale`` in (0, 1] shrinks users, items *and* sequence lengths together (lengths >= 5), which
+    keeps the density, so interactions shrink about as ``scale ** 2`` (0.05: ~300 users, ~2.5k
+    interactions) and a 5-core filter trims more of the tail at small scales.
     """
-    return _scaled(
-        SyntheticSpec(
-            n_users=6040, n_items=3706, mean_seq_len=165.6, min_seq_len=20, max_seq_len=2314, len_sigma=1.14
-        ),
-        scale,
+    spec = SyntheticSpec(
+        n_users=6040, n_items=3416, mean_seq_len=165.6, min_seq_len=20, max_seq_len=2314, len_sigma=1.14
     )
+    return _scaled(spec, scale, scale_lengths=True)
 
 
 def amazon_games_shaped(scale: float = 1.0) -> SyntheticSpec:
-    """Amazon Video Games (5-core) look-alike: 24,303 users, 10,672 items, mean 9.5 reviews per user.
+    """Amazon Video Games (5-core) look-alike: 24,303 users, 10,672 items, ~9.5 reviews per user.
 
-    Sparser than MovieLens: most users have 5-10 items. A flatter Zipf exponent (0.8) keeps most
-    items above 5 interactions at this density. ``scale`` works as in :func:`ml1m_shaped`.
+    Much sparser than MovieLens: most users have 5-10 items, day-resolution timestamps. A flatter
+    Zipf exponent (0.8) keeps most items above 5 interactions at this density. ``scale`` in
+    (0, 1] shrinks users and items only (sequences are already short), keeping ~21 interactions
+    per item so that a 5-core filter keeps most of the data.
     """
-    return _scaled(
-        SyntheticSpec(
-            n_users=24_303, n_items=10_672, mean_seq_len=9.5, zipf_a=0.8, len_sigma=0.9,
-            rating_probs=_AMAZON_RATINGS, start_time=1_104_537_600, span_days=3300.0, break_days=60.0,
-        ),
-        scale,
+    spec = SyntheticSpec(
+        n_users=24_303, n_items=10_672, mean_seq_len=9.5, zipf_a=0.8, len_sigma=0.9,
+        rating_probs=_AMAZON_RATINGS, start_time=1_104_537_600, span_days=3300.0, break_days=60.0,
     )  # fmt: skip
+    return _scaled(spec, scale, scale_lengths=False)
 
 
-def _scaled(spec: SyntheticSpec, scale: float) -> SyntheticSpec:
-    if not 0 < scale <= 1:
+def _scaled(spec: SyntheticSpec, scale: float, *, scale_lengths: bool) -> SyntheticSpec:
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
         raise ConfigError(f"scale must be in (0, 1], got scale={scale!r}")
     if scale == 1:
         return spec
-    min_len = max(5, round(spec.min_seq_len * scale))
+    length_scale = scale if scale_lengths else 1.0
+    min_len = max(5, round(spec.min_seq_len * length_scale))
     n_items = max(2 * min_len, round(spec.n_items * scale))
-    max_len = None if spec.max_seq_len is None else min(n_items, max(min_len, round(spec.max_seq_len * scale)))
-    values = {f.name: getattr(spec, f.name) for f in fields(spec)}
-    values.update(
+    max_len = spec.max_seq_len
+    if max_len is not None:
+        max_len = min(n_items, max(min_len, round(max_len * length_scale)))
+    return replace(
+        spec,
         n_users=max(1, round(spec.n_users * scale)),
         n_items=n_items,
-        mean_seq_len=max(min_len + 1.0, spec.mean_seq_len * scale),
+        mean_seq_len=max(min_len + 1.0, spec.mean_seq_len * length_scale),
         min_seq_len=min_len,
         max_seq_len=max_len,
     )
-    return SyntheticSpec(**values)
 
 
-def generate_interactions(spec: SyntheticSpec, *, fmt: SyntheticFormat = "ml-1m", seed: int = 0) -> Interactions:
+def generate_interactions(
+    spec: SyntheticSpec, *, fmt: SyntheticFormat = "ml-1m", seed: int = 0
+) -> Interactions:
     """The interactions :func:`write_synthetic` writes for the same arguments, rows in file order."""
     _check_format(fmt)
     rng = np.random.default_rng(seed)
     lengths = _sequence_lengths(spec, rng)
-    rank_of_item = rng.permutation(spec.n_items)
-    log_weight = -spec.zipf_a * np.log1p(np.arange(spec.n_items))  # by popularity rank 0, 1, ...
+    starts = rng.random(spec.n_users)  # each user's first interaction, as a fraction of the span
+    item_idx = _pick_items(spec, lengths, starts, rng)
+    user_idx = np.repeat(np.arange(spec.n_users), lengths)
     era = rng.random(spec.n_items)
-    starts = rng.random(spec.n_users)  # each user's start, as a fraction of the time span
-    users, items, times = [], [], []
-    for user, (length, start) in enumerate(zip(lengths, starts, strict=True)):
-        shift = int(spec.drift * start * spec.n_items)
-        keys = log_weight[(rank_of_item + shift) % spec.n_items] + rng.gumbel(size=spec.n_items)
-        picked = np.argpartition(-keys, length - 1)[:length]
-        order_key = spec.order_strength * era[picked] + (1 - spec.order_strength) * rng.random(length)
-        items.append(picked[np.argsort(order_key, kind="stable")])
-        times.append(_session_times(spec, start, length, rng))
-        users.append(np.full(length, user))
-    user_idx, item_idx, timestamps = (np.concatenate(parts) for parts in (users, items, times))
+    order_key = spec.order_strength * era[item_idx] + (1 - spec.order_strength) * rng.random(len(item_idx))
+    item_idx = item_idx[np.lexsort((order_key, user_idx))]  # chronological within each user
+    timestamps = _session_times(spec, lengths, starts, rng)
     ratings = rng.choice(np.arange(1, 6), size=len(user_idx), p=spec.rating_probs).astype(np.float32)
     if fmt.startswith("amazon"):
         timestamps = timestamps // _DAY * _DAY
@@ -199,7 +206,9 @@ def generate_interactions(spec: SyntheticSpec, *, fmt: SyntheticFormat = "ml-1m"
 
 def _check_format(fmt: str) -> None:
     if fmt not in get_args(SyntheticFormat):
-        raise ConfigError(f"unknown synthetic format {fmt!r}; choose one of {list(get_args(SyntheticFormat))}")
+        raise ConfigError(
+            f"unknown synthetic format {fmt!r}; choose one of {list(get_args(SyntheticFormat))}"
+        )
 
 
 def _sequence_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
@@ -209,12 +218,46 @@ def _sequence_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarr
     return np.minimum(spec.min_seq_len + extra, spec.seq_len_cap)
 
 
-def _session_times(spec: SyntheticSpec, start: float, length: int, rng: np.random.Generator) -> np.ndarray:
-    """Nondecreasing whole seconds: gaps of ~1 minute within a session, breaks of days between."""
-    is_break = rng.random(length - 1) < 0.1
-    gaps = np.where(is_break, rng.exponential(spec.break_days * _DAY, length - 1), rng.exponential(60.0, length - 1))
-    first = spec.start_time + start * spec.span_days * _DAY
-    return np.floor(first + np.concatenate(([0.0], np.cumsum(gaps)))).astype(np.int64)
+def _pick_items(
+    spec: SyntheticSpec, lengths: np.ndarray, starts: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """``(sum(lengths),)`` user-major item indices: ``lengths[u]`` distinct items for user ``u``.
+
+    Items are drawn with probability proportional to the Zipf weight of their popularity rank,
+    without replacement. Keeping the first distinct values of i.i.d. draws is exactly such
+    successive sampling, and cheap for short sequences; a user whose draws hold too few distinct
+    items falls back to the Gumbel top-k trick (also exact, O(n_items) per user).
+    """
+    n_items = spec.n_items
+    log_weight = -spec.zipf_a * np.log(np.arange(1, n_items + 1))  # by popularity rank 0, 1, ...
+    cdf = np.cumsum(np.exp(log_weight))
+    item_of_rank = rng.permutation(n_items)
+    n_draws = 2 * lengths + 8
+    draws = np.searchsorted(cdf / cdf[-1], rng.random(int(n_draws.sum())), side="right")
+    picked = []
+    for ranks, length in zip(np.split(np.minimum(draws, n_items - 1), np.cumsum(n_draws)[:-1]), lengths):
+        first = np.unique(ranks, return_index=True)[1]
+        if len(first) >= length:
+            picked.append(ranks[np.sort(first)[:length]])
+        else:
+            keys = log_weight + rng.gumbel(size=n_items)
+            picked.append(np.argpartition(-keys, length - 1)[:length])
+    shifts = np.repeat((spec.drift * starts * n_items).astype(np.int64), lengths)  # popularity drift
+    return item_of_rank[(np.concatenate(picked) + shifts) % n_items]
+
+
+def _session_times(
+    spec: SyntheticSpec, lengths: np.ndarray, starts: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """User-major whole seconds, nondecreasing per user: ~1 minute gaps in a session, days between."""
+    n = int(lengths.sum())
+    gaps = np.where(rng.random(n) < 0.1, rng.exponential(spec.break_days * _DAY, n), rng.exponential(60.0, n))
+    first_row = np.cumsum(lengths) - lengths
+    gaps[first_row] = 0.0
+    elapsed = np.cumsum(gaps)
+    elapsed -= np.repeat(elapsed[first_row], lengths)
+    first_time = spec.start_time + starts * spec.span_days * _DAY
+    return np.floor(np.repeat(first_time, lengths) + elapsed).astype(np.int64)
 
 
 def _file_order(fmt: str, users: np.ndarray, items: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -95,7 +95,9 @@ def _check_steps(steps: int) -> None:
 
 def _check_noise_multiplier(noise_multiplier: float) -> None:
     if not (
-        isinstance(noise_multiplier, numbers.Real) and math.isfinite(noise_multiplier) and noise_multiplier >= 0
+        isinstance(noise_multiplier, numbers.Real)
+        and math.isfinite(noise_multiplier)
+        and noise_multiplier >= 0
     ):
         raise ConfigError(
             f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}"

@@ -25,7 +25,9 @@ __all__ = ["add_gaussian_noise_", "privatize_grads_"]
 
 def _check_noise_args(noise_multiplier: float, clip_norm: float) -> None:
     if not (
-        isinstance(noise_multiplier, numbers.Real) and math.isfinite(noise_multiplier) and noise_multiplier >= 0
+        isinstance(noise_multiplier, numbers.Real)
+        and math.isfinite(noise_multiplier)
+        and noise_multiplier >= 0
     ):
         raise ConfigError(
             f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}"
@@ -107,8 +109,8 @@ def privatize_grads_(
         and expected_batch_size > 0
     ):
         raise ConfigError(
-            f"expected_batch_size must be a finite number > 0, got expected_batch_size={expected_batch_size!r}; "
-            "pass sample_rate * n"
+            "expected_batch_size must be a finite number > 0, "
+            f"got expected_batch_size={expected_batch_size!r}; pass sample_rate * n"
         )
     params = list(params)
     add_gaussian_noise_(params, noise_multiplier=noise_multiplier, clip_norm=clip_norm, generator=generator)

@@ -4,15 +4,20 @@ The attention is written out by hand (no ``nn.MultiheadAttention``) so that ever
 parameter lives in an ``nn.Linear``: the per-sample gradient-norm machinery of
 :mod:`core.dp.phantom` and of Opacus only has to understand Linear / LayerNorm / Embedding.
 
-The module exposes one extension point, :attr:`CausalSelfAttention.score_correction`: a callable
-applied to the scaled pre-softmax logits ``q k^T / sqrt(head_dim)`` of shape (B, H, L, L), before
-the causal / padding mask. The Re-Attention mechanism of DPFormer (Sec. 5.2: ``S_i <- S_i /
-exp(C sigma_i^2 / 2)``, i.e. subtracting ``C sigma_i^2 / 2`` from the logit of key ``i``) plugs in
-here. ``None`` (the default) is standard scaled dot-product attention (Vaswani et al., 2017).
+The module has one extension point, a *score correction*: a callable applied to the scaled
+pre-softmax logits ``q k^T / sqrt(head_dim)`` of shape (B, H, L, L), before the causal / padding
+mask. The Re-Attention mechanism of DPFormer (Sec. 5.2: ``S_i <- S_i / exp(C sigma_i^2 / 2)``, i.e.
+subtracting ``C sigma_i^2 / 2`` from the logit of key ``i``) plugs in here, either persistently
+(:attr:`CausalSelfAttention.score_correction`) or per forward call (the ``score_correction``
+argument, which wins). If the callable has a ``query`` parameter it is called as
+``fn(logits, query=q)`` with the queries q (B, H, L, head_dim), so that ``C = |q|^2 / head_dim``
+can be exact per query; otherwise as ``fn(logits)``. ``None`` (the default) is standard scaled
+dot-product attention (Vaswani et al., 2017).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -22,8 +27,25 @@ from torch import Tensor, nn
 
 from core.errors import ConfigError, DataError
 
-ScoreCorrection = Callable[[Tensor], Tensor]
-"""Maps pre-softmax attention logits (B, H, L, L) to corrected logits of the same shape."""
+ScoreCorrection = Callable[..., Tensor]
+"""Maps pre-softmax attention logits (B, H, L, L) (and optionally ``query=`` (B, H, L, head_dim))
+to corrected logits of the same shape."""
+
+
+def apply_score_correction(fn: ScoreCorrection, logits: Tensor, query: Tensor) -> Tensor:
+    """``fn(logits, query=query)`` if ``fn`` takes a ``query`` argument, else ``fn(logits)``; checks the shape."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins have no signature
+        params = {}
+    takes_query = "query" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    corrected = fn(logits, query=query) if takes_query else fn(logits)
+    if not isinstance(corrected, Tensor) or corrected.shape != logits.shape:
+        shape = tuple(corrected.shape) if isinstance(corrected, Tensor) else type(corrected).__name__
+        raise DataError(
+            f"score_correction must return the logits' shape {tuple(logits.shape)} (B, H, L, L), got {shape}"
+        )
+    return corrected
 
 
 def attention_mask(key_valid: Tensor) -> Tensor:
@@ -63,10 +85,10 @@ class CausalSelfAttention(nn.Module):
             )
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.o = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
         self.attn_dropout = nn.Dropout(dropout)
         self.score_correction = score_correction
 
@@ -75,20 +97,16 @@ class CausalSelfAttention(nn.Module):
         x = x.view(B, L, self.n_heads, self.head_dim)  # (B, L, heads, head_dim)
         return x.transpose(1, 2)  # (B, heads, L, head_dim)
 
-    def forward(self, x: Tensor, key_valid: Tensor) -> Tensor:
-        """Args: x (B, L, d_model); key_valid (B, L) bool, True at real items. Returns (B, L, d_model)."""
+    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
+        """Args: x (B, L, d_model); key_valid (B, L) bool, True at real items; score_correction
+        overrides :attr:`score_correction` for this call. Returns (B, L, d_model)."""
         B, L, d_model = x.shape
-        q, k, v = (self._split_heads(proj(x)) for proj in (self.q, self.k, self.v))
+        q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, heads, L, L)
-        if self.score_correction is not None:
-            corrected = self.score_correction(logits)
-            if corrected.shape != logits.shape:
-                raise DataError(
-                    f"score_correction must return the logits' shape {tuple(logits.shape)}, "
-                    f"got {tuple(corrected.shape)}; return a (B, H, L, L) tensor"
-                )
-            logits = corrected
+        correction = score_correction if score_correction is not None else self.score_correction
+        if correction is not None:
+            logits = apply_score_correction(correction, logits, q)
         logits = logits.masked_fill(~attention_mask(key_valid), float("-inf"))
         probs = self.attn_dropout(F.softmax(logits, dim=-1))  # (B, heads, L, L)
         out = (probs @ v).transpose(1, 2)  # (B, L, heads, head_dim)
-        return self.o(out.reshape(B, L, d_model))  # (B, L, d_model)
+        return self.out_proj(out.reshape(B, L, d_model))  # (B, L, d_model)

@@ -40,6 +40,7 @@ from core.errors import ConfigError, DataError
 from core.models.attention import CausalSelfAttention, ScoreCorrection
 
 Arch = Literal["transformer", "gru", "lstm"]
+Corrections = ScoreCorrection | Sequence[ScoreCorrection | None] | None
 Activation = Literal["relu", "gelu"]
 PADDING_ID = 0
 
@@ -125,8 +126,8 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.activation, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, key_valid: Tensor) -> Tensor:
-        x = x + self.dropout(self.attn(self.ln_attn(x), key_valid))
+    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
+        x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
         return x + self.dropout(self.ff(self.ln_ff(x)))
 
 
@@ -134,6 +135,8 @@ class SeqRecModel(nn.Module):
     """Shared parts: item embedding (M + 1, d), final LayerNorm, (tied) output layer.
 
     Subclasses implement :meth:`encode` (B, L) ids -> (B, L, d) hidden states before the final norm.
+    ``score_correction`` (forward argument): one Re-Attention correction for every attention layer
+    or a sequence with one per layer (see :mod:`core.models.attention`); transformer only.
     """
 
     def __init__(self, cfg: SeqRecConfig) -> None:
@@ -147,7 +150,7 @@ class SeqRecModel(nn.Module):
         if cfg.tied:
             self.output.weight = self.item_emb.weight  # the same Parameter: logits = h E^T
 
-    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+    def encode(self, input_ids: Tensor, valid: Tensor, score_correction: Corrections = None) -> Tensor:
         raise NotImplementedError
 
     def check_input(self, input_ids: Tensor) -> None:
@@ -166,15 +169,16 @@ class SeqRecModel(nn.Module):
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
             )
 
-    def hidden(self, input_ids: Tensor) -> Tensor:
+    def hidden(self, input_ids: Tensor, score_correction: Corrections = None) -> Tensor:
         """Final-normed hidden states (B, L, d) of left-padded ids (B, L)."""
         self.check_input(input_ids)
+        input_ids = input_ids.contiguous()  # Opacus' embedding norm sampler calls .view on the ids
         valid = input_ids != PADDING_ID  # (B, L)
-        return self.final_norm(self.encode(input_ids, valid))
+        return self.final_norm(self.encode(input_ids, valid, score_correction))
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, score_correction: Corrections = None) -> Tensor:
         """Next-item scores (B, L, M + 1) = hidden (B, L, d) @ E^T (tied) or @ W_out^T (untied)."""
-        return self.output(self.hidden(input_ids))
+        return self.output(self.hidden(input_ids, score_correction))
 
 
 class TransformerSeqRec(SeqRecModel):
@@ -191,28 +195,28 @@ class TransformerSeqRec(SeqRecModel):
         """The attention modules, first block first (where Re-Attention plugs its correction)."""
         return [block.attn for block in self.blocks]
 
-    def set_score_correction(self, correction: ScoreCorrection | Sequence[ScoreCorrection | None] | None) -> None:
+    def set_score_correction(self, correction: Corrections) -> None:
         """Install one correction for every block, one per block (a sequence), or None to remove."""
-        layers = self.attention_layers
-        if correction is None or callable(correction):
-            per_layer = [correction] * len(layers)
-        else:
-            per_layer = list(correction)
-            if len(per_layer) != len(layers):
-                raise ConfigError(
-                    f"need one score correction per block ({len(layers)}), got {len(per_layer)}"
-                )
-        for layer, fn in zip(layers, per_layer, strict=True):
+        for layer, fn in zip(self.attention_layers, self._per_layer(correction), strict=True):
             layer.score_correction = fn
 
-    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+    def _per_layer(self, correction: Corrections) -> list[ScoreCorrection | None]:
+        n = len(self.blocks)
+        if correction is None or callable(correction):
+            return [correction] * n
+        per_layer = list(correction)
+        if len(per_layer) != n:
+            raise ConfigError(f"need one score correction per block ({n}), got {len(per_layer)}")
+        return per_layer
+
+    def encode(self, input_ids: Tensor, valid: Tensor, score_correction: Corrections = None) -> Tensor:
         B, L = input_ids.shape
         positions = torch.arange(self.cfg.max_len - L, self.cfg.max_len, device=input_ids.device)
-        positions = positions.expand(B, L)  # (B, L), right-aligned
+        positions = positions.repeat(B, 1)  # (B, L), right-aligned; contiguous (Opacus views the ids)
         x = (self.item_emb(input_ids) + self.pos_emb(positions)) * valid.unsqueeze(-1)  # (B, L, d)
         x = self.emb_dropout(x)
-        for block in self.blocks:
-            x = block(x, valid)
+        for block, correction in zip(self.blocks, self._per_layer(score_correction), strict=True):
+            x = block(x, valid, correction)
         return x
 
 
@@ -228,7 +232,9 @@ class RNNSeqRec(SeqRecModel):
         )
         self.out_dropout = nn.Dropout(cfg.dropout)
 
-    def encode(self, input_ids: Tensor, valid: Tensor) -> Tensor:
+    def encode(self, input_ids: Tensor, valid: Tensor, score_correction: Corrections = None) -> Tensor:
+        if score_correction is not None:
+            raise ConfigError(f"score_correction needs attention, but arch={self.cfg.arch!r} has none")
         x = self.item_emb(input_ids) * valid.unsqueeze(-1)  # (B, L, d)
         out, _ = self.rnn(self.emb_dropout(x))  # (B, L, d)
         return self.out_dropout(out)

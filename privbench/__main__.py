@@ -1,0 +1,3 @@
+from privbench.cli import main
+
+main()

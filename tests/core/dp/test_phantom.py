@@ -1,0 +1,239 @@
+"""Phantom Clipping (Claim 4.1) against brute force: one forward + backward per sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.dp.phantom import PhantomClipping
+from core.errors import ConfigError, PrivacyError
+from core.models import SeqRecConfig, build_seqrec, sequence_loss
+
+M, L = 12, 6
+IDS = torch.tensor([[0, 0, 3, 4, 5, 6], [1, 2, 3, 3, 5, 12], [0, 0, 0, 0, 0, 7], [9, 9, 9, 2, 1, 4]])
+TARGETS = torch.tensor([[0, 0, 4, 5, 6, 7], [2, 3, 4, 5, 12, 1], [0, 0, 0, 0, 0, 3], [9, 9, 2, 1, 4, 4]])
+
+
+def _model(arch="transformer", tied=True, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    cfg = SeqRecConfig(num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0, tied=tied, arch=arch)
+    return build_seqrec(cfg).to(dtype)
+
+
+def _loss(model, ids=IDS, targets=TARGETS):
+    return sequence_loss(model(ids), targets)
+
+
+def brute_force(model, loss_fn, n):
+    """Per-sample gradients by a separate forward and backward of each sample: list of [grad per param]."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(n):
+        grads = torch.autograd.grad(loss_fn(i).sum(), params, allow_unused=True)
+        out.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+    return params, out
+
+
+def _norms(per_sample):
+    return torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads)) for grads in per_sample])
+
+
+def _phantom_step(model, loss, coef_seed=1, strategy="auto"):
+    with PhantomClipping(model, strategy=strategy) as phantom:
+        norms = phantom.per_sample_norms(loss(model))
+        coef = torch.rand(norms.shape[0], generator=torch.Generator().manual_seed(coef_seed), dtype=norms.dtype)
+        phantom.accumulate_grad(coef)
+    return norms, coef
+
+
+def _check_against_brute_force(model, rtol=1e-4, strategy="auto", loss=_loss, ids=IDS, targets=TARGETS):
+    params, per_sample = brute_force(model, lambda i: loss(model, ids[i : i + 1], targets[i : i + 1]), len(ids))
+    norms, coef = _phantom_step(model, lambda m: loss(m, ids, targets), strategy=strategy)
+    torch.testing.assert_close(norms, _norms(per_sample), rtol=rtol, atol=1e-7)
+    for k, p in enumerate(params):
+        expected = sum(coef[i] * per_sample[i][k] for i in range(len(ids)))
+        torch.testing.assert_close(p.grad, expected, rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "gru", "lstm"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_norms_and_weighted_sum_match_brute_force(arch, tied):
+    _check_against_brute_force(_model(arch, tied))
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "direct"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_forced_strategies_are_exact(strategy, tied):
+    _check_against_brute_force(_model(tied=tied), strategy=strategy)
+
+
+def test_float32_close_and_dtype_preserved():
+    model = _model(dtype=torch.float32)
+    _check_against_brute_force(model, rtol=1e-4)
+    norms, _ = _phantom_step(model, _loss)
+    assert norms.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    norms64, _ = _phantom_step(_model(), _loss)
+    assert norms64.dtype == torch.float64
+
+
+def test_longer_sequences_exercise_ghost_and_direct_paths():
+    torch.manual_seed(3)
+    cfg = SeqRecConfig(num_items=40, max_len=8, d_model=4, n_heads=1, n_layers=1, dropout=0.0)
+    model = build_seqrec(cfg).double()
+    ids = torch.randint(0, 41, (3, 8))
+    targets = torch.randint(1, 41, (3, 8))
+    _check_against_brute_force(model, ids=ids, targets=targets)
+
+
+class TiedWithPaddingIdx(nn.Module):
+    """An embedding with padding_idx tied to the output layer, no masking of padding positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(M + 1, 5, padding_idx=0)
+        self.mix = nn.Linear(5, 5)
+        self.norm = nn.LayerNorm(5)
+        self.out = nn.Linear(5, M + 1, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + torch.tanh(self.mix(h)).cumsum(dim=1)  # positions interact
+        return self.out(self.norm(h))
+
+
+def test_padding_idx_rows_are_excluded_like_autograd():
+    torch.manual_seed(0)
+    model = TiedWithPaddingIdx().double()
+    _check_against_brute_force(model)
+    assert model.emb.weight.grad[0].abs().sum() > 0  # output side still reaches the padding row
+
+
+def test_hooks_are_removed_after_use():
+    model = _model()
+    with PhantomClipping(model) as phantom:
+        assert any(m._forward_hooks for m in model.modules())
+        phantom.per_sample_norms(_loss(model))
+    assert not any(m._forward_hooks for m in model.modules())
+    phantom.remove()  # idempotent
+    with pytest.raises(PrivacyError, match="removed"):
+        _loss(model)
+        phantom.per_sample_norms(_loss(model))
+
+
+class WithConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(M + 1, 4)
+        self.conv = nn.Conv1d(4, 4, 1)
+
+    def forward(self, ids):
+        return self.conv(self.emb(ids).transpose(1, 2))
+
+
+def test_unsupported_layer_lists_supported_modules():
+    with pytest.raises(ConfigError, match=r"conv \(Conv1d\).*nn\.Linear, nn\.Embedding, nn\.LayerNorm"):
+        PhantomClipping(WithConv())
+    frozen = WithConv()
+    frozen.conv.requires_grad_(False)
+    PhantomClipping(frozen).remove()  # frozen parameters need no per-sample norm
+
+
+def test_embedding_options_that_change_gradients_are_rejected():
+    with pytest.raises(ConfigError, match="scale_grad_by_freq"):
+        PhantomClipping(nn.Embedding(5, 2, scale_grad_by_freq=True))
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        PhantomClipping(_model(), strategy="fast")
+
+
+class FunctionalUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(M + 1, 4)
+        self.head = nn.Linear(4, M + 1)
+
+    def forward(self, ids):
+        return F.linear(self.emb(ids), self.head.weight)  # bypasses head's forward
+
+
+def test_functional_parameter_use_is_detected():
+    model = FunctionalUse()
+    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="without a recorded call"):
+        phantom.per_sample_norms(_loss(model))
+
+
+class SeqFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(M + 1, 4)
+        self.head = nn.Linear(4, M + 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).transpose(0, 1)).transpose(0, 1)  # head sees (L, B, d)
+
+
+def test_layer_without_batch_first_dimension_raises():
+    model = SeqFirst()
+    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="batch size 6"):
+        phantom.per_sample_norms(_loss(model))
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(M + 1, 4)
+        self.head = nn.Linear(4, M + 1)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        out = self.head(h)
+        h.mul_(2.0)
+        return out
+
+
+def test_in_place_modification_is_detected():
+    model = InPlace()
+    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="modified in place"):
+        phantom.per_sample_norms(_loss(model))
+
+
+def test_misuse_raises_privacy_errors():
+    model = _model()
+    with PhantomClipping(model) as phantom:
+        with pytest.raises(PrivacyError, match="no forward pass"):
+            phantom.per_sample_norms(torch.ones(2, requires_grad=True))
+        with pytest.raises(PrivacyError, match="per_sample_norms first"):
+            phantom.accumulate_grad(torch.ones(4))
+        with torch.no_grad():
+            detached = _loss(model)
+        with pytest.raises(PrivacyError, match="no forward pass"):
+            phantom.per_sample_norms(detached)
+
+
+def test_unused_forward_and_unused_parameters_are_ignored():
+    torch.manual_seed(0)
+    model = _model()
+    extra = nn.Linear(3, 3).double()
+    model.extra = extra  # trainable, never called
+    params, per_sample = brute_force(model, lambda i: _loss(model, IDS[i : i + 1], TARGETS[i : i + 1]), 4)
+    with PhantomClipping(model) as phantom:
+        model(IDS[:2])  # an evaluation forward with grad enabled, not part of the loss
+        norms = phantom.per_sample_norms(_loss(model))
+        phantom.accumulate_grad(torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(norms, _norms(per_sample))
+    assert torch.count_nonzero(extra.weight.grad) == 0
+    for k, p in enumerate(params):
+        torch.testing.assert_close(p.grad, sum(g[k] for g in per_sample))
+
+
+def test_accumulate_adds_to_existing_grad():
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with PhantomClipping(model) as phantom:
+        phantom.per_sample_norms(_loss(model))
+        phantom.accumulate_grad(torch.zeros(4, dtype=torch.float64))
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
