@@ -22,6 +22,7 @@ import math
 import re
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -205,8 +206,7 @@ def fail_run(ref: RunRef, error: BaseException | str) -> None:
     """Mark the run failed (store row and MLflow run) with the error; nothing it buffered is written."""
     with _open_lock:
         _open_runs.pop(ref.run_id, None)
-    exc = error if isinstance(error, BaseException) else RuntimeError(error)
-    _fail(get_settings().db_url, ref, exc, get_tracker() if ref.tracked and ref.mlflow_run_id else None)
+    _fail(get_settings().db_url, ref, error, get_tracker() if ref.tracked and ref.mlflow_run_id else None)
 
 
 @contextmanager
@@ -232,15 +232,13 @@ def fail_open_runs(reason: str) -> list[str]:
 
 
 def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str) -> int:
-    """Mark still-running rows of a Prefect flow run as failed (used by flow on_failure/on_crashed hooks)."""
-    settings = get_settings()
-    with session_scope(settings.db_url) as session:
-        ids = session.scalars(select(Run.id).where(
+    """Mark still-running rows of a Prefect flow run failed, store and MLflow (flow on_failure/on_crashed hooks)."""
+    with session_scope(get_settings().db_url) as session:
+        rows = session.execute(select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile).where(
             Run.prefect_flow_run_id == prefect_flow_run_id, Run.status == "running")).all()
-        for run_id in ids:
-            session.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
-                status="failed", error=error, finished_at=_now()))
-    return len(ids)
+    for run_id, mlflow_run_id, flow, stage, profile in rows:
+        fail_run(RunRef(run_id, mlflow_run_id, flow, stage, profile, mlflow_run_id is not None), error)
+    return len(rows)
 
 
 # ---------------------------------------------------------------------------------------------- internals
@@ -295,9 +293,12 @@ def _finish(db_url: str, rec: Recorder, tracker: Tracker | None) -> None:
         tracker.end_run(mlflow_run_id, "FINISHED")
 
 
-def _fail(db_url: str, ref: RunRef, exc: BaseException, tracker: Tracker | None) -> None:
+def _fail(db_url: str, ref: RunRef, exc: BaseException | str, tracker: Tracker | None) -> None:
     interrupted = isinstance(exc, KeyboardInterrupt | SystemExit)
-    error = f"interrupted: {exc or type(exc).__name__}" if interrupted else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, str):
+        error = exc
+    else:
+        error = f"interrupted: {exc or type(exc).__name__}" if interrupted else f"{type(exc).__name__}: {exc}"
     finished = _now()
     try:
         with session_scope(db_url) as session:
@@ -306,13 +307,20 @@ def _fail(db_url: str, ref: RunRef, exc: BaseException, tracker: Tracker | None)
                 status="failed", error=error[:20000], finished_at=finished,
                 duration_s=_seconds(started, finished)))
     except Exception as store_exc:  # never mask the run's own error
-        exc.add_note(f"privbench: could not mark run {ref.run_id} failed in the store: {store_exc}")
+        _note(exc, f"privbench: could not mark run {ref.run_id} failed in the store: {store_exc}")
     if tracker is not None and ref.mlflow_run_id is not None:
         try:
             tracker.set_tags(ref.mlflow_run_id, {"privbench.error": error[:5000]})
             tracker.end_run(ref.mlflow_run_id, "KILLED" if interrupted else "FAILED")
         except Exception as ml_exc:
-            exc.add_note(f"privbench: could not mark MLflow run {ref.mlflow_run_id} failed: {ml_exc}")
+            _note(exc, f"privbench: could not mark MLflow run {ref.mlflow_run_id} failed: {ml_exc}")
+
+
+def _note(exc: BaseException | str, note: str) -> None:
+    if isinstance(exc, BaseException):
+        exc.add_note(note)
+    else:
+        warnings.warn(note, stacklevel=3)
 
 
 def _seconds(started: datetime | None, finished: datetime) -> float | None:

@@ -29,6 +29,9 @@ Methods (:class:`ClippingMethod`):
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
@@ -107,6 +110,23 @@ def _check_norms(norms: Tensor) -> None:
         )
 
 
+@contextmanager
+def _opacus_backward() -> Iterator[None]:
+    """Silence torch's notice that a full backward hook fires on a module whose inputs need no
+    grad (the embedding layers): expected for Opacus' hooks, and repeated at every step otherwise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        yield
+
+
+def _check_training_mode(model: nn.Module) -> None:
+    if not model.training:
+        raise PrivacyError(
+            "Opacus records per-sample gradients only in training mode; call model.train() before "
+            "the forward (set dropout=0 in the config for a deterministic model)"
+        )
+
+
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -122,6 +142,20 @@ def _stash_grads(params: list[nn.Parameter]) -> list[Tensor | None]:
     for p in params:
         p.grad = None
     return stash
+
+
+@contextmanager
+def _grads_set_aside(params: list[nn.Parameter]) -> Iterator[list[Tensor | None]]:
+    """Set p.grad aside for an Opacus backward; on error put it back (never leave unclipped grads)."""
+    stash = _stash_grads(params)
+    try:
+        yield stash
+    except BaseException:
+        for p, old in zip(params, stash, strict=True):
+            p.grad = old
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+        raise
 
 
 class NonPrivateClipper:
@@ -183,7 +217,9 @@ class LoopClipper(_DPClipper):
             grads = torch.autograd.grad(
                 per_sample_loss[i], self._params, retain_graph=i < B - 1, allow_unused=True
             )
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
+            grads = [
+                torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)
+            ]
             norms[i] = torch.sqrt(sum(g.pow(2).sum() for g in grads))
             coef = self.coefficients(norms[i : i + 1])[0]
             for acc, g in zip(total, grads, strict=True):
@@ -202,27 +238,30 @@ class OpacusHooksClipper(_DPClipper):
 
     def backward(self, per_sample_loss: Tensor) -> Tensor:
         check_per_sample_loss(per_sample_loss)
-        B = per_sample_loss.shape[0]
-        stash = _stash_grads(self._params)
-        per_sample_loss.sum().backward()
-        samples = []
-        for p in self._params:
-            gs = getattr(p, "grad_sample", None)
-            if gs is None:
-                gs = p.new_zeros(B, *p.shape)  # parameter unused in this forward
-            elif isinstance(gs, list) or gs.shape[0] != B:
-                raise PrivacyError(
-                    "Opacus recorded several forward passes before this backward; run exactly one "
-                    "forward per backward in training mode"
-                )
-            samples.append(gs)
-            p.grad_sample = None
-        norms = torch.stack([gs.flatten(1).norm(dim=1) for gs in samples]).norm(dim=0)  # (B,)
-        coef = self.coefficients(norms).to(per_sample_loss.dtype)
+        _check_training_mode(self.model)
+        with _grads_set_aside(self._params) as stash:
+            with _opacus_backward():
+                per_sample_loss.sum().backward()
+            samples = [self._take_grad_sample(p, per_sample_loss.shape[0]) for p in self._params]
+            norms = torch.stack([gs.flatten(1).norm(dim=1) for gs in samples]).norm(dim=0)  # (B,)
+            coef = self.coefficients(norms)
         for p, old, gs in zip(self._params, stash, samples, strict=True):
             p.grad = old
             _add_grad(p, torch.tensordot(coef.to(gs.dtype), gs, dims=1))
         return norms.detach()
+
+    @staticmethod
+    def _take_grad_sample(p: nn.Parameter, B: int) -> Tensor:
+        gs = getattr(p, "grad_sample", None)
+        p.grad_sample = None
+        if gs is None:
+            return p.new_zeros(B, *p.shape)  # parameter unused in this forward
+        if isinstance(gs, list) or gs.shape[0] != B:
+            raise PrivacyError(
+                "Opacus recorded several forward passes before this backward; run exactly one "
+                "forward per backward in training mode"
+            )
+        return gs  # (B, *p.shape)
 
     def close(self) -> None:
         self.model.cleanup()
@@ -242,21 +281,28 @@ class OpacusGhostClipper(_DPClipper):
                 "the phantom clipper"
             )
         self.model = GradSampleModuleFastGradientClipping(
-            model, batch_first=True, loss_reduction="sum", max_grad_norm=self.clip_norm, use_ghost_clipping=True
+            model,
+            batch_first=True,
+            loss_reduction="sum",
+            max_grad_norm=self.clip_norm,
+            use_ghost_clipping=True,
         )
 
     def backward(self, per_sample_loss: Tensor) -> Tensor:
         check_per_sample_loss(per_sample_loss)
-        stash = _stash_grads(self._params)
-        per_sample_loss.sum().backward(retain_graph=True)
-        norms = self.model.get_norm_sample()  # (B,)
-        coef = self.coefficients(norms).to(per_sample_loss.dtype).detach()
-        _stash_grads(self._params)  # drop the unclipped gradients of the first backward
-        self.model.disable_hooks()
-        try:
-            (coef * per_sample_loss).sum().backward()
-        finally:
-            self.model.enable_hooks()
+        _check_training_mode(self.model)
+        with _grads_set_aside(self._params) as stash:
+            with _opacus_backward():
+                per_sample_loss.sum().backward(retain_graph=True)
+            norms = self.model.get_norm_sample()  # (B,)
+            coef = self.coefficients(norms).to(per_sample_loss.dtype).detach()
+            _stash_grads(self._params)  # drop the unclipped gradients of the first backward
+            self.model.disable_hooks()
+            try:
+                with _opacus_backward():
+                    (coef * per_sample_loss).sum().backward()
+            finally:
+                self.model.enable_hooks()
         for p, old in zip(self._params, stash, strict=True):
             new = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = old
@@ -267,7 +313,9 @@ class OpacusGhostClipper(_DPClipper):
         self.model.cleanup()
 
 
-def tied_parameter_names(model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None) -> list[str]:
+def tied_parameter_names(
+    model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None
+) -> list[str]:
     """Names of trainable parameters owned by more than one module (of ``module_types`` if given)."""
     owners: dict[int, list[str]] = {}
     for mod_name, module in model.named_modules():
@@ -300,7 +348,12 @@ def make_clipper(
     except ValueError:
         known = ", ".join(m.value for m in ClippingMethod)
         raise ConfigError(f"unknown clipping method={method!r}; known: {known}") from None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not math.isfinite(clip_norm) or clip_norm <= 0:
+    if (
+        isinstance(clip_norm, bool)
+        or not isinstance(clip_norm, (int, float))
+        or not math.isfinite(clip_norm)
+        or clip_norm <= 0
+    ):
         raise ConfigError(f"clip_norm must be a finite number > 0, got {clip_norm=}")
     if not isinstance(normalize, bool):
         raise ConfigError(f"normalize must be a bool, got {normalize=}")

@@ -241,10 +241,12 @@ class _ParamGrads:
 
     def _should_materialise(self, strategy: Strategy) -> bool:
         factored = [u for u in (self.linear, self.embedding) if u is not None]
-        if not factored or strategy == "ghost":
+        if not factored:
             return False
-        if strategy == "direct" or self.direct is not None:
+        if self.direct is not None:  # no factored form for the cross terms with a dense part
             return True
+        if strategy != "auto":
+            return strategy == "direct"
         if len(factored) == 2:  # tied embedding: the phantom formula never materialises
             return False
         return not _ghost_is_cheaper(factored[0])
@@ -281,8 +283,9 @@ def _concat_embedding(uses: list[_EmbeddingUse]) -> _EmbeddingUse | None:
 
 
 def _ghost_is_cheaper(use: _LinearUse | _EmbeddingUse) -> bool:
-    """Flop count of the ghost norm vs materialising: T^2 (d_in + d_out) vs T d_in d_out (Linear);
-    T^2 d vs V d (Embedding; the materialised table is also B V d of memory)."""
+    """Linear: flops of the ghost norm T^2 (d_in + d_out) vs materialising T d_in d_out.
+    Embedding: ghost (T^2 d flops, T^2 memory) unless the table has at most T rows (positional
+    embeddings), where the materialised B V d gradient is no bigger than the output grads."""
     if isinstance(use, _LinearUse):
         T, d_in, d_out = use.acts.shape[1], use.acts.shape[2], use.grads.shape[2]
         return T * (d_in + d_out) < d_in * d_out
@@ -320,7 +323,9 @@ class PhantomClipping:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._calls: list[_Call] = []
         self._pending: dict[int, _ParamGrads] | None = None
-        self._handles = [m.register_forward_hook(self._capture) for m in hooked_modules(model)]
+        self._handles = [
+            m.register_forward_hook(self._capture, with_kwargs=True) for m in hooked_modules(model)
+        ]
 
     def __enter__(self) -> Self:
         return self
@@ -328,10 +333,10 @@ class PhantomClipping:
     def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
-    def _capture(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> None:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
-        x = args[0]
+        x = args[0] if args else kwargs["input"]  # the single input of Linear / Embedding / LayerNorm
         self._calls.append(_Call(module, x.detach(), output, x._version, output._version))
 
     def clear(self) -> None:

@@ -80,23 +80,27 @@ This module provides the three stages of the paper's error tracking:
 
 3. **Correction**: :func:`reattention_correction` / :class:`ScoreCorrection`, a pre-softmax logit
    correction. Only *differences* between the keys' variances matter (the softmax is shift
-   invariant), so a variance common to all keys, e.g. from the weight noise of ``W_K``, cancels.
+   invariant): a variance common to all keys cancels, so e.g. the weight noise of ``W_K``
+   (``Var[W] |x|^2``) matters only through differences in the tokens' input norms.
 
-Wiring (trainer + model)::
+Wiring (trainer + model; ``core.models.attention`` calls a correction that accepts ``query=`` as
+``fn(logits, query=q)``, so ``C = |q|^2 / d_h`` is exact per query)::
 
-    item_var = embedding_error_variance(noise_multiplier=sigma, clip_norm=C, batch_size=q * n,
-                                        frequencies=token_presence_frequency(train_ids, num_embeddings=M + 1))
-    re_attention = ReAttention(item_var, propagation=KeyPropagation(
-        item_embedding=model.item_emb.weight.detach(),         # shares storage: always current
-        key_weight=model.blocks[0].attn.k_proj.weight.detach(),
-        key_weight_var=block_error_variance(noise_multiplier=sigma, clip_norm=C, batch_size=q * n)))
-    correction = re_attention.for_batch(input_ids)              # (B, L) key variances, no grad
-    logits = model(input_ids, score_correction=correction)
+    n_sequences = len(train_ids)
+    item_var = embedding_error_variance(
+        noise_multiplier=sigma, clip_norm=C_clip, batch_size=q * n_sequences,
+        frequencies=token_presence_frequency(train_ids, num_embeddings=M + 1))
+    v_block = block_error_variance(noise_multiplier=sigma, clip_norm=C_clip, batch_size=q * n_sequences)
+    re_attention = ReAttention(item_var, propagation=KeyPropagation(...))  # see KeyPropagation
+    for input_ids in batches:
+        logits = model(input_ids, score_correction=re_attention.for_batch(input_ids))
 
-    # inside the attention module, on the pre-softmax logits (B, H, L, L):
-    if score_correction is not None:
-        logits = score_correction(logits, query=q)   # exact C = tau^2 |q|^2 per query, or
-        logits = score_correction(logits)            # with a constant ReAttention(..., scale=C)
+    # inside the attention module, on the scaled pre-softmax logits (B, H, L, L):
+    logits = score_correction(logits, query=q)   # per-query C = tau^2 |q|^2, or
+    logits = score_correction(logits)            # constant C from ReAttention(..., scale=C)
+
+The same first-layer key variance is used by every layer; deeper layers would need the block
+outputs' moments, which the primitives above can propagate inside the model's forward pass.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -113,6 +118,8 @@ from core.errors import ConfigError, DataError
 __all__ = [
     "GaussianMoments",
     "KeyPropagation",
+    "LogitCorrection",
+    "PositionAlignment",
     "ReAttention",
     "ScoreCorrection",
     "add_moments",
@@ -145,6 +152,8 @@ def _check_nonnegative(name: str, value: float) -> None:
 
 
 def _check_variance_tensor(name: str, var: torch.Tensor) -> None:
+    if var.numel() == 0:
+        return
     if not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
         raise DataError(f"{name} must be finite and >= 0, got min={float(var.min())}, max={float(var.max())}")
 
@@ -478,6 +487,18 @@ def logit_variance(
     return (tau**2) * query.pow(2).sum(dim=-1, keepdim=True) * key_var.unsqueeze(-2)
 
 
+class PositionAlignment(str, Enum):
+    """Which rows of a learned positional table a length-``L`` sequence uses."""
+
+    LEFT = "left"  # rows [0, L)
+    RIGHT = "right"  # rows [P - L, P): right-aligned, as core.models.seqrec.TransformerSeqRec
+
+    @classmethod
+    def _missing_(cls, value: object) -> PositionAlignment:
+        known = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"unknown position alignment {value!r}; known alignments: {known}")
+
+
 @dataclass(frozen=True, eq=False)
 class KeyPropagation:
     """Model tensors needed to carry item-embedding variance to the first attention layer's keys.
@@ -487,9 +508,24 @@ class KeyPropagation:
     parameters (used as the means, Sec. 5.2.2) stay current as the optimizer updates them.
 
     ``key_weight (d_k, d_model)`` in ``nn.Linear`` layout (for a fused ``in_proj``, its key rows);
-    ``key_weight_var``/``position_error_var``: :func:`block_error_variance` (Claim 5.3);
+    ``key_weight_var``/``key_bias_var``: :func:`block_error_variance` (Claim 5.3);
+    ``position_error_var``: a scalar (Claim 5.3) or a ``(P,)`` tensor per position row (e.g.
+    :func:`embedding_error_variance` of the fraction of sequences that reach each position, since a
+    padded position gets no gradient); ``position_alignment``: :class:`PositionAlignment`;
     ``layer_norm``: ``(weight, bias, eps)`` of a pre-LN block applied to the key input, or None
     (post-LN, as in the standard encoder of E.2).
+
+    For :class:`core.models.seqrec.TransformerSeqRec` (pre-LN, right-aligned positions)::
+
+        block = model.blocks[0]
+        KeyPropagation(
+            item_embedding=model.item_emb.weight.detach(),
+            key_weight=block.attn.k_proj.weight.detach(), key_bias=block.attn.k_proj.bias.detach(),
+            key_weight_var=v_block, key_bias_var=v_block,
+            position_embedding=model.pos_emb.weight.detach(), position_error_var=v_block,
+            position_alignment="right",
+            layer_norm=(block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps),
+        )
     """
 
     item_embedding: torch.Tensor
@@ -499,35 +535,49 @@ class KeyPropagation:
     key_bias_var: float = 0.0
     embedding_scale: float = 1.0
     position_embedding: torch.Tensor | None = None
-    position_error_var: float = 0.0
+    position_error_var: float | torch.Tensor = 0.0
+    position_alignment: PositionAlignment | str = PositionAlignment.LEFT
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None
 
     def __post_init__(self) -> None:
         _check_nonnegative("key_weight_var", self.key_weight_var)
         _check_nonnegative("key_bias_var", self.key_bias_var)
-        _check_nonnegative("position_error_var", self.position_error_var)
         _check_positive("embedding_scale", self.embedding_scale)
+        object.__setattr__(self, "position_alignment", PositionAlignment(self.position_alignment))
+        if isinstance(self.position_error_var, torch.Tensor):
+            rows = None if self.position_embedding is None else self.position_embedding.shape[0]
+            if self.position_error_var.shape != (rows,):
+                raise ConfigError(
+                    f"position_error_var must be a scalar or have shape ({rows},) (one per position row), "
+                    f"got {tuple(self.position_error_var.shape)}"
+                )
+            _check_variance_tensor("position_error_var", self.position_error_var)
+        else:
+            _check_nonnegative("position_error_var", self.position_error_var)
         if self.key_weight.dim() != 2 or self.key_weight.shape[1] != self.item_embedding.shape[1]:
             raise ConfigError(
                 f"key_weight must be (d_k, d_model={self.item_embedding.shape[1]}), "
                 f"got {tuple(self.key_weight.shape)}"
             )
 
+    def _position_moments(self, length: int, like: torch.Tensor) -> GaussianMoments:
+        table = self.position_embedding
+        if length > table.shape[0]:
+            raise DataError(f"sequence length {length} exceeds the {table.shape[0]} positional embeddings")
+        start = 0 if self.position_alignment is PositionAlignment.LEFT else table.shape[0] - length
+        rows = slice(start, start + length)
+        if isinstance(self.position_error_var, torch.Tensor):
+            var = self.position_error_var[rows].to(like).unsqueeze(-1)  # (L, 1)
+        else:
+            var = torch.tensor(float(self.position_error_var)).to(like)
+        return GaussianMoments(table[rows], var)
+
     @torch.no_grad()
     def key_moments(self, input_ids: torch.Tensor, item_error_var: torch.Tensor) -> GaussianMoments:
         """Per-coordinate key moments ``(B, L, d_k)`` for ``input_ids (B, L)``."""
         x = embedding_moments(input_ids, self.item_embedding, item_error_var, scale=self.embedding_scale)
         if self.position_embedding is not None:
-            length = input_ids.shape[-1]
-            if length > self.position_embedding.shape[0]:
-                raise DataError(
-                    f"sequence length {length} exceeds the "
-                    f"{self.position_embedding.shape[0]} positional embeddings"
-                )
-            position = GaussianMoments(
-                self.position_embedding[:length], torch.tensor(float(self.position_error_var)).to(x.var)
-            )
-            x = add_moments(x, position)
+            x = add_moments(x, self._position_moments(input_ids.shape[-1], x.var))
         if self.layer_norm is None:
             return linear_moments(
                 x,

@@ -11,10 +11,11 @@ Design choices (documented because the privacy machinery depends on them):
   Phantom Clipping (Claim 4.1) and Opacus' GradSampleModule both see the two uses through plain
   modules. ``tied=False`` gives the output layer its own weight (the "no sharing" setting; the
   paper's footnote 5 halves ``d_model`` there for a similar parameter count).
-* **Padding.** Item embeddings (plus positions) are multiplied by the non-padding mask, and real
-  queries never attend to padding keys, so padding positions receive exactly zero gradient and the
-  input side of ``E`` gets no gradient in row 0; the output side does (row 0 is a candidate that
-  the softmax pushes down). ``nn.Embedding.padding_idx`` is therefore not needed and not set.
+* **Padding.** Item embeddings (plus positions) are multiplied by the non-padding mask and real
+  queries never attend to padding keys: real positions do not depend on padding ones (outputs are
+  invariant to the padding length), and the input side of ``E`` gets exactly zero gradient in row
+  0, whatever the targets; the output side does get one (row 0 is a candidate that the softmax
+  pushes down). ``nn.Embedding.padding_idx`` is therefore not needed and not set.
 * **Positions** are learned and right-aligned: the most recent item always sits at position
   ``max_len - 1``, so a batch shorter than ``max_len`` sees the same positions as a full one.
 * **Pre-LN** blocks ``x + Drop(Attn(LN(x)))``, ``x + Drop(FFN(LN(x)))`` with a final LayerNorm
@@ -126,7 +127,9 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.activation, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None
+    ) -> Tensor:
         x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
         return x + self.dropout(self.ff(self.ln_ff(x)))
 

@@ -18,7 +18,9 @@ TARGETS = torch.tensor([[0, 0, 4, 5, 6, 7], [2, 3, 4, 5, 12, 1], [0, 0, 0, 0, 0,
 
 def _model(arch="transformer", tied=True, dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
-    cfg = SeqRecConfig(num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0, tied=tied, arch=arch)
+    cfg = SeqRecConfig(
+        num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0, tied=tied, arch=arch
+    )
     return build_seqrec(cfg).to(dtype)
 
 
@@ -43,13 +45,17 @@ def _norms(per_sample):
 def _phantom_step(model, loss, coef_seed=1, strategy="auto"):
     with PhantomClipping(model, strategy=strategy) as phantom:
         norms = phantom.per_sample_norms(loss(model))
-        coef = torch.rand(norms.shape[0], generator=torch.Generator().manual_seed(coef_seed), dtype=norms.dtype)
+        coef = torch.rand(
+            norms.shape[0], generator=torch.Generator().manual_seed(coef_seed), dtype=norms.dtype
+        )
         phantom.accumulate_grad(coef)
     return norms, coef
 
 
 def _check_against_brute_force(model, rtol=1e-4, strategy="auto", loss=_loss, ids=IDS, targets=TARGETS):
-    params, per_sample = brute_force(model, lambda i: loss(model, ids[i : i + 1], targets[i : i + 1]), len(ids))
+    params, per_sample = brute_force(
+        model, lambda i: loss(model, ids[i : i + 1], targets[i : i + 1]), len(ids)
+    )
     norms, coef = _phantom_step(model, lambda m: loss(m, ids, targets), strategy=strategy)
     torch.testing.assert_close(norms, _norms(per_sample), rtol=rtol, atol=1e-7)
     for k, p in enumerate(params):
@@ -79,9 +85,12 @@ def test_float32_close_and_dtype_preserved():
     assert norms64.dtype == torch.float64
 
 
-def test_longer_sequences_exercise_ghost_and_direct_paths():
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_strategy_mixes_ghost_and_direct_layers(tied):
+    # d=16, T=8: attention Linears (16x16) and positions are materialised, the FFN (16x64),
+    # the untied output layer and the item embedding use ghost norms
     torch.manual_seed(3)
-    cfg = SeqRecConfig(num_items=40, max_len=8, d_model=4, n_heads=1, n_layers=1, dropout=0.0)
+    cfg = SeqRecConfig(num_items=40, max_len=8, d_model=16, n_heads=1, n_layers=1, dropout=0.0, tied=tied)
     model = build_seqrec(cfg).double()
     ids = torch.randint(0, 41, (3, 8))
     targets = torch.randint(1, 41, (3, 8))
@@ -101,7 +110,7 @@ class TiedWithPaddingIdx(nn.Module):
 
     def forward(self, ids):
         h = self.emb(ids)
-        h = h + torch.tanh(self.mix(h)).cumsum(dim=1)  # positions interact
+        h = h + torch.tanh(self.mix(input=h)).cumsum(dim=1)  # positions interact; keyword input
         return self.out(self.norm(h))
 
 
@@ -237,3 +246,15 @@ def test_accumulate_adds_to_existing_grad():
         phantom.per_sample_norms(_loss(model))
         phantom.accumulate_grad(torch.zeros(4, dtype=torch.float64))
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+
+
+def test_exact_with_a_re_attention_score_correction():
+    def correction(logits, query):  # differentiable in the queries, like a per-query Re-Attention C
+        return logits - 0.1 * query.pow(2).sum(-1, keepdim=True) * torch.linspace(0, 1, logits.shape[-1]).to(
+            logits
+        )
+
+    def loss(model, ids, targets):
+        return sequence_loss(model(ids, score_correction=correction), targets)
+
+    _check_against_brute_force(_model(), loss=loss)

@@ -20,7 +20,7 @@ M, L = 12, 6
 
 
 def _cfg(**kw) -> SeqRecConfig:
-    base = dict(num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0)
+    base = {"num_items": M, "max_len": L, "d_model": 8, "n_heads": 2, "n_layers": 2, "dropout": 0.0}
     return SeqRecConfig(**(base | kw))
 
 
@@ -31,14 +31,14 @@ def _ids() -> torch.Tensor:
 @pytest.mark.parametrize(
     "kw, fragment",
     [
-        (dict(num_items=0), "num_items"),
-        (dict(max_len=-1), "max_len"),
-        (dict(d_model=8, n_heads=3), "divisible"),
-        (dict(dropout=1.0), "dropout"),
-        (dict(arch="bert"), "known: transformer, gru, lstm"),
-        (dict(activation="tanh"), "known: relu, gelu"),
-        (dict(d_ff=0), "d_ff"),
-        (dict(tied="yes"), "tied"),
+        ({"num_items": 0}, "num_items"),
+        ({"max_len": -1}, "max_len"),
+        ({"d_model": 8, "n_heads": 3}, "divisible"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"arch": "bert"}, "known: transformer, gru, lstm"),
+        ({"activation": "tanh"}, "known: relu, gelu"),
+        ({"d_ff": 0}, "d_ff"),
+        ({"tied": "yes"}, "tied"),
     ],
 )
 def test_config_validation_names_bad_value(kw, fragment):
@@ -184,7 +184,10 @@ def test_sequence_loss_sums_cross_entropy_over_valid_positions():
     loss = sequence_loss(logits, targets)
     manual = torch.stack(
         [
-            sum((F.cross_entropy(logits[b, t], targets[b, t]) for t in range(L) if targets[b, t] != 0), torch.tensor(0.0))
+            sum(
+                (F.cross_entropy(logits[b, t], targets[b, t]) for t in range(L) if targets[b, t] != 0),
+                torch.tensor(0.0),
+            )
             for b in range(3)
         ]
     )
