@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows.prepare import prepare_flow
+from flows.train_dp import train_dp_flow, train_dp_runner
 from privbench.config import BenchmarkConfig
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
@@ -19,6 +20,11 @@ from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
     run = open_flow_record(flow="benchmark", stage="benchmark", config=config, profile=config.profile)
     prepared = prepare_flow(config.prepare, profile=config.profile, parent=run)
-    summary = {"run_id": run.run_id, "stages": {"prepare": prepared}}
-    close_flow_record(run, metrics={"n_stages": len(summary["stages"])}, summary=summary)
+    stages: dict[str, Any] = {"prepare": prepared}
+    if config.train_dp is not None:
+        paths = {name: d["path"] for name, d in prepared["datasets"].items()}
+        stages["train-dp"] = train_dp_flow.with_options(task_runner=train_dp_runner(config.train_dp))(
+            config.train_dp, config.prepare, profile=config.profile, parent=run, prepared=paths)
+    summary = {"run_id": run.run_id, "stages": stages}
+    close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

@@ -36,7 +36,7 @@ def main() -> None:
 
 @app.command()
 def run(
-    flow: Annotated[str, typer.Argument(help="which flow: " + ", ".join(["prepare", "benchmark"]))],
+    flow: Annotated[str, typer.Argument(help="which flow: prepare, train-dp, benchmark")],
     profile: ProfileOpt = "quick",
     config: ConfigOpt = None,
     set_: SetOpt = None,

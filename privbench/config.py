@@ -87,11 +87,88 @@ class PrepareConfig(FrozenConfig):
         raise ConfigError(f"unknown dataset {name!r}; this profile prepares: {known}")
 
 
+TRAIN_METHODS = ("gru", "lstm", "transformer_untied", "transformer", "dpformer")
+PEER_METHODS = ("transformer_opacus_hooks", "transformer_opacus_ghost_untied")
+
+
+class TrainDatasetSpec(FrozenConfig):
+    """A prepared dataset to train on, with its dropout (App. E: 0.2 MovieLens, 0.5 Amazon)."""
+
+    name: str
+    dropout: float = Field(0.2, ge=0.0, lt=1.0)
+
+
+class TrainDPConfig(FrozenConfig):
+    """Stage 2: DP-SGD training of sequential recommenders (DPFormer Sec. 6, App. E).
+
+    The grid is datasets x methods x epsilons x seeds (x learning rates x batch sizes), plus each
+    method trained without DP when ``nonprivate`` is set, plus the Opacus peers at ``peer_epsilons``.
+    """
+
+    datasets: tuple[TrainDatasetSpec, ...] = Field(min_length=1)
+    methods: tuple[Literal["gru", "lstm", "transformer_untied", "transformer", "dpformer"], ...] = TRAIN_METHODS
+    epsilons: tuple[float, ...] = Field((5.0, 8.0, 10.0), min_length=1)
+    seeds: tuple[int, ...] = Field((0,), min_length=1)
+    nonprivate: bool = True
+    peers: tuple[Literal["transformer_opacus_hooks", "transformer_opacus_ghost_untied"], ...] = PEER_METHODS
+    peer_epsilons: tuple[float, ...] = (8.0,)
+    delta: float | None = Field(None, description="None: 1/(10 N) for N users, always below 1/N")
+    clip_norm: float = Field(1.0, gt=0.0)
+    normalize: bool = True
+    accountant: Literal["rdp", "prv"] = "rdp"
+    epochs: int = Field(100, ge=1)
+    lrs: tuple[float, ...] = Field((1e-3,), min_length=1)
+    batch_sizes: tuple[int, ...] = Field((256,), min_length=1)
+    weight_decay: float = Field(1e-5, ge=0.0)
+    warmup_frac: float = Field(0.2, ge=0.0, lt=1.0)
+    max_len: int = Field(200, ge=2)
+    d_model: int = Field(64, ge=2)
+    n_heads: int = Field(1, ge=1)
+    n_layers: int = Field(2, ge=1)
+    eval_every: int = Field(5, ge=1)
+    workers: int = Field(2, ge=1, description="grid points trained in parallel (one process each)")
+    threads_per_worker: int = Field(1, ge=1)
+
+    @field_validator("epsilons", "peer_epsilons")
+    @classmethod
+    def _positive_epsilons(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not v > 0]
+        if bad:
+            raise ValueError(f"every epsilon must be > 0, got {bad}; epsilon is the DP budget (e.g. 5, 8, 10)")
+        return values
+
+    @field_validator("delta")
+    @classmethod
+    def _delta_range(cls, delta: float | None) -> float | None:
+        if delta is not None and not 0.0 < delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), got delta={delta}; leave it null for 1/(10 N)")
+        return delta
+
+    @field_validator("lrs", "batch_sizes")
+    @classmethod
+    def _positive(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not v > 0]
+        if bad:
+            raise ValueError(f"learning rates and batch sizes must be > 0, got {bad}")
+        return values
+
+
 class BenchmarkConfig(FrozenConfig):
     """The whole chain. Later stages add their sections here."""
 
     profile: str = Field("quick", pattern=r"^[a-z0-9_-]+$")
     prepare: PrepareConfig
+    train_dp: TrainDPConfig | None = None
+
+    @model_validator(mode="after")
+    def _train_on_prepared(self) -> BenchmarkConfig:
+        if self.train_dp is not None:
+            prepared = {d.name for d in self.prepare.datasets}
+            missing = [d.name for d in self.train_dp.datasets if d.name not in prepared]
+            if missing:
+                raise ValueError(f"train_dp.datasets {missing} are not prepared; add them to prepare.datasets "
+                                 f"or pick from {sorted(prepared)}")
+        return self
 
 
 # ----------------------------------------------------------------------------------------------- loading

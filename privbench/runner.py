@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from core.errors import ConfigError
 from privbench.config import BenchmarkConfig
 
 
@@ -12,6 +13,15 @@ def _prepare(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.prepare import prepare_flow
 
     return prepare_flow(cfg.prepare, profile=cfg.profile)
+
+
+def _train_dp(cfg: BenchmarkConfig) -> dict[str, Any]:
+    from flows.train_dp import train_dp_flow, train_dp_runner
+
+    if cfg.train_dp is None:
+        raise ConfigError(f"profile {cfg.profile!r} has no train_dp section; add one or use --profile quick")
+    flow = train_dp_flow.with_options(task_runner=train_dp_runner(cfg.train_dp))
+    return flow(cfg.train_dp, cfg.prepare, profile=cfg.profile)
 
 
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
@@ -22,6 +32,7 @@ def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
 
 FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
     "prepare": _prepare,
+    "train-dp": _train_dp,
     "benchmark": _benchmark,
 }
 

@@ -68,7 +68,7 @@ def test_run_refuses_bad_input_before_anything_runs(home: Path) -> None:
     result = runner.invoke(app, ["run", "prepare", "--set", "prepare.nope=1"])
     assert result.exit_code == 2 and "unknown key 'nope' under prepare; known keys: datasets" in result.stderr
     result = runner.invoke(app, ["run", "train-everything"])
-    assert result.exit_code == 2 and "unknown flow 'train-everything'; known flows: prepare, benchmark" in result.stderr
+    assert result.exit_code == 2 and "unknown flow 'train-everything'; known flows: prepare, train-dp, benchmark" in result.stderr
     assert runner.invoke(app, ["run", "prepare", "--profile", "huge"]).exit_code == 2
     assert not (home / "results.db").exists()  # nothing ran, nothing was written
 
@@ -129,3 +129,46 @@ def _running_rows(db: Path) -> int:
             return conn.execute("select count(*) from runs where status = 'running'").fetchone()[0]
     except sqlite3.OperationalError:
         return 0
+
+
+def test_ui_serves_the_store_on_loopback(home: Path, mlflow_uri: str, tmp_path: Path) -> None:
+    """`privbench ui` really starts MLflow on 127.0.0.1 and shows the runs privbench recorded."""
+    import socket
+
+    run_id = fill_store()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "privbench", "ui", "--port", str(port)], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        body = _poll(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/runs/search", proc,
+                     data=json.dumps({"experiment_ids": _experiment_ids(mlflow_uri)}).encode())
+        assert run_id in body
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _experiment_ids(uri: str) -> list[str]:
+    return [e.experiment_id for e in mlflow.MlflowClient(uri).search_experiments()]
+
+
+def _poll(url: str, proc: subprocess.Popen, data: bytes) -> str:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else "ui exited"
+        try:
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.read().decode()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    raise AssertionError(f"MLflow UI did not answer at {url}")

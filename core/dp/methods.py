@@ -1,0 +1,219 @@
+"""Training configuration of DPFormer's experiments (Sec. 6, App. E.2-E.3) and the method registry.
+
+:class:`DPTrainConfig` holds every knob of one training run of :func:`core.dp.trainer.train_seqrec`;
+its defaults are the paper's (``d_model = 64``, 1 head, 2 blocks, dropout 0.2 for MovieLens,
+normalised gradients with ``C = 1``, Adam with weight decay ``1e-5``, 20% warm-up then linear
+decay). :data:`METHODS` names the compared methods as partial configs and :func:`method_config`
+completes one; a method is trained non-privately with ``clipping="nonprivate", epsilon=None``.
+
+Methods (Tables 1-2 and Sec. 4.3):
+
+* ``gru``, ``lstm``: recurrent baselines with the tied embedding ("embedding sharing is applied for
+  all evaluated methods if not explicitly stated", Sec. 6).
+* ``transformer_untied``: "Transformer w/o PS", separate input and output embeddings.
+* ``transformer``: the vanilla Transformer (tied, no Re-Attention).
+* ``dpformer``: tied embedding (Phantom Clipping) + Re-Attention (Sec. 5).
+* ``transformer_opacus_hooks``: the vanilla Transformer clipped by Opacus' per-sample-gradient hooks.
+* ``transformer_opacus_ghost_untied``: Ghost Clipping (Opacus' fast gradient clipping) cannot tie
+  parameters, so the model is untied with ``d_model`` halved to 32 (footnote 5: a similar number of
+  parameters as the tied model). An explicit ``d_model`` override is taken literally: pass half of
+  the other methods' ``d_model`` to keep footnote 5's comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Literal, get_args
+
+import torch
+
+from core.dp.accounting import Accountant
+from core.dp.clipping import ClippingMethod
+from core.errors import ConfigError
+
+__all__ = ["METHODS", "DPTrainConfig", "method_config"]
+
+Arch = Literal["transformer", "gru", "lstm"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPTrainConfig:
+    """One training run: model (App. E.2), privacy (Sec. 3, eq. 3.1) and optimisation (Sec. 6, E.3).
+
+    Model: ``arch``, ``tied`` (share the item embedding with the output layer, Sec. 4.1),
+    ``d_model``, ``n_heads``, ``n_layers``, ``dropout``, ``max_len`` (longest input sequence),
+    ``reattention`` (Sec. 5; transformer only; a no-op without noise, so ignored when non-private).
+
+    Privacy: ``clipping`` (a :class:`~core.dp.clipping.ClippingMethod` value; ``"nonprivate"``
+    disables DP), ``epsilon`` (target budget, required > 0 for private runs and forbidden for
+    non-private ones), ``delta`` (None: ``default_delta(N) = 1 / (10 N)``; an explicit delta must be
+    below ``1 / N``, checked against the data by the trainer), ``clip_norm`` ``C``, ``normalize``
+    (automatic clipping ``C g / (||g|| + 0.01)``, the paper's normalised gradients with ``C = 1``),
+    ``accountant`` (``"rdp"`` or ``"prv"``).
+
+    Optimisation: ``epochs``; ``batch_size`` (the *expected* batch size ``q N`` of Poisson sampling,
+    ``q = batch_size / N``; the fixed batch size of non-private runs); Adam ``lr`` and
+    ``weight_decay``; ``warmup_frac`` of the steps warms the learning rate up linearly, the rest
+    decays it linearly to 0; ``eval_every`` (epochs); ``seed``; ``device``; ``max_steps`` caps the
+    number of steps (tests, quick profiles) -- the privacy calibration and the learning-rate
+    schedule then use the capped number, so the target epsilon is spent by the last step run.
+    """
+
+    arch: Arch = "transformer"
+    tied: bool = True
+    d_model: int = 64
+    n_heads: int = 1
+    n_layers: int = 2
+    dropout: float = 0.2
+    max_len: int = 200
+    reattention: bool = False
+    clipping: str = ClippingMethod.PHANTOM.value
+    epsilon: float | None = None
+    delta: float | None = None
+    clip_norm: float = 1.0
+    normalize: bool = True
+    accountant: str = Accountant.RDP.value
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float = 1e-5
+    warmup_frac: float = 0.2
+    eval_every: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_model()
+        self._check_privacy()
+        self._check_optimisation()
+
+    @property
+    def private(self) -> bool:
+        """Whether this run is differentially private (``clipping != "nonprivate"``)."""
+        return self.clipping != ClippingMethod.NONPRIVATE.value
+
+    def _check_model(self) -> None:
+        if self.arch not in get_args(Arch):
+            raise ConfigError(f"unknown arch={self.arch!r}; known: {', '.join(get_args(Arch))}")
+        for name in ("tied", "reattention", "normalize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+        for name in ("d_model", "n_heads", "n_layers", "max_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}"
+            )
+        if not _is_real(self.dropout) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout must be in [0, 1), got dropout={self.dropout!r}")
+        if self.reattention and self.arch != "transformer":
+            raise ConfigError(
+                f"reattention=True needs attention, but arch={self.arch!r} has none; use arch='transformer'"
+            )
+
+    def _check_privacy(self) -> None:
+        try:
+            object.__setattr__(self, "clipping", ClippingMethod(self.clipping).value)
+        except ValueError:
+            known = ", ".join(m.value for m in ClippingMethod)
+            raise ConfigError(f"unknown clipping={self.clipping!r}; known: {known}") from None
+        object.__setattr__(self, "accountant", Accountant(self.accountant).value)
+        if self.private:
+            if self.epsilon is None or not _is_real(self.epsilon) or self.epsilon <= 0:
+                raise ConfigError(
+                    f"epsilon must be a finite number > 0 for private training (clipping={self.clipping!r}), "
+                    f"got epsilon={self.epsilon!r}; or train without DP with clipping='nonprivate'"
+                )
+        elif self.epsilon is not None or self.delta is not None:
+            raise ConfigError(
+                f"clipping='nonprivate' trains without DP, so epsilon and delta must be None, got "
+                f"epsilon={self.epsilon!r}, delta={self.delta!r}; pick a clipping method (e.g. 'phantom')"
+            )
+        if self.delta is not None and not (_is_real(self.delta) and 0 < self.delta < 1):
+            raise ConfigError(
+                f"delta must be in (0, 1) and below 1/N, got delta={self.delta!r}; "
+                "None uses default_delta(N) = 1/(10 N)"
+            )
+        if not _is_real(self.clip_norm) or self.clip_norm <= 0:
+            raise ConfigError(f"clip_norm must be a finite number > 0, got clip_norm={self.clip_norm!r}")
+        if self.clipping == ClippingMethod.OPACUS_GHOST.value and self.tied:
+            raise ConfigError(
+                "clipping='opacus_ghost' does not support the tied embedding (Opacus refuses parameter "
+                "tying); set tied=False (method 'transformer_opacus_ghost_untied') or use 'phantom'"
+            )
+
+    def _check_optimisation(self) -> None:
+        for name in ("epochs", "batch_size", "eval_every"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
+            raise ConfigError(f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got seed={self.seed!r}")
+        if not _is_real(self.lr) or self.lr <= 0:
+            raise ConfigError(f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3")
+        if not _is_real(self.weight_decay) or self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
+        if not _is_real(self.warmup_frac) or not 0 <= self.warmup_frac < 1:
+            raise ConfigError(
+                f"warmup_frac must be in [0, 1), got warmup_frac={self.warmup_frac!r}; the paper uses 0.2"
+            )
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}") from None
+
+
+_COMMON: dict[str, Any] = {"arch": "transformer", "tied": True, "reattention": False, "clipping": "phantom"}
+
+#: The compared methods as partial :class:`DPTrainConfig` s (see the module docstring).
+METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        name: MappingProxyType(_COMMON | partial)
+        for name, partial in {
+            "gru": {"arch": "gru"},
+            "lstm": {"arch": "lstm"},
+            "transformer_untied": {"tied": False},
+            "transformer": {},
+            "dpformer": {"reattention": True},
+            "transformer_opacus_hooks": {"clipping": "opacus_hooks"},
+            "transformer_opacus_ghost_untied": {"clipping": "opacus_ghost", "tied": False, "d_model": 32},
+        }.items()
+    }
+)
+
+_FIELDS = frozenset(f.name for f in fields(DPTrainConfig))
+
+
+def method_config(name: str, **overrides: Any) -> DPTrainConfig:
+    """The :class:`DPTrainConfig` of method ``name`` with ``overrides`` (which win) applied.
+
+    ``epochs``, ``batch_size`` and ``lr`` must be given, and ``epsilon`` unless
+    ``clipping="nonprivate"``. Raises ConfigError for an unknown method (listing the known ones) or
+    an unknown field.
+    """
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    unknown = sorted(set(overrides) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown DPTrainConfig field(s) {unknown}; known: {', '.join(sorted(_FIELDS))}")
+    try:
+        return DPTrainConfig(**(dict(METHODS[name]) | overrides))
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(f"method {name!r}: {err}; pass epochs=, batch_size= and lr=") from None

@@ -1,0 +1,465 @@
+"""DP-SGD training of sequential recommenders (DPFormer Sec. 3, 5 and 6; App. E.1-E.3).
+
+:func:`train_seqrec` trains one method of :mod:`core.dp.methods` on a
+:class:`~core.data.sequential.SequentialDataset` and evaluates it by full ranking.
+
+**Privacy unit.** Each user contributes exactly one training sequence (the last ``max_len`` items of
+the training prefix, :meth:`SequentialDataset.train_examples`), so the guarantee is user-level
+(App. E.1): ``N`` = number of users.
+
+**DP-SGD (eq. 3.1).** ``T = epochs * round(1 / q)`` steps (capped by ``max_steps``) over
+Poisson-sampled batches with rate ``q = batch_size / N`` (:mod:`core.dp.sampling`). The noise
+multiplier ``sigma`` is calibrated *before* training so that the ``T`` steps spend the target
+epsilon at ``delta`` (default ``1 / (10 N)``; Sec. 6: "we fix the total training epochs and derive
+the noise ... from the preset privacy budget"). Per step: the per-sequence losses (sum of the
+next-item cross-entropies over the sequence's positions) go through the clipper, which leaves
+``sum_i clip(g_i)`` in ``p.grad``; :func:`~core.dp.noise.privatize_grads_` adds
+``N(0, (sigma C)^2)`` and divides by the expected batch size ``q N``; Adam (weight decay ``1e-5``,
+E.3) steps with a learning rate warmed up linearly over the first ``warmup_frac`` of the steps, then
+decayed linearly to 0 (Sec. 6). An empty Poisson batch is a noise-only step. Every step is recorded
+by a :class:`~core.dp.accounting.PrivacyAccountant`, and the budget is checked at the end.
+
+**Re-Attention (Sec. 5).** For ``reattention=True`` the item embedding's effective error variance
+``(sigma C / (q N p_i))^2`` (Claim 5.4) -- with ``p_i`` the fraction of training sequences that
+contain item ``i`` (eq. C.3), floored at ``1 / N`` for items absent from every training window --
+and the block variance ``(sigma C / (q N))^2`` (Claim 5.3) are carried to the first layer's keys by
+:class:`~core.dp.reattention.KeyPropagation` (positions: Claim 5.4 with the fraction of sequences
+reaching each position). The per-batch correction is passed to every forward, in training and in
+evaluation. As in the paper (Remark C.1) the frequencies are treated as **public**: they are
+computed here from the private training data and are *not* covered by the DP guarantee.
+
+**Non-private runs** (``clipping="nonprivate"``): shuffled fixed-size batches, ``ceil(N /
+batch_size)`` per epoch, loss = mean over the batch's sequences of the per-sequence loss (sum over
+positions), ordinary backward; same optimiser and schedule.
+
+**Evaluation** every ``eval_every`` epochs and after the last step: full ranking over all items
+(:func:`~core.metrics.rank_of_target`, padding excluded, pessimistic ties) of the validation target
+(input ``s[:-2]``) and the test target (input ``s[:-1]``) of every user; NDCG@10 and HIT@10 means.
+The training loss and all metrics are diagnostics computed on private data: they are not covered by
+the guarantee (neither is hyper-parameter selection on them, footnote 9).
+
+A non-finite loss or gradient stops training with :class:`TrainingDivergedError` naming the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from core.data.sequential import SequentialDataset
+from core.dp.accounting import (
+    PrivacyAccountant,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    default_delta,
+    require_accountant,
+)
+from core.dp.clipping import Clipper, make_clipper
+from core.dp.methods import METHODS, DPTrainConfig, method_config
+from core.dp.noise import privatize_grads_
+from core.dp.reattention import (
+    KeyPropagation,
+    ReAttention,
+    block_error_variance,
+    embedding_error_variance,
+    token_presence_frequency,
+)
+from core.dp.sampling import poisson_batches, sample_rate_for
+from core.errors import ConfigError, DataError, PrivacyError
+from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
+from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, TransformerSeqRec, build_seqrec, sequence_loss
+
+__all__ = [
+    "METHODS",
+    "DPTrainConfig",
+    "EpochLog",
+    "TrainResult",
+    "TrainingDivergedError",
+    "build_reattention",
+    "lr_multiplier",
+    "method_config",
+    "train_seqrec",
+]
+
+EVAL_BATCH_SIZE = 256
+TOP_K = 10
+
+
+class TrainingDivergedError(PrivacyError, ValueError):
+    """The loss or a gradient became NaN/inf; the message names the step (lower the learning rate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochLog:
+    """One evaluation: after ``step`` optimiser steps, in (possibly partial) epoch ``epoch`` (1-based).
+
+    ``train_loss``: mean next-item cross-entropy per target position over the epoch's batches (NaN
+    if they were all empty). ``epsilon_spent``: privacy spent so far (``math.inf`` if non-private).
+    ``wall_s``: seconds since training started (excluded from ``==``).
+    """
+
+    epoch: int
+    step: int
+    train_loss: float
+    valid_ndcg10: float
+    valid_hit10: float
+    test_ndcg10: float
+    test_hit10: float
+    epsilon_spent: float
+    wall_s: float = field(compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """Outcome of :func:`train_seqrec`.
+
+    ``test_ndcg10``/``test_hit10`` are taken at ``best_epoch``, the evaluation with the highest
+    validation NDCG@10 (first on ties; the paper reports best results); ``final_*`` at the last one.
+    ``ledger`` is None for non-private runs (``noise_multiplier`` 0). ``model`` is the trained model
+    (excluded from ``==`` and ``repr``, as is ``wall_s``).
+    """
+
+    history: tuple[EpochLog, ...]
+    best_epoch: int
+    test_ndcg10: float
+    test_hit10: float
+    final_test_ndcg10: float
+    final_test_hit10: float
+    ledger: PrivacyLedger | None
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    n_params: int
+    config: DPTrainConfig
+    wall_s: float = field(compare=False)
+    model: SeqRecModel | None = field(default=None, compare=False, repr=False)
+
+
+def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int) -> float:
+    """Learning-rate factor at 0-based step ``step`` (Sec. 6): ``(step + 1) / W`` for the ``W`` warm-up
+    steps, then ``(T - step) / (T - W)``, a linear decay reaching 0 just after the last step ``T - 1``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (total_steps - step) / (total_steps - warmup_steps))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Schedule and mechanism of a run (sigma = 0 and no delta when non-private)."""
+
+    n: int
+    sample_rate: float
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    delta: float | None
+    sigma: float
+
+    @property
+    def expected_batch(self) -> float:
+        return self.sample_rate * self.n
+
+
+def _plan(data: SequentialDataset, cfg: DPTrainConfig) -> _Plan:
+    n = data.n_users
+    q = sample_rate_for(cfg.batch_size, n)  # ConfigError if batch_size > N
+    per_epoch = max(1, round(1 / q)) if cfg.private else math.ceil(n / cfg.batch_size)
+    total = cfg.epochs * per_epoch if cfg.max_steps is None else min(cfg.epochs * per_epoch, cfg.max_steps)
+    warmup = min(round(cfg.warmup_frac * total), total - 1)
+    if not cfg.private:
+        return _Plan(n, q, per_epoch, total, warmup, None, 0.0)
+    delta = _resolve_delta(cfg.delta, n)
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=cfg.epsilon, delta=delta, sample_rate=q, steps=total, accountant=cfg.accountant
+    )
+    return _Plan(n, q, per_epoch, total, warmup, delta, sigma)
+
+
+def _resolve_delta(delta: float | None, n: int) -> float:
+    if delta is None:
+        return default_delta(n)
+    if delta >= 1 / n:
+        raise ConfigError(
+            f"delta={delta!r} >= 1/N = {1 / n:.4g} for N={n} users: such a delta allows releasing a whole "
+            f"user's record; use delta < {1 / n:.4g}, or None for default_delta(N) = {default_delta(n):.4g}"
+        )
+    return delta
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """Training windows (N, L) and evaluation inputs (N, L) / targets (N,) of every user."""
+
+    inputs: Tensor
+    targets: Tensor
+    valid: tuple[Tensor, Tensor]
+    test: tuple[Tensor, Tensor]
+
+
+def _tensors(data: SequentialDataset, max_len: int, device: torch.device) -> _Tensors:
+    inputs, targets = data.train_examples(max_len)
+    if not bool((targets != PADDING_ID).any()):
+        raise DataError(
+            f"{data.source}: no training targets -- every one of the {data.n_users} users has exactly 3 "
+            "interactions, all held out for validation/test; training needs users with >= 4 interactions"
+        )
+    users = np.arange(data.n_users)
+    valid = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="valid"))
+    test = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="test"))
+    return _Tensors(inputs.to(device), targets.to(device), valid, test)
+
+
+def build_reattention(
+    model: TransformerSeqRec,
+    train_inputs: Tensor,
+    train_targets: Tensor,
+    *,
+    noise_multiplier: float,
+    clip_norm: float,
+    expected_batch_size: float,
+) -> ReAttention:
+    """Re-Attention (Sec. 5.2) for ``model`` trained on the windows ``train_inputs``/``train_targets`` (N, L).
+
+    Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
+    floored at ``1 / N``; block and key-projection variances: Claim 5.3; position ``j``: Claim 5.4
+    with the fraction of windows whose input is not padding at ``j`` (a padded position gets no
+    gradient). The frequencies are treated as public (Remark C.1) although computed from the data.
+    """
+    n = train_inputs.shape[0]
+    sizes = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "batch_size": expected_batch_size}
+    windows = torch.cat([train_inputs, train_targets], dim=1).cpu()
+    item_freq = token_presence_frequency(windows, num_embeddings=model.cfg.vocab_size)
+    item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
+    position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
+    position_var = embedding_error_variance(
+        **sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n
+    )
+    v_block = block_error_variance(**sizes)
+    block = model.blocks[0]
+    device = model.item_emb.weight.device
+    propagation = KeyPropagation(
+        item_embedding=model.item_emb.weight.detach(),
+        key_weight=block.attn.k_proj.weight.detach(),
+        key_bias=block.attn.k_proj.bias.detach(),
+        key_weight_var=v_block,
+        key_bias_var=v_block,
+        position_embedding=model.pos_emb.weight.detach(),
+        position_error_var=position_var.to(device),
+        position_alignment="right",
+        layer_norm=(block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps),
+    )
+    return ReAttention(item_var.to(device), propagation=propagation)
+
+
+def _device(cfg: DPTrainConfig) -> torch.device:
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r} but CUDA is not available; use device='cpu'")
+    return device
+
+
+class _Run:
+    """State of one training run: model, clipper, optimiser, schedule, accountant, generators."""
+
+    def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
+        self.cfg, self.plan, self.device = cfg, plan, device
+        self.t = _tensors(data, cfg.max_len, device)
+        model_cfg = SeqRecConfig(
+            num_items=data.n_items, max_len=cfg.max_len, d_model=cfg.d_model, n_heads=cfg.n_heads,
+            n_layers=cfg.n_layers, dropout=cfg.dropout, tied=cfg.tied, arch=cfg.arch,
+        )  # fmt: skip
+        self.model = build_seqrec(model_cfg).to(device).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_multiplier(s, total_steps=plan.total_steps, warmup_steps=plan.warmup_steps),
+        )
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed)
+        self.noise_gen = torch.Generator(device).manual_seed(cfg.seed + 0x5EED)
+        self.clipper: Clipper | None = None
+        self.accountant: PrivacyAccountant | None = None
+        self.reattention: ReAttention | None = None
+        if cfg.private:
+            self.accountant = require_accountant(PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta))
+            self.clipper = make_clipper(
+                cfg.clipping, self.model, clip_norm=cfg.clip_norm, normalize=cfg.normalize
+            )
+            if cfg.reattention:
+                self.reattention = build_reattention(
+                    self.model, self.t.inputs, self.t.targets, noise_multiplier=plan.sigma,
+                    clip_norm=cfg.clip_norm, expected_batch_size=plan.expected_batch,
+                )  # fmt: skip
+        self.net: nn.Module = self.model if self.clipper is None else self.clipper.model
+        self.step = 0
+        self.loss_sum, self.loss_tokens = 0.0, 0
+
+    # ------------------------------------------------------------------------------ batches
+    def batches(self) -> Iterator[Tensor]:
+        """User indices of each step: Poisson batches (DP) or shuffled fixed-size batches."""
+        plan = self.plan
+        if self.cfg.private:
+            yield from poisson_batches(
+                plan.n, sample_rate=plan.sample_rate, steps=plan.total_steps, generator=self.sample_gen
+            )
+            return
+        produced = 0
+        while True:
+            for batch in torch.randperm(plan.n, generator=self.sample_gen).split(self.cfg.batch_size):
+                if produced == plan.total_steps:
+                    return
+                produced += 1
+                yield batch
+
+    # ------------------------------------------------------------------------------ training
+    def _per_sequence_loss(self, users: Tensor) -> Tensor:
+        ids, targets = self.t.inputs[users], self.t.targets[users]
+        correction = None if self.reattention is None else self.reattention.for_batch(ids)
+        logits = self.net(ids) if correction is None else self.net(ids, score_correction=correction)
+        loss = sequence_loss(logits, targets, reduction="none")  # (B,)
+        if not bool(torch.isfinite(loss).all()):
+            kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
+            raise TrainingDivergedError(
+                f"loss is {kind} at step {self.step} (of {self.plan.total_steps}); lower the learning rate "
+                f"(lr={self.cfg.lr!r}) or check the data"
+            )
+        self.loss_sum += float(loss.detach().sum())
+        self.loss_tokens += int((targets != PADDING_ID).sum())
+        return loss
+
+    def train_step(self, users: Tensor) -> None:
+        self.step += 1
+        users = users.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            if self.clipper is None:
+                (self._per_sequence_loss(users).sum() / len(users)).backward()
+                self._check_grads()
+            else:
+                if len(users):  # an empty Poisson batch is a noise-only step
+                    self.clipper.backward(self._per_sequence_loss(users))
+                privatize_grads_(
+                    self.params, noise_multiplier=self.plan.sigma, clip_norm=self.cfg.clip_norm,
+                    expected_batch_size=self.plan.expected_batch, generator=self.noise_gen,
+                )  # fmt: skip
+        except TrainingDivergedError:
+            raise
+        except PrivacyError as err:
+            raise TrainingDivergedError(f"step {self.step}: {err}") from err
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.accountant is not None:
+            self.accountant.step(noise_multiplier=self.plan.sigma, sample_rate=self.plan.sample_rate)
+
+    def _check_grads(self) -> None:
+        norms = torch.stack([p.grad.norm() for p in self.params if p.grad is not None])
+        if not bool(torch.isfinite(norms).all()):
+            raise TrainingDivergedError(
+                f"gradient is not finite at step {self.step}; lower the learning rate (lr={self.cfg.lr!r})"
+            )
+
+    # ---------------------------------------------------------------------------- evaluation
+    @torch.inference_mode()
+    def _ranking_metrics(self, inputs: Tensor, targets: Tensor) -> tuple[float, float]:
+        ranks = []
+        for start in range(0, len(inputs), EVAL_BATCH_SIZE):
+            ids = inputs[start : start + EVAL_BATCH_SIZE]
+            correction = None if self.reattention is None else self.reattention.for_batch(ids)
+            hidden = self.model.hidden(ids, correction)[:, -1]  # (b, d), the last (most recent) position
+            scores = self.model.output(hidden)  # (b, M + 1)
+            ranks.append(rank_of_target(scores, targets[start : start + EVAL_BATCH_SIZE]))
+        rank = torch.cat(ranks)
+        return float(ndcg_from_ranks(rank, k=TOP_K).mean()), float(hit_from_ranks(rank, k=TOP_K).mean())
+
+    def evaluate(self, epoch: int, started: float) -> EpochLog:
+        self.net.eval()
+        try:
+            valid = self._ranking_metrics(*self.t.valid)
+            test = self._ranking_metrics(*self.t.test)
+        finally:
+            self.net.train()
+        train_loss = self.loss_sum / self.loss_tokens if self.loss_tokens else math.nan
+        self.loss_sum, self.loss_tokens = 0.0, 0
+        return EpochLog(
+            epoch=epoch, step=self.step, train_loss=train_loss,
+            valid_ndcg10=valid[0], valid_hit10=valid[1], test_ndcg10=test[0], test_hit10=test[1],
+            epsilon_spent=math.inf if self.accountant is None else self.accountant.epsilon(),
+            wall_s=time.perf_counter() - started,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.clipper is not None:
+            self.clipper.close()
+
+
+def _check_call(data: SequentialDataset, cfg: DPTrainConfig) -> None:
+    if not isinstance(cfg, DPTrainConfig):
+        raise ConfigError(f"cfg must be a DPTrainConfig (see method_config), got {type(cfg).__name__}")
+    if not isinstance(data, SequentialDataset):
+        raise DataError(f"data must be a SequentialDataset (build_sequential_dataset), got {type(data).__name__}")
+    if data.n_users < 1 or data.n_interactions == 0:
+        raise DataError(f"{data.source}: empty dataset ({data.n_users} users); nothing to train on")
+
+
+def train_seqrec(
+    data: SequentialDataset,
+    cfg: DPTrainConfig,
+    *,
+    on_epoch: Callable[[EpochLog], None] | None = None,
+) -> TrainResult:
+    """Train ``cfg``'s method on ``data`` (module docstring); ``on_epoch`` gets every :class:`EpochLog`.
+
+    Seeded by ``cfg.seed``: initialisation and dropout use torch's global RNG, forked so that the
+    caller's RNG state is left untouched; batch sampling and DP noise use their own generators.
+    An exception raised by ``on_epoch`` stops training (e.g. early stopping).
+
+    Raises:
+        ConfigError: bad config, ``batch_size > N``, an explicit ``delta >= 1/N``, unreachable epsilon.
+        DataError: no training targets (every sequence fully held out).
+        TrainingDivergedError: NaN/inf loss or gradient (names the step).
+        PrivacyError: the spent epsilon exceeds the target (accounting bug).
+    """
+    _check_call(data, cfg)
+    started = time.perf_counter()
+    device = _device(cfg)
+    plan = _plan(data, cfg)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(cfg.seed)
+        run = _Run(data, cfg, plan, device)
+        try:
+            history = _train(run, started, on_epoch)
+        finally:
+            run.close()
+    ledger = None
+    if run.accountant is not None:
+        run.accountant.check_budget(target_epsilon=cfg.epsilon)
+        ledger = run.accountant.ledger(clip_norm=cfg.clip_norm, target_epsilon=cfg.epsilon)
+    best = max(history, key=lambda log: log.valid_ndcg10)  # first maximum on ties
+    return TrainResult(
+        history=history, best_epoch=best.epoch, test_ndcg10=best.test_ndcg10, test_hit10=best.test_hit10,
+        final_test_ndcg10=history[-1].test_ndcg10, final_test_hit10=history[-1].test_hit10,
+        ledger=ledger, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate, steps=run.step,
+        n_params=sum(p.numel() for p in run.params), config=cfg,
+        wall_s=time.perf_counter() - started, model=run.model.eval(),
+    )  # fmt: skip
+
+
+def _train(run: _Run, started: float, on_epoch: Callable[[EpochLog], None] | None) -> tuple[EpochLog, ...]:
+    history: list[EpochLog] = []
+    per_epoch, total = run.plan.steps_per_epoch, run.plan.total_steps
+    for users in run.batches():
+        run.train_step(users)
+        epoch, at_epoch_end = -(-run.step // per_epoch), run.step % per_epoch == 0
+        if (at_epoch_end and epoch % run.cfg.eval_every == 0) or run.step == total:
+            log = run.evaluate(epoch, started)
+            history.append(log)
+            if on_epoch is not None:
+                on_epoch(log)
+    return tuple(history)

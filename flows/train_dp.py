@@ -1,0 +1,38 @@
+"""Stage 2 flow: DP-SGD training grid (DPFormer and its baselines), one process per grid point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, unmapped
+from prefect.task_runners import ProcessPoolTaskRunner
+
+from flows.prepare import prepare_flow
+from privbench.config import PrepareConfig, TrainDPConfig
+from storage.recording import RunRef
+from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.train_dp import plan_grid, train_point
+
+STAGE = "train-dp"
+
+
+@flow(name="train-dp", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
+      on_cancellation=[mark_flow_failed])
+def train_dp_flow(config: TrainDPConfig, prepare: PrepareConfig, profile: str = "quick",
+                  parent: RunRef | None = None, prepared: dict[str, str] | None = None) -> dict[str, Any]:
+    """Train every grid point of ``config`` on the prepared datasets (prepared here first when not given)."""
+    if prepared is None:
+        wanted = PrepareConfig(datasets=tuple(prepare.dataset(d.name) for d in config.datasets))
+        done = prepare_flow(wanted, profile=profile, parent=parent)
+        prepared = {name: d["path"] for name, d in done["datasets"].items()}
+    run = open_flow_record(flow="train-dp", stage=STAGE, config=config, profile=profile, parent=parent)
+    points = plan_grid(config, prepared)
+    results = train_point.with_options(name="train-dp-point").map(points, unmapped(config), unmapped(run)).result()
+    summary = {"run_id": run.run_id, "runs": results}
+    close_flow_record(run, metrics={"n_runs": len(results)}, summary=summary)
+    return summary
+
+
+def train_dp_runner(config: TrainDPConfig) -> ProcessPoolTaskRunner:
+    """Grid points train in parallel processes: true parallelism and per-process RNG seeding."""
+    return ProcessPoolTaskRunner(max_workers=config.workers)

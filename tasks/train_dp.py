@@ -1,0 +1,115 @@
+"""Private-training tasks: expand the grid, train one grid point, recorded as one run with curves and ledger."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from prefect import task
+
+from core.dp.trainer import EpochLog, TrainResult, method_config, train_seqrec
+from privbench.config import TrainDPConfig
+from storage.recording import Recorder, RunRef
+from tasks.prepare import load_prepared
+from tasks.records import task_record
+
+CURVES = ("train_loss", "valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10", "epsilon_spent")
+_METRIC_NAMES = {"valid_ndcg10": "valid_ndcg_at_10", "valid_hit10": "valid_hit_at_10",
+                 "test_ndcg10": "test_ndcg_at_10", "test_hit10": "test_hit_at_10"}
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One training run of the grid: method, privacy level (None: non-private), seed and optimiser setting."""
+
+    dataset: str
+    dataset_path: str
+    dropout: float
+    method: str
+    epsilon: float | None
+    seed: int
+    lr: float
+    batch_size: int
+
+    @property
+    def label(self) -> str:
+        eps = "nonprivate" if self.epsilon is None else f"eps{self.epsilon:g}"
+        return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}"
+
+
+def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
+    """datasets x (methods x epsilons [+ non-private] + peers x peer_epsilons) x seeds x lrs x batch sizes."""
+    runs: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
+    if cfg.nonprivate:
+        runs += [(m, None) for m in cfg.methods]
+    runs += [(p, e) for p in cfg.peers for e in cfg.peer_epsilons]
+    return [
+        GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch)
+        for d in cfg.datasets
+        for (method, eps), seed, lr, batch in itertools.product(runs, cfg.seeds, cfg.lrs, cfg.batch_sizes)
+    ]
+
+
+@task(name="plan-train-grid")
+def plan_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
+    return expand_grid(cfg, prepared)
+
+
+@task(name="train-dp-point")
+def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[str, Any]:
+    """Train one grid point; record curves (step = epoch), best/final metrics, and the privacy ledger."""
+    torch.set_num_threads(cfg.threads_per_worker)
+    data = load_prepared(point.dataset_path)
+    train_cfg = method_config(point.method, **_overrides(point, cfg))
+    with task_record(parent=parent, technique=point.method, config=_run_config(point, train_cfg),
+                     dataset=point.dataset, run_name=point.label) as rec:
+        result = train_seqrec(data, train_cfg, on_epoch=lambda log: _record_epoch(rec, log))
+        _record_result(rec, result, point)
+    return {"run_id": rec.run_id, "label": point.label, "method": point.method, "dataset": point.dataset,
+            "epsilon": point.epsilon, "seed": point.seed, "test_ndcg_at_10": result.test_ndcg10,
+            "test_hit_at_10": result.test_hit10, "wall_s": result.wall_s}
+
+
+def _overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
+    common = {
+        "dropout": point.dropout, "max_len": cfg.max_len, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers,
+        "epochs": cfg.epochs, "batch_size": point.batch_size, "lr": point.lr, "weight_decay": cfg.weight_decay,
+        "warmup_frac": cfg.warmup_frac, "eval_every": cfg.eval_every, "seed": point.seed,
+    }
+    # the Opacus ghost-clipping peer cannot tie embeddings, so it halves d_model to match the
+    # parameter count (DPFormer footnote 5)
+    common["d_model"] = cfg.d_model // 2 if point.method == "transformer_opacus_ghost_untied" else cfg.d_model
+    if point.epsilon is None:
+        return common | {"clipping": "nonprivate", "epsilon": None}
+    return common | {"epsilon": point.epsilon, "delta": cfg.delta, "clip_norm": cfg.clip_norm,
+                     "normalize": cfg.normalize, "accountant": cfg.accountant}
+
+
+def _run_config(point: GridPoint, train_cfg: Any) -> dict[str, Any]:
+    return {"point": asdict(point), "train": asdict(train_cfg)}
+
+
+def _record_epoch(rec: Recorder, log: EpochLog) -> None:
+    for field in CURVES:
+        value = getattr(log, field)
+        if value is not None:
+            rec.metric(f"curve/{_METRIC_NAMES.get(field, field)}", value, step=log.epoch)
+
+
+def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None:
+    rec.metrics({
+        "test_ndcg_at_10": result.test_ndcg10, "test_hit_at_10": result.test_hit10,
+        "final_test_ndcg_at_10": result.final_test_ndcg10, "final_test_hit_at_10": result.final_test_hit10,
+        "best_epoch": result.best_epoch, "n_params": result.n_params, "steps": result.steps,
+        "train_wall_s": result.wall_s,
+    }, units={"train_wall_s": "s"})
+    if result.ledger is not None:
+        ledger = result.ledger
+        rec.privacy(epsilon=ledger.epsilon, delta=ledger.delta, noise_multiplier=ledger.noise_multiplier,
+                    sample_rate=ledger.sample_rate, steps=ledger.steps, accountant=str(ledger.accountant),
+                    clip_norm=ledger.clip_norm, target_epsilon=ledger.target_epsilon, unit="user")
+        rec.metric("epsilon", ledger.epsilon)
+    rec.artifact_json("curves.json", [asdict(log) for log in result.history])
+    rec.tag("privbench.dp", "nonprivate" if point.epsilon is None else f"eps={point.epsilon:g}")
