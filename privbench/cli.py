@@ -61,8 +61,12 @@ def run(
         failed = fail_open_runs("interrupted (Ctrl-C or SIGTERM)")
         err.print(f"[yellow]interrupted[/]: marked {len(failed)} open run(s) failed")
         raise typer.Exit(130) from None
-    except PrivbenchError as exc:
-        _fail(f"flow {flow} failed: {exc}\n(the failed run is in `privbench results list --status failed`)")
+    except Exception as exc:
+        if os.environ.get("PRIVBENCH_DEBUG"):
+            raise
+        kind = "" if isinstance(exc, PrivbenchError) else f"{type(exc).__name__}: "
+        _fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`; "
+              "set PRIVBENCH_DEBUG=1 for the traceback)")
     _print_summary(flow, summary)
 
 
@@ -72,6 +76,9 @@ def bench(
     profile: ProfileOpt = "quick",
     as_json: JsonOpt = False,
     list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
+    max_batch_mem_mb: Annotated[float | None, typer.Option(
+        "--max-batch-mem-mb", help="dp-clipping, paper profile: max-batch search memory cap (MB), 0 skips",
+    )] = None,
 ) -> None:
     """Micro-benchmarks: ratios measured side by side in one run (interleaved, medians), plus absolutes."""
     from privbench.bench import BENCHMARKS, run_benchmark
@@ -83,7 +90,8 @@ def bench(
     if name not in BENCHMARKS:
         _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
     try:
-        result = run_benchmark(name, profile=profile, progress=err)
+        options = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
+        result = run_benchmark(name, profile=profile, progress=err, **options)
     except PrivbenchError as exc:
         _fail(str(exc))
     if as_json:

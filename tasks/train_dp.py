@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -94,7 +95,7 @@ def _run_config(point: GridPoint, train_cfg: Any) -> dict[str, Any]:
 def _record_epoch(rec: Recorder, log: EpochLog) -> None:
     for field in CURVES:
         value = getattr(log, field)
-        if value is not None:
+        if value is not None and math.isfinite(value):  # epsilon_spent is inf without DP
             rec.metric(f"curve/{_METRIC_NAMES.get(field, field)}", value, step=log.epoch)
 
 

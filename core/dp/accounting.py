@@ -42,6 +42,9 @@ __all__ = [
 #: ``[target_epsilon - 0.01, target_epsilon]`` (Opacus's own default).
 DEFAULT_EPSILON_TOLERANCE = 0.01
 
+#: RDP orders searched by the RDP accountant: Opacus's defaults extended up to 1024.
+RDP_ORDERS: list[float] = [*RDPAccountant.DEFAULT_ALPHAS, 80, 96, 128, 160, 192, 256, 384, 512, 768, 1024]
+
 
 class Accountant(str, Enum):
     """Registry of the privacy accountants (values are Opacus mechanism names)."""
@@ -59,8 +62,17 @@ class Accountant(str, Enum):
         raise ConfigError(f"unknown accountant {value!r}; known accountants: {known}")
 
     def create(self) -> IAccountant:
-        """A fresh (empty) Opacus accountant of this kind."""
-        return RDPAccountant() if self is Accountant.RDP else PRVAccountant()
+        """A fresh (empty) Opacus accountant of this kind.
+
+        The RDP accountant searches orders up to 1024 (Opacus stops at 63): with few steps or a large
+        epsilon the optimal order lies beyond 63 and Opacus's default bound is loose. The minimum over
+        more orders is never larger, so the bound stays valid and only gets tighter.
+        """
+        if self is Accountant.RDP:
+            accountant = RDPAccountant()
+            accountant.DEFAULT_ALPHAS = RDP_ORDERS
+            return accountant
+        return PRVAccountant()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,6 +194,7 @@ def calibrate_noise_multiplier(
                 steps=int(steps),
                 accountant=kind.value,
                 epsilon_tolerance=float(epsilon_tolerance),
+                **({"alphas": RDP_ORDERS} if kind is Accountant.RDP else {}),
             )
         )
     except ValueError as err:  # Opacus: "The privacy budget is too low." (sigma > 1e6)

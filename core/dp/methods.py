@@ -12,7 +12,8 @@ Methods (Tables 1-2 and Sec. 4.3):
   all evaluated methods if not explicitly stated", Sec. 6).
 * ``transformer_untied``: "Transformer w/o PS", separate input and output embeddings.
 * ``transformer``: the vanilla Transformer (tied, no Re-Attention).
-* ``dpformer``: tied embedding (Phantom Clipping) + Re-Attention (Sec. 5).
+* ``dpformer``: tied embedding (Phantom Clipping) + Re-Attention (Sec. 5), built for a model by
+  :func:`build_reattention`.
 * ``transformer_opacus_hooks``: the vanilla Transformer clipped by Opacus' per-sample-gradient hooks.
 * ``transformer_opacus_ghost_untied``: Ghost Clipping (Opacus' fast gradient clipping) cannot tie
   parameters, so the model is untied with ``d_model`` halved to 32 (footnote 5: a similar number of
@@ -30,12 +31,21 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 import torch
+from torch import Tensor
 
 from core.dp.accounting import Accountant
 from core.dp.clipping import ClippingMethod
+from core.dp.reattention import (
+    KeyPropagation,
+    ReAttention,
+    block_error_variance,
+    embedding_error_variance,
+    token_presence_frequency,
+)
 from core.errors import ConfigError
+from core.models import PADDING_ID, TransformerSeqRec
 
-__all__ = ["METHODS", "DPTrainConfig", "method_config"]
+__all__ = ["METHODS", "DPTrainConfig", "build_reattention", "method_config"]
 
 Arch = Literal["transformer", "gru", "lstm"]
 
@@ -163,13 +173,19 @@ class DPTrainConfig:
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {name}={value!r}")
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
-            raise ConfigError(f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}")
+            raise ConfigError(
+                f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}"
+            )
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0, got seed={self.seed!r}")
         if not _is_real(self.lr) or self.lr <= 0:
-            raise ConfigError(f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3")
+            raise ConfigError(
+                f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3"
+            )
         if not _is_real(self.weight_decay) or self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
+            raise ConfigError(
+                f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}"
+            )
         if not _is_real(self.warmup_frac) or not 0 <= self.warmup_frac < 1:
             raise ConfigError(
                 f"warmup_frac must be in [0, 1), got warmup_frac={self.warmup_frac!r}; the paper uses 0.2"
@@ -177,7 +193,9 @@ class DPTrainConfig:
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):
-            raise ConfigError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}") from None
+            raise ConfigError(
+                f"device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}"
+            ) from None
 
 
 _COMMON: dict[str, Any] = {"arch": "transformer", "tied": True, "reattention": False, "clipping": "phantom"}
@@ -217,3 +235,47 @@ def method_config(name: str, **overrides: Any) -> DPTrainConfig:
         return DPTrainConfig(**(dict(METHODS[name]) | overrides))
     except TypeError as err:  # a required field is missing
         raise ConfigError(f"method {name!r}: {err}; pass epochs=, batch_size= and lr=") from None
+
+
+def build_reattention(
+    model: TransformerSeqRec,
+    train_inputs: Tensor,
+    train_targets: Tensor,
+    *,
+    noise_multiplier: float,
+    clip_norm: float,
+    expected_batch_size: float,
+) -> ReAttention:
+    """Re-Attention (Sec. 5.2) for ``model`` trained on the windows ``train_inputs``/``train_targets`` (N, L).
+
+    Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
+    floored at ``1 / N``; block and key-projection variances: Claim 5.3; position ``j``: Claim 5.4
+    with the fraction of windows whose input is not padding at ``j`` (a padded position gets no
+    gradient). The frequencies are treated as public (Remark C.1) although computed from the data.
+    """
+    if not isinstance(model, TransformerSeqRec):
+        raise ConfigError(f"Re-Attention needs a TransformerSeqRec (attention), got {type(model).__name__}")
+    n = train_inputs.shape[0]
+    sizes = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "batch_size": expected_batch_size}
+    windows = torch.cat([train_inputs, train_targets], dim=1).cpu()
+    item_freq = token_presence_frequency(windows, num_embeddings=model.cfg.vocab_size)
+    item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
+    position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
+    position_var = embedding_error_variance(
+        **sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n
+    )
+    v_block = block_error_variance(**sizes)
+    block = model.blocks[0]
+    device = model.item_emb.weight.device
+    propagation = KeyPropagation(
+        item_embedding=model.item_emb.weight.detach(),
+        key_weight=block.attn.k_proj.weight.detach(),
+        key_bias=block.attn.k_proj.bias.detach(),
+        key_weight_var=v_block,
+        key_bias_var=v_block,
+        position_embedding=model.pos_emb.weight.detach(),
+        position_error_var=position_var.to(device),
+        position_alignment="right",
+        layer_norm=(block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps),
+    )
+    return ReAttention(item_var.to(device), propagation=propagation)

@@ -47,13 +47,16 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import torch
+from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import Tensor, nn
 
 from core.data.sequential import SequentialDataset
 from core.dp.accounting import (
+    Accountant,
     PrivacyAccountant,
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -61,19 +64,13 @@ from core.dp.accounting import (
     require_accountant,
 )
 from core.dp.clipping import Clipper, make_clipper
-from core.dp.methods import METHODS, DPTrainConfig, method_config
+from core.dp.methods import METHODS, DPTrainConfig, build_reattention, method_config
 from core.dp.noise import privatize_grads_
-from core.dp.reattention import (
-    KeyPropagation,
-    ReAttention,
-    block_error_variance,
-    embedding_error_variance,
-    token_presence_frequency,
-)
+from core.dp.reattention import ReAttention
 from core.dp.sampling import poisson_batches, sample_rate_for
 from core.errors import ConfigError, DataError, PrivacyError
 from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
-from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, TransformerSeqRec, build_seqrec, sequence_loss
+from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, build_seqrec, sequence_loss
 
 __all__ = [
     "METHODS",
@@ -101,7 +98,8 @@ class EpochLog:
 
     ``train_loss``: mean next-item cross-entropy per target position over the epoch's batches (NaN
     if they were all empty). ``epsilon_spent``: privacy spent so far (``math.inf`` if non-private).
-    ``wall_s``: seconds since training started (excluded from ``==``).
+    ``wall_s``: seconds since :func:`train_seqrec` was called, noise calibration included (excluded
+    from ``==``).
     """
 
     epoch: int
@@ -175,10 +173,46 @@ def _plan(data: SequentialDataset, cfg: DPTrainConfig) -> _Plan:
     if not cfg.private:
         return _Plan(n, q, per_epoch, total, warmup, None, 0.0)
     delta = _resolve_delta(cfg.delta, n)
-    sigma = calibrate_noise_multiplier(
-        target_epsilon=cfg.epsilon, delta=delta, sample_rate=q, steps=total, accountant=cfg.accountant
-    )
+    sigma = _calibrated_sigma(float(cfg.epsilon), delta, q, total, cfg.accountant)
     return _Plan(n, q, per_epoch, total, warmup, delta, sigma)
+
+
+@lru_cache(maxsize=128)
+def _calibrated_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+    """Memoised :func:`calibrate_noise_multiplier` (seconds per call; a benchmark grid repeats it)."""
+    return calibrate_noise_multiplier(
+        target_epsilon=epsilon, delta=delta, sample_rate=sample_rate, steps=steps, accountant=accountant
+    )
+
+
+class _EpsilonTracker:
+    """Epsilon spent so far, cheap enough to report at every evaluation.
+
+    For RDP the per-step RDP curve is computed once: RDP composes additively and Opacus's
+    ``RDPAccountant`` itself evaluates ``compute_rdp(steps=t) = t * (per-step RDP)``, so the result is
+    identical to ``accountant.epsilon()`` (which re-derives the per-step curve, ~0.3 s, on every
+    call). Other accountants are asked directly.
+    """
+
+    def __init__(self, accountant: PrivacyAccountant, *, noise_multiplier: float, sample_rate: float) -> None:
+        self.accountant = accountant
+        self._alphas = list(accountant.kind.create().DEFAULT_ALPHAS)  # the orders the accountant searches
+        self._rdp_per_step = None
+        if accountant.kind is Accountant.RDP and noise_multiplier > 0:
+            self._rdp_per_step = np.asarray(
+                rdp_analysis.compute_rdp(
+                    q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=self._alphas
+                )
+            )
+
+    def epsilon(self) -> float:
+        steps = self.accountant.steps
+        if self._rdp_per_step is None or steps == 0:
+            return self.accountant.epsilon()
+        eps, _ = rdp_analysis.get_privacy_spent(
+            orders=self._alphas, rdp=self._rdp_per_step * steps, delta=self.accountant.delta
+        )
+        return float(eps)
 
 
 def _resolve_delta(delta: float | None, n: int) -> float:
@@ -204,57 +238,10 @@ class _Tensors:
 
 def _tensors(data: SequentialDataset, max_len: int, device: torch.device) -> _Tensors:
     inputs, targets = data.train_examples(max_len)
-    if not bool((targets != PADDING_ID).any()):
-        raise DataError(
-            f"{data.source}: no training targets -- every one of the {data.n_users} users has exactly 3 "
-            "interactions, all held out for validation/test; training needs users with >= 4 interactions"
-        )
     users = np.arange(data.n_users)
     valid = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="valid"))
     test = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="test"))
     return _Tensors(inputs.to(device), targets.to(device), valid, test)
-
-
-def build_reattention(
-    model: TransformerSeqRec,
-    train_inputs: Tensor,
-    train_targets: Tensor,
-    *,
-    noise_multiplier: float,
-    clip_norm: float,
-    expected_batch_size: float,
-) -> ReAttention:
-    """Re-Attention (Sec. 5.2) for ``model`` trained on the windows ``train_inputs``/``train_targets`` (N, L).
-
-    Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
-    floored at ``1 / N``; block and key-projection variances: Claim 5.3; position ``j``: Claim 5.4
-    with the fraction of windows whose input is not padding at ``j`` (a padded position gets no
-    gradient). The frequencies are treated as public (Remark C.1) although computed from the data.
-    """
-    n = train_inputs.shape[0]
-    sizes = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "batch_size": expected_batch_size}
-    windows = torch.cat([train_inputs, train_targets], dim=1).cpu()
-    item_freq = token_presence_frequency(windows, num_embeddings=model.cfg.vocab_size)
-    item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
-    position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
-    position_var = embedding_error_variance(
-        **sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n
-    )
-    v_block = block_error_variance(**sizes)
-    block = model.blocks[0]
-    device = model.item_emb.weight.device
-    propagation = KeyPropagation(
-        item_embedding=model.item_emb.weight.detach(),
-        key_weight=block.attn.k_proj.weight.detach(),
-        key_bias=block.attn.k_proj.bias.detach(),
-        key_weight_var=v_block,
-        key_bias_var=v_block,
-        position_embedding=model.pos_emb.weight.detach(),
-        position_error_var=position_var.to(device),
-        position_alignment="right",
-        layer_norm=(block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps),
-    )
-    return ReAttention(item_var.to(device), propagation=propagation)
 
 
 def _device(cfg: DPTrainConfig) -> torch.device:
@@ -267,7 +254,9 @@ def _device(cfg: DPTrainConfig) -> torch.device:
 class _Run:
     """State of one training run: model, clipper, optimiser, schedule, accountant, generators."""
 
-    def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
+    def __init__(
+        self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device
+    ) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
         self.t = _tensors(data, cfg.max_len, device)
         model_cfg = SeqRecConfig(
@@ -285,9 +274,15 @@ class _Run:
         self.noise_gen = torch.Generator(device).manual_seed(cfg.seed + 0x5EED)
         self.clipper: Clipper | None = None
         self.accountant: PrivacyAccountant | None = None
+        self.epsilon: _EpsilonTracker | None = None
         self.reattention: ReAttention | None = None
         if cfg.private:
-            self.accountant = require_accountant(PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta))
+            self.accountant = require_accountant(
+                PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta)
+            )
+            self.epsilon = _EpsilonTracker(
+                self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate
+            )
             self.clipper = make_clipper(
                 cfg.clipping, self.model, clip_norm=cfg.clip_norm, normalize=cfg.normalize
             )
@@ -389,7 +384,7 @@ class _Run:
         return EpochLog(
             epoch=epoch, step=self.step, train_loss=train_loss,
             valid_ndcg10=valid[0], valid_hit10=valid[1], test_ndcg10=test[0], test_hit10=test[1],
-            epsilon_spent=math.inf if self.accountant is None else self.accountant.epsilon(),
+            epsilon_spent=math.inf if self.epsilon is None else self.epsilon.epsilon(),
             wall_s=time.perf_counter() - started,
         )  # fmt: skip
 
@@ -402,9 +397,16 @@ def _check_call(data: SequentialDataset, cfg: DPTrainConfig) -> None:
     if not isinstance(cfg, DPTrainConfig):
         raise ConfigError(f"cfg must be a DPTrainConfig (see method_config), got {type(cfg).__name__}")
     if not isinstance(data, SequentialDataset):
-        raise DataError(f"data must be a SequentialDataset (build_sequential_dataset), got {type(data).__name__}")
+        raise DataError(
+            f"data must be a SequentialDataset (build_sequential_dataset), got {type(data).__name__}"
+        )
     if data.n_users < 1 or data.n_interactions == 0:
         raise DataError(f"{data.source}: empty dataset ({data.n_users} users); nothing to train on")
+    if not bool((data.seq_lens >= 4).any()):  # a training prefix s[:-2] of >= 2 items has a target
+        raise DataError(
+            f"{data.source}: no training targets -- every one of the {data.n_users} users has exactly 3 "
+            "interactions, all held out for validation/test; training needs users with >= 4 interactions"
+        )
 
 
 def train_seqrec(
@@ -429,7 +431,11 @@ def train_seqrec(
     started = time.perf_counter()
     device = _device(cfg)
     plan = _plan(data, cfg)
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    cuda = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)
         run = _Run(data, cfg, plan, device)
@@ -437,10 +443,7 @@ def train_seqrec(
             history = _train(run, started, on_epoch)
         finally:
             run.close()
-    ledger = None
-    if run.accountant is not None:
-        run.accountant.check_budget(target_epsilon=cfg.epsilon)
-        ledger = run.accountant.ledger(clip_norm=cfg.clip_norm, target_epsilon=cfg.epsilon)
+    ledger = None if run.accountant is None else _final_ledger(run.accountant, cfg)
     best = max(history, key=lambda log: log.valid_ndcg10)  # first maximum on ties
     return TrainResult(
         history=history, best_epoch=best.epoch, test_ndcg10=best.test_ndcg10, test_hit10=best.test_hit10,
@@ -449,6 +452,17 @@ def train_seqrec(
         n_params=sum(p.numel() for p in run.params), config=cfg,
         wall_s=time.perf_counter() - started, model=run.model.eval(),
     )  # fmt: skip
+
+
+def _final_ledger(accountant: PrivacyAccountant, cfg: DPTrainConfig) -> PrivacyLedger:
+    """The run's ledger, refusing (PrivacyError) a spent epsilon above the target."""
+    ledger = accountant.ledger(clip_norm=cfg.clip_norm, target_epsilon=cfg.epsilon)
+    if ledger.epsilon > cfg.epsilon:
+        raise PrivacyError(
+            f"privacy budget exceeded: spent epsilon={ledger.epsilon:.4f} > target epsilon={cfg.epsilon!r} "
+            f"at delta={ledger.delta!r} after {ledger.steps} steps; the noise calibration is broken"
+        )
+    return ledger
 
 
 def _train(run: _Run, started: float, on_epoch: Callable[[EpochLog], None] | None) -> tuple[EpochLog, ...]:

@@ -162,6 +162,14 @@ def _memory_total_mb() -> float | None:
     return None
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (how busy the machine was), None where unknown."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def machine_info(*, threads: int | None = None) -> dict[str, Any]:
     """Where the benchmark ran: CPU model and cores, memory, torch version/threads, CUDA device."""
     import torch
@@ -175,6 +183,7 @@ def machine_info(*, threads: int | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpus_available": available_cpus(),
         "memory_total_mb": _memory_total_mb(),
+        "load_avg": load_average(),
         "torch": torch.__version__,
         "torch_threads": threads if threads is not None else torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
@@ -285,13 +294,15 @@ def run_in_fresh_process(
     label: str,
     timeout: float,
     threads: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``target(**kwargs)`` (``"privbench.bench.module:function"``) in a new Python process.
 
     The worker prints its result (a JSON object) on stdout behind :data:`RESULT_MARKER`. ``threads`` sets
-    OMP/MKL thread counts in the child's environment before torch loads. Raises :class:`BenchmarkError`
-    naming ``label`` (e.g. the method) if the worker times out, exits non-zero, is killed by a signal, or
-    prints no result; the message quotes the worker's error and the tail of its stderr.
+    OMP/MKL thread counts in the child's environment before torch loads; ``extra_env`` adds variables.
+    Raises :class:`BenchmarkError` naming ``label`` (e.g. the method) if the worker times out, exits
+    non-zero, is killed by a signal, or prints no result; the message quotes the worker's error and the
+    tail of its stderr.
     """
     spec = json.dumps({"target": target, "kwargs": dict(kwargs)})
     cmd = [sys.executable, "-m", WORKER_MODULE, spec]
@@ -301,13 +312,15 @@ def run_in_fresh_process(
     if threads is not None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
+    env.update(extra_env or {})
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired as exc:
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        tail = f"\n--- worker stderr (tail) ---\n{_tail(stderr)}" if stderr.strip() else ""
         raise BenchmarkError(
             f"benchmark worker for {label} timed out after {timeout:g} s ({target}); raise the timeout or "
-            f"shrink the setting" + (f"\n--- worker stderr (tail) ---\n{_tail(stderr)}" if stderr.strip() else ""),
+            f"shrink the setting{tail}",
             label=label, timed_out=True,
         ) from None
     result = _marked(proc.stdout, RESULT_MARKER)
@@ -397,10 +410,11 @@ def run_benchmark(name: str, *, profile: str = "quick", progress: Progress | Non
 
     setting = dict(spec.setting(profile, options)) if spec.setting else {}
     config = {"benchmark": name, "profile": profile, "options": dict(options), "setting": setting}
-    started_at = _now()
+    started_at, load_start = _now(), load_average()
     with record_run(flow="bench", stage="bench", technique=name, config=config, profile=profile) as rec:
         body = spec.fn(profile, progress, options)
         machine = machine_info(threads=(body.get("setting") or {}).get("threads"))
+        machine["load_avg_at_start"] = load_start
         commit = git_commit()
         result: dict[str, Any] = {
             "benchmark": name,
@@ -412,7 +426,7 @@ def run_benchmark(name: str, *, profile: str = "quick", progress: Progress | Non
             "machine": machine,
             **body,
         }
-        measured = {k: v for k, v in body.items() if k != "setting"}
+        measured = {k: v for k, v in body.items() if k != "setting"}  # machine: tags, artifact
         for path, value in numeric_leaves(measured):
             rec.metric(metric_name(path), value, unit=metric_unit(path))
         rec.artifact_json("result.json", result)

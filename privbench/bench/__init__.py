@@ -1,0 +1,34 @@
+"""Micro-benchmarks (``privbench bench NAME``): ratios measured side by side in one run, plus absolutes.
+
+Public API: ``BENCHMARKS`` (name -> :class:`BenchmarkSpec` with ``.description``) and
+:func:`run_benchmark` (run one, store it as a run in the results store and MLflow, return its JSON);
+the machinery (``interleave``, ``run_in_fresh_process``, ``machine_info``, ``register``) is in
+:mod:`privbench.bench.harness`. Benchmarks: :mod:`privbench.bench.dp_clipping` (``dp-clipping``).
+"""
+
+from __future__ import annotations
+
+from privbench.bench import dp_clipping as _dp_clipping  # noqa: F401  - registers "dp-clipping"
+from privbench.bench.harness import (
+    BENCHMARKS,
+    BenchmarkError,
+    BenchmarkSpec,
+    Interleaved,
+    interleave,
+    machine_info,
+    register,
+    run_benchmark,
+    run_in_fresh_process,
+)
+
+__all__ = [
+    "BENCHMARKS",
+    "BenchmarkError",
+    "BenchmarkSpec",
+    "Interleaved",
+    "interleave",
+    "machine_info",
+    "register",
+    "run_benchmark",
+    "run_in_fresh_process",
+]

@@ -1,0 +1,185 @@
+"""`privbench bench`: the harness (interleaving, fresh-process workers, storing) and the dp-clipping
+contract, on a tiny setting (the real sizes are checked by running the benchmark, not here)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from core.errors import ConfigError
+from privbench.bench import (
+    BENCHMARKS,
+    BenchmarkError,
+    dp_clipping,
+    interleave,
+    run_benchmark,
+    run_in_fresh_process,
+)
+from privbench.bench.harness import metric_name, metric_unit, numeric_leaves
+from privbench.cli import app
+
+runner = CliRunner()
+METHODS = {"nonprivate", "phantom", "opacus_hooks", "opacus_ghost_untied"}
+RATIOS = {
+    "phantom_over_nonprivate_time",
+    "phantom_over_nonprivate_mem",
+    "opacus_hooks_over_phantom_time",
+    "opacus_ghost_untied_over_phantom_time",
+}
+SETTING_KEYS = {"items", "seq_len", "batch", "d_model", "repeats", "device", "threads"}
+# big enough that every step allocates fresh pages (logits 8 x 16 x 2001 floats = 1 MB), so that the
+# peak RSS growth is > 0; one round, one warm-up and one timed step per process
+TINY = dp_clipping.Setting(items=2000, seq_len=16, batch=8, d_model=16, n_layers=1, repeats=1, warmup=1,
+                           steps=1, timeout_s=240.0, max_batch_mem_mb=0.0)
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> dp_clipping.Setting:
+    monkeypatch.setitem(dp_clipping.PROFILES, "quick", TINY)
+    monkeypatch.setenv("PRIVBENCH_BENCH_THREADS", "1")
+    return TINY
+
+
+def _positive_finite(value: object) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+def test_interleave_alternates_and_keeps_every_sample() -> None:
+    calls: list[str] = []
+
+    def fn(name: str, value: float) -> Callable[[], float]:
+        def call() -> float:
+            calls.append(name)
+            return value + len(calls)
+
+        return call
+
+    plain = interleave({"A": fn("A", 0.0), "B": fn("B", 100.0)}, 3, rotate=False)
+    assert calls == ["A", "B"] * 3 == plain.order
+    assert plain.samples("A") == [1, 3, 5] and plain.samples("B") == [102, 104, 106]
+    assert plain.median("A") == 3 and plain.summary()["medians"] == {"A": 3, "B": 104}
+
+    calls.clear()
+    rotated = interleave({"A": fn("A", 0), "B": fn("B", 0), "C": fn("C", 0)}, 4)
+    assert calls == list("ABC" "BCA" "CAB" "ABC") == rotated.order
+    assert all(set(r) == {"A", "B", "C"} for r in rotated.rounds)
+
+    timed = interleave({"x": lambda: None}, 2)  # None -> wall time of the call
+    assert len(timed.samples("x")) == 2 and all(s >= 0 for s in timed.samples("x"))
+    with pytest.raises(ConfigError, match="repeats"):
+        interleave({"x": lambda: None}, 0)
+
+
+def test_ratio_is_the_median_of_per_round_ratios() -> None:
+    # the load drifts (round 2 is slow for both): per-round ratios 2, 2, 3 -> 2; the ratio of medians is 3
+    values = iter([{"t": 1.0}, {"t": 2.0}, {"t": 10.0}, {"t": 20.0}, {"t": 4.0}, {"t": 12.0}])
+    runs = interleave({"den": lambda: next(values), "num": lambda: next(values)}, 3, rotate=False)
+    assert runs.samples("den", "t") == [1.0, 10.0, 4.0]
+    assert runs.ratio_samples("num", "den", "t") == [2.0, 2.0, 3.0]
+    assert runs.ratio("num", "den", "t") == 2.0
+    assert runs.median("num", "t") / runs.median("den", "t") == 3.0
+
+
+def test_worker_timeout_names_what_it_measured() -> None:
+    kwargs = dp_clipping._worker_kwargs(TINY, "phantom", batch=2, device="cpu", threads=1, warmup=1, steps=1)
+    with pytest.raises(BenchmarkError, match=r"method 'phantom'.*timed out after 0.3 s") as info:
+        run_in_fresh_process(dp_clipping.WORKER_TARGET, kwargs, label="method 'phantom'", timeout=0.3)
+    assert info.value.timed_out
+
+
+def test_failing_worker_is_a_clear_error_and_a_failed_run(
+    home: Path, tiny: dp_clipping.Setting, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = {"phantom": dp_clipping.Method("no_such_clipping", True, 1.0, "broken on purpose")}
+    monkeypatch.setattr(dp_clipping, "METHODS", broken)
+    expected = r"worker for method 'phantom' failed .*ConfigError: unknown clipping"
+    with pytest.raises(BenchmarkError, match=expected):
+        run_benchmark("dp-clipping", profile="quick")
+    shown = runner.invoke(app, ["results", "list", "--json", "--status", "failed"])
+    (row,) = json.loads(shown.stdout)
+    assert row["flow"] == "bench" and row["technique"] == "dp-clipping"
+
+
+def test_unknown_benchmark_profile_and_option_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="known: dp-clipping"):
+        run_benchmark("no-such-bench")
+    with pytest.raises(ConfigError, match="known: quick, paper"):
+        run_benchmark("dp-clipping", profile="huge")
+    with pytest.raises(ConfigError, match="no option"):
+        run_benchmark("dp-clipping", colour="red")
+    with pytest.raises(ConfigError, match="only in the paper profile"):
+        run_benchmark("dp-clipping", profile="quick", max_batch_mem_mb=1024)
+    assert "dp-clipping" in BENCHMARKS and BENCHMARKS["dp-clipping"].description
+    listed = runner.invoke(app, ["bench", "--list"])
+    assert listed.exit_code == 0 and "dp-clipping" in listed.stderr
+    unknown = runner.invoke(app, ["bench", "nope"])
+    assert unknown.exit_code == 2 and "known: dp-clipping" in unknown.stderr
+
+
+def test_max_batch_search_finds_the_largest_fitting_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[int] = []
+
+    def fake_trial(setting: object, method: str, batch: int, *rest: object) -> dict[str, object]:
+        tried.append(batch)
+        return {"batch": batch, "fits": batch <= 1000, "peak_mem_mb": batch / 10, "step_s": 0.1}
+
+    monkeypatch.setattr(dp_clipping, "_trial", fake_trial)
+    setting = dp_clipping.Setting(batch=256)
+    best, trials = dp_clipping._search_one(setting, "phantom", 100.0, "cpu", 1, _Quiet())
+    assert 950 <= best <= 1000 and tried[:3] == [256, 512, 1024] and len(trials) == len(tried)
+    tried.clear()
+    best, _ = dp_clipping._search_one(dp_clipping.Setting(batch=4096), "phantom", 100.0, "cpu", 1, _Quiet())
+    assert 950 <= best <= 1000 and tried[:4] == [4096, 2048, 1024, 512]
+    monkeypatch.setattr(dp_clipping, "_trial", lambda *a: {"batch": a[2], "fits": False})
+    assert dp_clipping._search_one(setting, "phantom", 100.0, "cpu", 1, _Quiet())[0] == 0
+
+
+class _Quiet:
+    def print(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def test_metric_names_and_units() -> None:
+    body = {"methods": {"phantom": {"step_s": 0.5, "peak_mem_mb": 3, "tied": True, "samples": [1, 2]}},
+            "ratios": {"a_over_b": 1.5, "none": None}, "note": "x", "bad@key": {"v": float("nan")}}
+    assert dict(numeric_leaves(body)) == {"methods.phantom.step_s": 0.5, "methods.phantom.peak_mem_mb": 3.0,
+                                          "ratios.a_over_b": 1.5}
+    assert metric_name("max_batch.x@y") == "max_batch.x_y"
+    names = ("methods.p.step_s", "methods.p.peak_mem_mb", "ratios.x", "max_batch.p")
+    assert [metric_unit(n) for n in names] == ["s", "MB", "ratio", "sequences"]
+
+
+def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny: dp_clipping.Setting) -> None:
+    """One real (tiny) run through the CLI: run_benchmark, fresh-process workers, the store."""
+    result = runner.invoke(app, ["bench", "dp-clipping", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    top = {"benchmark", "profile", "machine", "started_at", "setting", "methods", "ratios", "run_id"}
+    assert top <= set(out)
+    assert out["benchmark"] == "dp-clipping" and out["profile"] == "quick"
+    assert set(out["methods"]) == METHODS
+    for name, method in out["methods"].items():
+        assert _positive_finite(method["step_s"]) and _positive_finite(method["peak_mem_mb"]), (name, method)
+    assert set(out["ratios"]) == RATIOS
+    assert all(_positive_finite(v) for v in out["ratios"].values()), out["ratios"]
+    assert SETTING_KEYS <= set(out["setting"])
+    assert {k: out["setting"][k] for k in ("items", "seq_len", "batch", "repeats", "threads")} == {
+        "items": 2000, "seq_len": 16, "batch": 8, "repeats": 1, "threads": 1}
+    ghost = out["methods"]["opacus_ghost_untied"]
+    assert ghost["d_model"] == 8 and not ghost["tied"] and out["methods"]["phantom"]["d_model"] == 16
+    assert len(out["order"]) == len(METHODS) and "max_batch" not in out
+    assert out["machine"]["cpu_model"] and out["machine"]["torch"] and out["machine"]["torch_threads"] == 1
+    assert "round 1/1" in result.stderr  # progress goes to stderr
+
+    shown = json.loads(runner.invoke(app, ["results", "show", out["run_id"], "--json"]).stdout)
+    metrics = {m["name"]: m for m in shown["metrics"]}
+    assert metrics["methods.phantom.step_s"]["value"] == out["methods"]["phantom"]["step_s"]
+    assert metrics["methods.phantom.step_s"]["unit"] == "s"
+    assert metrics["ratios.phantom_over_nonprivate_mem"]["unit"] == "ratio"
+    assert not any(name.startswith("setting.") for name in metrics)
