@@ -185,14 +185,16 @@ def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _worker_kwargs(setting: Setting, method: str, *, batch: int, device: str, threads: int,
-                   warmup: int, steps: int, mem_cap_mb: float | None = None) -> dict[str, Any]:
+                   warmup: int, steps: int, fit_trial: bool = False,
+                   mem_cap_mb: float | None = None) -> dict[str, Any]:
     m = METHODS[method]
     return {
         "method": method, "clipping": m.clipping, "tied": m.tied,
-        "d_model": max(m.d_model_factor * setting.d_model, 1), "items": setting.items,
+        "d_model": max(int(m.d_model_factor * setting.d_model), 1), "items": setting.items,
         "seq_len": setting.seq_len, "batch": batch, "n_layers": setting.n_layers,
         "n_heads": setting.n_heads, "dropout": setting.dropout, "warmup": warmup, "steps": steps,
-        "seed": setting.seed, "device": device, "threads": threads, "mem_cap_mb": mem_cap_mb,
+        "seed": setting.seed, "device": device, "threads": threads, "fit_trial": fit_trial,
+        "mem_cap_mb": mem_cap_mb,
     }
 
 
@@ -272,7 +274,7 @@ def _max_batch_search(setting: Setting, device: str, threads: int, progress: Pro
 def _trial(setting: Setting, method: str, batch: int, cap: float | None, device: str,
            threads: int) -> dict[str, Any]:
     kwargs = _worker_kwargs(setting, method, batch=batch, device=device, threads=threads, warmup=1, steps=1,
-                            mem_cap_mb=cap)
+                            fit_trial=True, mem_cap_mb=cap)
     try:
         out = run_in_fresh_process(WORKER_TARGET, kwargs, label=f"method {method!r} (batch {batch})",
                                    timeout=setting.timeout_s, threads=threads,
@@ -383,13 +385,14 @@ def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any,
 def measure_step(
     *, method: str, clipping: str, tied: bool, d_model: float, items: int, seq_len: int, batch: int,
     n_layers: int, n_heads: int, dropout: float, warmup: int, steps: int, seed: int, device: str,
-    threads: int, mem_cap_mb: float | None = None,
+    threads: int, fit_trial: bool = False, mem_cap_mb: float | None = None,
 ) -> dict[str, Any]:
     """Worker side: time ``steps`` DP-SGD steps of one method after ``warmup``; peak memory growth.
 
-    With ``mem_cap_mb`` (max-batch trials) an out-of-memory error is reported as ``ok: False`` instead of
-    raised; on CPU an address-space limit of about 1.5 x cap above the current size guards the machine,
-    on CUDA the cap (or the whole device when None) is enforced by the caching allocator.
+    ``fit_trial`` (max-batch search): an out-of-memory error is reported as ``ok: False`` instead of
+    raised, and ``mem_cap_mb`` is enforced: on CPU by an address-space limit of about 1.5 x cap above the
+    current size (guards the machine; the caller compares the peak RSS growth with the cap), on CUDA by
+    the caching allocator (``set_per_process_memory_fraction``; None = the whole device).
     """
     import torch
 
@@ -431,7 +434,7 @@ def measure_step(
     sync()
     setup_s = time.perf_counter() - t_setup
     if cuda:
-        if mem_cap_mb is not None:
+        if fit_trial and mem_cap_mb is not None:
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, mem_cap_mb * 2**20 / total), dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -443,7 +446,7 @@ def measure_step(
             mem_source = "VmHWM (reset after setup) - VmRSS after setup"
         else:
             mem_source = "ru_maxrss - RSS after setup (high-water mark not resettable: includes setup)"
-        if mem_cap_mb is not None:
+        if fit_trial and mem_cap_mb is not None:
             import resource
 
             size = _status_mb("VmSize") or 0.0
@@ -464,7 +467,7 @@ def measure_step(
                 times.append(time.perf_counter() - t0)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         oom = isinstance(exc, torch.OutOfMemoryError | MemoryError) or "memory" in str(exc).lower()
-        if mem_cap_mb is None or not oom:
+        if not fit_trial or not oom:
             raise
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
