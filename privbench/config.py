@@ -102,7 +102,9 @@ class TrainDPConfig(FrozenConfig):
     """Stage 2: DP-SGD training of sequential recommenders (DPFormer Sec. 6, App. E).
 
     The grid is datasets x methods x epsilons x seeds (x learning rates x batch sizes), plus each
-    method trained without DP when ``nonprivate`` is set, plus the Opacus peers at ``peer_epsilons``.
+    method trained without DP when ``nonprivate`` is set (except ``dpformer``: without DP noise its
+    Re-Attention corrects nothing and it is the vanilla ``transformer``), plus the Opacus peers at
+    ``peer_epsilons``.
     """
 
     datasets: tuple[TrainDatasetSpec, ...] = Field(min_length=1)

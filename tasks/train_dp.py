@@ -43,8 +43,8 @@ class GridPoint:
 def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
     """datasets x (methods x epsilons [+ non-private] + peers x peer_epsilons) x seeds x lrs x batch sizes."""
     runs: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
-    if cfg.nonprivate:
-        runs += [(m, None) for m in cfg.methods]
+    if cfg.nonprivate:  # without DP noise Re-Attention corrects nothing: dpformer would repeat transformer
+        runs += [(m, None) for m in cfg.methods if m != "dpformer"]
     runs += [(p, e) for p in cfg.peers for e in cfg.peer_epsilons]
     return [
         GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch)

@@ -28,7 +28,7 @@ def test_grid_expansion_counts_every_combination() -> None:
     assert TINY.train_dp is not None
     points = expand_grid(TINY.train_dp, {"ml-1m-tiny": "/x"})
     labels = sorted((p.method, p.epsilon or 0.0) for p in points)  # 0.0 stands for non-private
-    assert labels == [("dpformer", 0.0), ("dpformer", 8.0), ("transformer", 0.0), ("transformer", 8.0),
+    assert labels == [("dpformer", 8.0), ("transformer", 0.0), ("transformer", 8.0),
                       ("transformer_opacus_hooks", 8.0)]
 
 
@@ -36,14 +36,14 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
     assert TINY.train_dp is not None
     flow = train_dp_flow.with_options(task_runner=train_dp_runner(TINY.train_dp))
     summary = flow(TINY.train_dp, TINY.prepare, profile="tiny")
-    assert len(summary["runs"]) == 5
+    assert len(summary["runs"]) == 4
     repo = ResultsRepository()
     cols, rows = repo.query(
         "select r.technique, p.epsilon, p.target_epsilon, p.delta, p.noise_multiplier, p.sample_rate, p.steps, "
         "m.value from runs r join metrics m on m.run_id = r.id and m.name = 'test_ndcg_at_10' "
         "left join privacy_ledger p on p.run_id = r.id where r.stage = 'train-dp' and r.status = 'finished' "
         "order by r.technique, p.epsilon")
-    assert len(rows) == 5
+    assert len(rows) == 4
     private = [r for r in rows if r[1] is not None]
     assert {r[0] for r in private} == {"transformer", "dpformer", "transformer_opacus_hooks"}
     for _, eps, target, delta, sigma, q, steps, ndcg in private:
