@@ -105,7 +105,7 @@ def _check_steps(steps: int) -> None:
         raise ConfigError(f"steps must be an integer >= 1, got steps={steps!r}")
 
 
-def _check_noise_multiplier(noise_multiplier: float) -> None:
+def check_noise_multiplier(noise_multiplier: float) -> None:
     if not (
         isinstance(noise_multiplier, numbers.Real)
         and math.isfinite(noise_multiplier)
@@ -116,7 +116,7 @@ def _check_noise_multiplier(noise_multiplier: float) -> None:
         )
 
 
-def _check_clip_norm(clip_norm: float) -> None:
+def check_clip_norm(clip_norm: float) -> None:
     if not (isinstance(clip_norm, numbers.Real) and math.isfinite(clip_norm) and clip_norm > 0):
         raise ConfigError(f"clip_norm must be a finite number > 0, got clip_norm={clip_norm!r}")
 
@@ -151,7 +151,7 @@ def compute_epsilon(
 
     Returns ``math.inf`` for ``noise_multiplier == 0`` (no noise: no privacy).
     """
-    _check_noise_multiplier(noise_multiplier)
+    check_noise_multiplier(noise_multiplier)
     _check_delta(delta)
     _check_sample_rate(sample_rate)
     _check_steps(steps)
@@ -225,9 +225,9 @@ class PrivacyLedger:
 
     def __post_init__(self) -> None:
         _check_delta(self.delta)
-        _check_noise_multiplier(self.noise_multiplier)
+        check_noise_multiplier(self.noise_multiplier)
         _check_sample_rate(self.sample_rate)
-        _check_clip_norm(self.clip_norm)
+        check_clip_norm(self.clip_norm)
         if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 0:
             raise ConfigError(f"steps must be an integer >= 0, got steps={self.steps!r}")
         if not (isinstance(self.epsilon, numbers.Real) and self.epsilon >= 0):
@@ -271,7 +271,7 @@ class PrivacyAccountant:
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
         """Record one noisy update with this noise multiplier and Poisson sampling rate."""
-        _check_noise_multiplier(noise_multiplier)
+        check_noise_multiplier(noise_multiplier)
         _check_sample_rate(sample_rate)
         self._opacus.step(noise_multiplier=float(noise_multiplier), sample_rate=float(sample_rate))
 

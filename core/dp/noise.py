@@ -18,22 +18,15 @@ from collections.abc import Iterable
 
 import torch
 
+from core.dp.accounting import check_clip_norm, check_noise_multiplier
 from core.errors import ConfigError, PrivacyError
 
 __all__ = ["add_gaussian_noise_", "privatize_grads_"]
 
 
 def _check_noise_args(noise_multiplier: float, clip_norm: float) -> None:
-    if not (
-        isinstance(noise_multiplier, numbers.Real)
-        and math.isfinite(noise_multiplier)
-        and noise_multiplier >= 0
-    ):
-        raise ConfigError(
-            f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}"
-        )
-    if not (isinstance(clip_norm, numbers.Real) and math.isfinite(clip_norm) and clip_norm > 0):
-        raise ConfigError(f"clip_norm must be a finite number > 0, got clip_norm={clip_norm!r}")
+    check_noise_multiplier(noise_multiplier)
+    check_clip_norm(clip_norm)
 
 
 def _gaussian_like(reference: torch.Tensor, std: float, generator: torch.Generator | None) -> torch.Tensor:
