@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,22 +52,23 @@ def run(
         cfg = load_config(profile, config_file=config, overrides=tuple(set_ or ()))
     except ConfigError as exc:
         _fail(str(exc), code=2)
-    _raise_on_sigterm()
+    previous = _handle_interrupts()
     try:
         with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
             summary = run_flow(flow, cfg)
-    except KeyboardInterrupt:
-        from storage.recording import fail_open_runs
-
-        failed = fail_open_runs("interrupted (Ctrl-C or SIGTERM)")
-        err.print(f"[yellow]interrupted[/]: marked {len(failed)} open run(s) failed")
-        raise typer.Exit(130) from None
-    except Exception as exc:
-        if os.environ.get("PRIVBENCH_DEBUG"):
+    except BaseException as exc:
+        if _interrupted.is_set():
+            raise typer.Exit(130) from None
+        if os.environ.get("PRIVBENCH_DEBUG") or not isinstance(exc, Exception):
             raise
         kind = "" if isinstance(exc, PrivbenchError) else f"{type(exc).__name__}: "
         _fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`; "
               "set PRIVBENCH_DEBUG=1 for the traceback)")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if _interrupted.is_set():
+        raise typer.Exit(130)
     _print_summary(flow, summary)
 
 
@@ -204,13 +206,13 @@ def mlflow_ui_command(*, port: int, host: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _repo():  # noqa: ANN202
+def _repo():
     from storage.repository import ResultsRepository
 
     return ResultsRepository()
 
 
-def _store_call(fn):  # noqa: ANN001, ANN202
+def _store_call(fn):
     try:
         return fn()
     except PrivbenchError as exc:
@@ -242,13 +244,29 @@ def _print_summary(flow: str, summary: dict[str, Any]) -> None:
     )
 
 
-def _raise_on_sigterm() -> None:
-    """SIGTERM (a scheduler stopping us) is handled like Ctrl-C: open runs are marked failed."""
+_interrupted = threading.Event()
 
-    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
-        raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, handler)
+def _handle_interrupts() -> dict[int, Any]:
+    """Ctrl-C or SIGTERM: mark every run this process holds open ``failed`` (interrupted) at once, then stop.
+
+    The runs are marked in the handler itself, so the contract holds even where a library swallows the
+    KeyboardInterrupt: work that later tries to finish an interrupted run is refused by the store. A
+    second signal exits immediately.
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        if _interrupted.is_set():
+            os._exit(130)
+        _interrupted.set()
+        from storage.recording import fail_open_runs
+
+        name = signal.Signals(signum).name
+        failed = fail_open_runs(f"interrupted ({name})")
+        err.print(f"[yellow]interrupted[/] ({name}): marked {len(failed)} open run(s) failed; stopping")
+        raise KeyboardInterrupt(name)
+
+    return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _cell(value: Any) -> str:

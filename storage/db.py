@@ -26,13 +26,13 @@ from core.errors import StoreError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _ADVISORY_LOCK_ID = 0x70726976  # "priv": serialises concurrent first-use migrations on PostgreSQL
-_lock = threading.Lock()
+_lock = threading.RLock()
 _engines: dict[tuple[int, str], Engine] = {}
 
 
 def normalize_url(url: str) -> str:
     """Let users write ``postgresql://`` and get the installed psycopg 3 driver."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
+    if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
 
@@ -111,7 +111,7 @@ def _create_sqlite(url: str, database: str | None) -> Engine:
     engine = create_engine(url, connect_args={"timeout": 60})
 
     @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+    def _pragmas(dbapi_conn, _record) -> None:
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")

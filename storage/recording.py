@@ -45,7 +45,7 @@ from storage.tracking import Tracker
 _ATTACK_FIELDS = frozenset(c.name for c in AttackResult.__table__.columns) - {"id", "run_id", "extra_json"}
 _METRIC_NAME = re.compile(r"[\w\-. :/]{1,250}")
 _open_runs: dict[str, RunRef] = {}
-_open_lock = threading.Lock()
+_open_lock = threading.RLock()
 _trackers: dict[tuple[str, str | None], Tracker] = {}
 
 

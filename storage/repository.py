@@ -159,4 +159,4 @@ def _jsonable(value: Any) -> Any:
     return value.isoformat() if isinstance(value, datetime) else value
 
 
-__all__ = ["ResultsRepository", "EXPORT_TABLES", "Metric", "MpcCost", "PrivacyLedger"]
+__all__ = ["EXPORT_TABLES", "Metric", "MpcCost", "PrivacyLedger", "ResultsRepository"]

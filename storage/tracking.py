@@ -27,7 +27,7 @@ from core.errors import StoreError
 EXPERIMENT_PREFIX = "privbench"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 _BATCH = 100  # MLflow's limit on params/tags per log_batch call
-_sqlite_locks: dict[str, threading.Lock] = {}
+_sqlite_locks: dict[str, threading.RLock] = {}
 _T = TypeVar("_T")
 
 # MLflow announces its own schema migrations at INFO on every new store; keep our output clean
@@ -47,7 +47,7 @@ class Tracker:
         self._is_sqlite = tracking_uri.startswith("sqlite:")
         if self._is_sqlite:
             Path(tracking_uri.split(":///", 1)[1]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        self._lock = _sqlite_locks.setdefault(tracking_uri, threading.Lock()) if self._is_sqlite else None
+        self._lock = _sqlite_locks.setdefault(tracking_uri, threading.RLock()) if self._is_sqlite else None
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self._experiments: dict[str, str] = {}
 

@@ -21,7 +21,7 @@ def prefect_ids() -> dict[str, str | None]:
 
 
 def task_record(*, parent: RunRef, technique: str, config: BaseModel | dict[str, Any], dataset: str | None = None,
-                run_name: str | None = None):  # noqa: ANN201 - a context manager yielding a Recorder
+                run_name: str | None = None):
     """``record_run`` for a task: a child of the flow's parent run, in the same stage, with Prefect ids."""
     return record_run(flow=parent.flow, stage=parent.stage, technique=technique, config=config, dataset=dataset,
                       parent=parent, run_name=run_name, **prefect_ids())

@@ -13,7 +13,7 @@ from sqlalchemy import func, inspect, select
 
 from core.errors import StoreError
 from storage.db import get_engine, session_scope
-from storage.models import AttackResult, Metric, PrivacyLedger, Run
+from storage.models import Metric, PrivacyLedger, Run
 from storage.recording import fail_open_runs, record_run, start_run
 from storage.repository import EXPORT_TABLES, ResultsRepository
 

@@ -12,7 +12,7 @@ from storage.repository import ResultsRepository
 from storage.tracking import experiment_name
 
 
-def search(uri: str, run_id: str):  # noqa: ANN201
+def search(uri: str, run_id: str):
     mlflow.set_tracking_uri(uri)
     frame = mlflow.search_runs(search_all_experiments=True, filter_string=f"attributes.run_id = '{run_id}'")
     assert len(frame) == 1, f"MLflow run {run_id} not found"
