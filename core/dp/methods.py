@@ -19,6 +19,18 @@ Methods (Tables 1-2 and Sec. 4.3):
   parameters, so the model is untied with ``d_model`` halved to 32 (footnote 5: a similar number of
   parameters as the tied model). An explicit ``d_model`` override is taken literally: pass half of
   the other methods' ``d_model`` to keep footnote 5's comparison.
+
+**Block layout.** App. E.2: "We use the standard Transformer encoder described in [36]" (Vaswani et
+al., 2017), i.e. *post-LN* blocks ``LN(x + Attn(x))``. Every transformer method above therefore sets
+``norm_first=False``; pass ``norm_first=True`` to get the pre-LN model (``x + Attn(LN(x))``, the
+default of :class:`~core.models.SeqRecConfig` and of a bare :class:`DPTrainConfig`). The layout
+changes what Re-Attention corrects (:func:`build_reattention`): in post-LN the first attention layer
+sees the raw embedding sum ``E[x] + P``, so a rare item's effective error (Claim 5.4) reaches its key
+through ``W_K`` alone (eq. 5.5) and is not bounded; in pre-LN the block's LayerNorm divides the noisy
+embedding by its own (noise-inflated) feature std, which bounds the key variance. The logit penalty
+``C sigma^2 / 2`` also scales with ``C = |q|^2 / d_h``, which is small for post-LN's raw first-layer
+input (embeddings initialised with std ``d^-1/2``), so the post-LN first-layer correction is not
+larger across the board: only the rarest items get a larger one.
 """
 
 from __future__ import annotations
@@ -64,7 +76,9 @@ class DPTrainConfig:
 
     Model: ``arch``, ``tied`` (share the item embedding with the output layer, Sec. 4.1),
     ``d_model``, ``n_heads``, ``n_layers``, ``dropout``, ``max_len`` (longest input sequence),
-    ``reattention`` (Sec. 5; transformer only; a no-op without noise, so ignored when non-private).
+    ``reattention`` (Sec. 5; transformer only; a no-op without noise, so ignored when non-private),
+    ``norm_first`` (transformer block layout: True = pre-LN, False = post-LN as in App. E.2, which
+    the transformer methods of :data:`METHODS` use; must be True for the RNNs).
 
     Privacy: ``clipping`` (a :class:`~core.dp.clipping.ClippingMethod` value; ``"nonprivate"``
     disables DP), ``epsilon`` (target budget, required > 0 for private runs and forbidden for
@@ -89,6 +103,7 @@ class DPTrainConfig:
     dropout: float = 0.2
     max_len: int = 200
     reattention: bool = False
+    norm_first: bool = True
     clipping: str = ClippingMethod.PHANTOM.value
     epsilon: float | None = None
     delta: float | None = None
@@ -118,7 +133,7 @@ class DPTrainConfig:
     def _check_model(self) -> None:
         if self.arch not in get_args(Arch):
             raise ConfigError(f"unknown arch={self.arch!r}; known: {', '.join(get_args(Arch))}")
-        for name in ("tied", "reattention", "normalize"):
+        for name in ("tied", "reattention", "normalize", "norm_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         for name in ("d_model", "n_heads", "n_layers", "max_len"):
@@ -134,6 +149,11 @@ class DPTrainConfig:
         if self.reattention and self.arch != "transformer":
             raise ConfigError(
                 f"reattention=True needs attention, but arch={self.arch!r} has none; use arch='transformer'"
+            )
+        if not self.norm_first and self.arch != "transformer":
+            raise ConfigError(
+                f"norm_first=False (post-LN blocks) needs arch='transformer', got arch={self.arch!r}; "
+                "leave norm_first=True for the RNNs"
             )
 
     def _check_privacy(self) -> None:
@@ -199,6 +219,7 @@ class DPTrainConfig:
 
 
 _COMMON: dict[str, Any] = {"arch": "transformer", "tied": True, "reattention": False, "clipping": "phantom"}
+_POST_LN: dict[str, Any] = {"norm_first": False}  # App. E.2: Vaswani et al.'s (post-LN) encoder
 
 #: The compared methods as partial :class:`DPTrainConfig` s (see the module docstring).
 METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
@@ -207,11 +228,12 @@ METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         for name, partial in {
             "gru": {"arch": "gru"},
             "lstm": {"arch": "lstm"},
-            "transformer_untied": {"tied": False},
-            "transformer": {},
-            "dpformer": {"reattention": True},
-            "transformer_opacus_hooks": {"clipping": "opacus_hooks"},
-            "transformer_opacus_ghost_untied": {"clipping": "opacus_ghost", "tied": False, "d_model": 32},
+            "transformer_untied": _POST_LN | {"tied": False},
+            "transformer": _POST_LN,
+            "dpformer": _POST_LN | {"reattention": True},
+            "transformer_opacus_hooks": _POST_LN | {"clipping": "opacus_hooks"},
+            "transformer_opacus_ghost_untied": _POST_LN
+            | {"clipping": "opacus_ghost", "tied": False, "d_model": 32},
         }.items()
     }
 )
@@ -252,6 +274,19 @@ def build_reattention(
     floored at ``1 / N``; block and key-projection variances: Claim 5.3; position ``j``: Claim 5.4
     with the fraction of windows whose input is not padding at ``j`` (a padded position gets no
     gradient). The frequencies are treated as public (Remark C.1) although computed from the data.
+
+    The key input of the first block is ``E[ids] + P[pos]`` (right-aligned positions, as the model):
+    pre-LN (``model.cfg.norm_first``) propagates it through the block's ``ln_attn`` and ``W_K``;
+    post-LN (App. E.2) through ``W_K`` only (eq. 5.5), the attention seeing the raw embedding sum.
+    The model multiplies the input of padding positions by 0; :class:`ReAttention` sets their key
+    variance to 0 (those keys are masked), so the un-masked moments computed there are never used.
+
+    Caveat: :class:`ReAttention` applies these *first-layer* key variances at every layer. For
+    pre-LN that is a fair proxy (every attention sees LayerNorm-ed inputs; Monte Carlo at init on
+    MovieLens-100k at epsilon 8: layer-2 keys within ~10%). For post-LN the later layers see the
+    output of a LayerNorm, whose key variance is bounded like pre-LN's, so the raw first-layer
+    variance is off there (same check: 0.05x for frequent items up to 35x for the rarest); exact
+    per-layer variances need the block-by-block propagation of :mod:`core.dp.moments`.
     """
     if not isinstance(model, TransformerSeqRec):
         raise ConfigError(f"Re-Attention needs a TransformerSeqRec (attention), got {type(model).__name__}")
@@ -276,6 +311,14 @@ def build_reattention(
         position_embedding=model.pos_emb.weight.detach(),
         position_error_var=position_var.to(device),
         position_alignment="right",
-        layer_norm=(block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps),
+        layer_norm=_key_layer_norm(model),
     )
     return ReAttention(item_var.to(device), propagation=propagation)
+
+
+def _key_layer_norm(model: TransformerSeqRec) -> tuple[Tensor, Tensor, float] | None:
+    """The LayerNorm between the embeddings and the first keys: ``ln_attn`` for pre-LN, none for post-LN."""
+    block = model.blocks[0]
+    if not model.cfg.norm_first:
+        return None
+    return block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps

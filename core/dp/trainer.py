@@ -24,9 +24,10 @@ by a :class:`~core.dp.accounting.PrivacyAccountant`, and the budget is checked a
 contain item ``i`` (eq. C.3), floored at ``1 / N`` for items absent from every training window --
 and the block variance ``(sigma C / (q N))^2`` (Claim 5.3) are carried to the first layer's keys by
 :class:`~core.dp.reattention.KeyPropagation` (positions: Claim 5.4 with the fraction of sequences
-reaching each position). The per-batch correction is passed to every forward, in training and in
-evaluation. As in the paper (Remark C.1) the frequencies are treated as **public**: they are
-computed here from the private training data and are *not* covered by the DP guarantee.
+reaching each position; through the first LayerNorm for pre-LN, through ``W_K`` only for post-LN).
+The per-batch correction is passed to every forward, in training and in evaluation. As in the paper
+(Remark C.1) the frequencies are treated as **public**: they are computed here from the private
+training data and are *not* covered by the DP guarantee.
 
 **Non-private runs** (``clipping="nonprivate"``): shuffled fixed-size batches, ``ceil(N /
 batch_size)`` per epoch, loss = mean over the batch's sequences of the per-sequence loss (sum over
@@ -71,6 +72,7 @@ from core.dp.sampling import poisson_batches, sample_rate_for
 from core.errors import ConfigError, DataError, PrivacyError
 from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
 from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, build_seqrec, sequence_loss
+from core.models.seqrec import Corrections
 
 __all__ = [
     "METHODS",
@@ -262,6 +264,7 @@ class _Run:
         model_cfg = SeqRecConfig(
             num_items=data.n_items, max_len=cfg.max_len, d_model=cfg.d_model, n_heads=cfg.n_heads,
             n_layers=cfg.n_layers, dropout=cfg.dropout, tied=cfg.tied, arch=cfg.arch,
+            norm_first=cfg.norm_first,
         )  # fmt: skip
         self.model = build_seqrec(model_cfg).to(device).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -313,9 +316,24 @@ class _Run:
                 yield batch
 
     # ------------------------------------------------------------------------------ training
+    def _correction(self, ids: Tensor) -> Corrections:
+        """Re-Attention for this batch: every block for pre-LN; the first block only for post-LN.
+
+        The propagated key variances are those of the first block's keys. Pre-LN blocks all see
+        LayerNorm-ed inputs, so they are a fair proxy there (see ``build_reattention``); post-LN blocks
+        after the first see a LayerNorm output whose variance the first block's does not describe
+        (up to 35x too large for rare items), so they are left uncorrected rather than mis-corrected.
+        """
+        if self.reattention is None:
+            return None
+        correction = self.reattention.for_batch(ids)
+        if self.cfg.norm_first:
+            return correction
+        return [correction] + [None] * (self.cfg.n_layers - 1)
+
     def _per_sequence_loss(self, users: Tensor) -> Tensor:
         ids, targets = self.t.inputs[users], self.t.targets[users]
-        correction = None if self.reattention is None else self.reattention.for_batch(ids)
+        correction = self._correction(ids)
         logits = self.net(ids) if correction is None else self.net(ids, score_correction=correction)
         loss = sequence_loss(logits, targets, reduction="none")  # (B,)
         if not bool(torch.isfinite(loss).all()):
@@ -365,7 +383,7 @@ class _Run:
         ranks = []
         for start in range(0, len(inputs), EVAL_BATCH_SIZE):
             ids = inputs[start : start + EVAL_BATCH_SIZE]
-            correction = None if self.reattention is None else self.reattention.for_batch(ids)
+            correction = self._correction(ids)
             hidden = self.model.hidden(ids, correction)[:, -1]  # (b, d), the last (most recent) position
             scores = self.model.output(hidden)  # (b, M + 1)
             ranks.append(rank_of_target(scores, targets[start : start + EVAL_BATCH_SIZE]))

@@ -18,8 +18,16 @@ Design choices (documented because the privacy machinery depends on them):
   pushes down). ``nn.Embedding.padding_idx`` is therefore not needed and not set.
 * **Positions** are learned and right-aligned: the most recent item always sits at position
   ``max_len - 1``, so a batch shorter than ``max_len`` sees the same positions as a full one.
-* **Pre-LN** blocks ``x + Drop(Attn(LN(x)))``, ``x + Drop(FFN(LN(x)))`` with a final LayerNorm
-  (Xiong et al., 2020): trains without learning-rate warm-up, which matters under DP noise.
+* **Block layout** (``norm_first``). Pre-LN (``True``, the default here): ``x + Drop(Attn(LN(x)))``,
+  ``x + Drop(FFN(LN(x)))`` with a final LayerNorm (Xiong et al., 2020), which trains without
+  learning-rate warm-up. Post-LN (``False``): the encoder of Vaswani et al. (2017) that DPFormer
+  uses (App. E.2), ``LN(x + Drop(Attn(x)))``, ``LN(x + Drop(FFN(x)))`` and *no* final LayerNorm
+  (the last block already ends in one; ``final_norm`` is ``nn.Identity``). The layout matters for
+  Re-Attention (Sec. 5): in post-LN the first attention layer's keys are ``W_K (E[x] + P) + b``,
+  so a rare item's embedding error reaches them un-normalised; in pre-LN a LayerNorm sits in
+  between and bounds it (see :func:`core.dp.methods.build_reattention`). Both layouts use the same
+  sub-modules (``ln_attn``/``ln_ff`` are the attention / feed-forward sub-layers' LayerNorms), so
+  parameter names and counts are identical apart from ``final_norm``.
 * **RNN baselines** use Opacus' ``DPGRU`` / ``DPLSTM`` (cells built from ``RNNLinear``, an
   ``nn.Linear`` subclass) so that Phantom Clipping and Opacus can compute their per-sample norms.
   They run the recurrence in Python, hence are slower than cuDNN/ATen RNNs even without DP. Under
@@ -61,6 +69,9 @@ class SeqRecConfig:
         arch: "transformer", "gru" or "lstm".
         d_ff: feed-forward width (transformer); None means 4 * d_model (Vaswani et al., 2017).
         activation: feed-forward non-linearity, "relu" (Vaswani et al.) or "gelu".
+        norm_first: transformer block layout: True = pre-LN (default), False = post-LN, the encoder
+            of Vaswani et al. that DPFormer uses (App. E.2). Only meaningful for arch="transformer";
+            False with an RNN raises ConfigError.
     """
 
     num_items: int
@@ -73,6 +84,7 @@ class SeqRecConfig:
     arch: Arch = "transformer"
     d_ff: int | None = None
     activation: Activation = "relu"
+    norm_first: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_items", "max_len", "d_model", "n_heads", "n_layers"):
@@ -95,6 +107,13 @@ class SeqRecConfig:
             )
         if not isinstance(self.tied, bool):
             raise ConfigError(f"tied must be a bool, got tied={self.tied!r}")
+        if not isinstance(self.norm_first, bool):
+            raise ConfigError(f"norm_first must be a bool, got norm_first={self.norm_first!r}")
+        if not self.norm_first and self.arch != "transformer":
+            raise ConfigError(
+                f"norm_first=False (post-LN blocks) needs arch='transformer', got arch={self.arch!r}; "
+                "RNNs have no LayerNorm blocks, leave norm_first=True"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -117,10 +136,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN encoder block with causal self-attention: (B, L, d) -> (B, L, d)."""
+    """Causal self-attention encoder block, pre-LN or post-LN (``cfg.norm_first``): (B, L, d) -> (B, L, d).
+
+    Pre-LN: ``x + Drop(Attn(LN_a(x)))`` then ``x + Drop(FFN(LN_f(x)))``. Post-LN (Vaswani et al.):
+    ``LN_a(x + Drop(Attn(x)))`` then ``LN_f(x + Drop(FFN(x)))``. ``LN_a``/``LN_f`` = ``ln_attn``/``ln_ff``.
+    """
 
     def __init__(self, cfg: SeqRecConfig) -> None:
         super().__init__()
+        self.norm_first = cfg.norm_first
         self.ln_attn = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
         self.ln_ff = nn.LayerNorm(cfg.d_model)
@@ -130,14 +154,18 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None
     ) -> Tensor:
-        x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
-        return x + self.dropout(self.ff(self.ln_ff(x)))
+        if self.norm_first:
+            x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
+            return x + self.dropout(self.ff(self.ln_ff(x)))
+        x = self.ln_attn(x + self.dropout(self.attn(x, key_valid, score_correction)))
+        return self.ln_ff(x + self.dropout(self.ff(x)))
 
 
 class SeqRecModel(nn.Module):
     """Shared parts: item embedding (M + 1, d), final LayerNorm, (tied) output layer.
 
-    Subclasses implement :meth:`encode` (B, L) ids -> (B, L, d) hidden states before the final norm.
+    Subclasses implement :meth:`encode` (B, L) ids -> (B, L, d) hidden states before the final norm
+    (``nn.Identity`` for post-LN transformers, whose last block ends in a LayerNorm).
     ``score_correction`` (forward argument): one Re-Attention correction for every attention layer
     or a sequence with one per layer (see :mod:`core.models.attention`); transformer only.
     """
@@ -148,7 +176,8 @@ class SeqRecModel(nn.Module):
         self.item_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         nn.init.normal_(self.item_emb.weight, std=cfg.d_model**-0.5)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.final_norm = nn.LayerNorm(cfg.d_model)
+        post_ln = cfg.arch == "transformer" and not cfg.norm_first
+        self.final_norm = nn.Identity() if post_ln else nn.LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.output.weight = self.item_emb.weight  # the same Parameter: logits = h E^T
@@ -185,7 +214,7 @@ class SeqRecModel(nn.Module):
 
 
 class TransformerSeqRec(SeqRecModel):
-    """SASRec-style causal Transformer (App. E.2) with learned positions and pre-LN blocks."""
+    """SASRec-style causal Transformer (App. E.2) with learned positions and pre- or post-LN blocks."""
 
     def __init__(self, cfg: SeqRecConfig) -> None:
         super().__init__(cfg)

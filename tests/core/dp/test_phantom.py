@@ -1,4 +1,8 @@
-"""Phantom Clipping (Claim 4.1) against brute force: one forward + backward per sample."""
+"""Phantom Clipping (Claim 4.1) against brute force: one forward + backward per sample.
+
+Transformers are checked in both block layouts: pre-LN (``norm_first=True``) and the post-LN encoder of
+Vaswani et al. that the DP methods use (``norm_first=False``, App. E.2).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.dp.clipping import make_clipper
+from core.dp.methods import build_reattention
 from core.dp.phantom import PhantomClipping
 from core.errors import ConfigError, PrivacyError
 from core.models import SeqRecConfig, build_seqrec, sequence_loss
@@ -16,11 +22,12 @@ IDS = torch.tensor([[0, 0, 3, 4, 5, 6], [1, 2, 3, 3, 5, 12], [0, 0, 0, 0, 0, 7],
 TARGETS = torch.tensor([[0, 0, 4, 5, 6, 7], [2, 3, 4, 5, 12, 1], [0, 0, 0, 0, 0, 3], [9, 9, 2, 1, 4, 4]])
 
 
-def _model(arch="transformer", tied=True, dtype=torch.float64, seed=0):
+def _model(arch="transformer", tied=True, dtype=torch.float64, seed=0, norm_first=True):
     torch.manual_seed(seed)
     cfg = SeqRecConfig(
-        num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0, tied=tied, arch=arch
-    )
+        num_items=M, max_len=L, d_model=8, n_heads=2, n_layers=2, dropout=0.0, tied=tied, arch=arch,
+        norm_first=norm_first,
+    )  # fmt: skip
     return build_seqrec(cfg).to(dtype)
 
 
@@ -63,16 +70,20 @@ def _check_against_brute_force(model, rtol=1e-4, strategy="auto", loss=_loss, id
         torch.testing.assert_close(p.grad, expected, rtol=rtol, atol=1e-7)
 
 
-@pytest.mark.parametrize("arch", ["transformer", "gru", "lstm"])
+LAYOUTS = [("transformer", True), ("transformer", False), ("gru", True), ("lstm", True)]
+
+
+@pytest.mark.parametrize(("arch", "norm_first"), LAYOUTS, ids=["pre_ln", "post_ln", "gru", "lstm"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_norms_and_weighted_sum_match_brute_force(arch, tied):
-    _check_against_brute_force(_model(arch, tied))
+def test_norms_and_weighted_sum_match_brute_force(arch, norm_first, tied):
+    _check_against_brute_force(_model(arch, tied, norm_first=norm_first))
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "direct"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_forced_strategies_are_exact(strategy, tied):
-    _check_against_brute_force(_model(tied=tied), strategy=strategy)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_forced_strategies_are_exact(strategy, tied, norm_first):
+    _check_against_brute_force(_model(tied=tied, norm_first=norm_first), strategy=strategy)
 
 
 def test_float32_close_and_dtype_preserved():
@@ -86,11 +97,15 @@ def test_float32_close_and_dtype_preserved():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_auto_strategy_mixes_ghost_and_direct_layers(tied):
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_auto_strategy_mixes_ghost_and_direct_layers(tied, norm_first):
     # d=16, T=8: attention Linears (16x16) and positions are materialised, the FFN (16x64),
     # the untied output layer and the item embedding use ghost norms
     torch.manual_seed(3)
-    cfg = SeqRecConfig(num_items=40, max_len=8, d_model=16, n_heads=1, n_layers=1, dropout=0.0, tied=tied)
+    cfg = SeqRecConfig(
+        num_items=40, max_len=8, d_model=16, n_heads=1, n_layers=1, dropout=0.0, tied=tied,
+        norm_first=norm_first,
+    )  # fmt: skip
     model = build_seqrec(cfg).double()
     ids = torch.randint(0, 41, (3, 8))
     targets = torch.randint(1, 41, (3, 8))
@@ -248,7 +263,8 @@ def test_accumulate_adds_to_existing_grad():
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
 
 
-def test_exact_with_a_re_attention_score_correction():
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_exact_with_a_re_attention_score_correction(norm_first):
     def correction(logits, query):  # differentiable in the queries, like a per-query Re-Attention C
         return logits - 0.1 * query.pow(2).sum(-1, keepdim=True) * torch.linspace(0, 1, logits.shape[-1]).to(
             logits
@@ -257,4 +273,29 @@ def test_exact_with_a_re_attention_score_correction():
     def loss(model, ids, targets):
         return sequence_loss(model(ids, score_correction=correction), targets)
 
-    _check_against_brute_force(_model(), loss=loss)
+    _check_against_brute_force(_model(norm_first=norm_first), loss=loss)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_post_ln_opacus_hooks_and_phantom_agree(tied):
+    """Post-LN (the DP methods' layout) with the model's own Re-Attention correction: Opacus' materialised
+    per-sample gradients and Phantom Clipping give the same norms and the same clipped sum."""
+    ids = torch.cat([IDS, IDS.flip(0)])
+    targets = torch.cat([TARGETS, TARGETS.flip(0)])
+    results = []
+    for method in ("phantom", "opacus_hooks"):
+        model = _model(tied=tied, norm_first=False).train()  # dropout 0: deterministic
+        reattention = build_reattention(
+            model, ids, targets, noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=4.0
+        )
+        clipper = make_clipper(method, model, clip_norm=1.0, normalize=True)
+        try:
+            logits = clipper.model(ids, score_correction=reattention.for_batch(ids))
+            norms = clipper.backward(sequence_loss(logits, targets))
+        finally:
+            clipper.close()
+        results.append((norms, [p.grad for p in model.parameters()]))
+    (norms_phantom, grads_phantom), (norms_opacus, grads_opacus) = results
+    torch.testing.assert_close(norms_phantom, norms_opacus, rtol=1e-6, atol=1e-9)
+    for a, b in zip(grads_phantom, grads_opacus, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

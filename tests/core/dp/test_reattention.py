@@ -294,11 +294,13 @@ def test_position_alignment_and_per_row_position_variance() -> None:
         KeyPropagation(**kwargs, position_embedding=positions, position_error_var=torch.zeros(4))
 
 
-def _transformer(seed: int):
+def _transformer(seed: int, norm_first: bool = True):
     from core.models.seqrec import SeqRecConfig, TransformerSeqRec
 
     torch.manual_seed(seed)
-    cfg = SeqRecConfig(num_items=6, max_len=5, d_model=8, n_heads=2, n_layers=2, dropout=0.0)
+    cfg = SeqRecConfig(
+        num_items=6, max_len=5, d_model=8, n_heads=2, n_layers=2, dropout=0.0, norm_first=norm_first
+    )
     return TransformerSeqRec(cfg).eval()
 
 
@@ -359,5 +361,60 @@ def test_key_variance_matches_monte_carlo_of_transformer_seqrec_keys() -> None:
     keys = torch.einsum("nbld,nkd->nblk", x, noisy_w) + noisy_b[:, None, None, :]
     simulated = keys.var(dim=0).mean(dim=-1).float()
     real = ids != 0
+    torch.testing.assert_close(expected[real], simulated[real], rtol=0.06, atol=0)
+    assert bool((expected[~real] == 0).all())
+
+
+def _first_keys(model, ids: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The real model's first-layer keys (B, L, d_k) under ``params`` (k_proj output, captured by a hook)."""
+    keys = []
+    hook = model.blocks[0].attn.k_proj.register_forward_hook(lambda mod, inp, out: keys.append(out))
+    try:
+        torch.func.functional_call(model, params, (ids,))
+    finally:
+        hook.remove()
+    return keys[0]
+
+
+def test_post_ln_key_variance_matches_monte_carlo_of_the_models_first_keys() -> None:
+    """Post-LN (App. E.2, ``norm_first=False``): build_reattention propagates the effective errors to the
+    first keys ``W_K ((E[ids] + P[pos]) * valid) + b`` without a LayerNorm. Draw the DP noise into the
+    real model's item/position embeddings and every block parameter (vmap over 20k draws), read its
+    first-layer keys off ``k_proj`` and compare their variance with the propagated one. Eq. 5.5 is exact
+    for this path (a linear map of independent Gaussians), so the noise can be as large as DP makes it
+    for rare items (item std > 5x the embedding scale here) and the band is the MC band (6%)."""
+    from core.dp.methods import build_reattention
+
+    model = _transformer(2, norm_first=False).double()
+    windows = torch.tensor([[0, 1, 2, 3, 4, 1], [0, 0, 1, 1, 2, 5], [1, 2, 1, 2, 1, 6], [0, 0, 0, 1, 2, 1]])
+    reattention = build_reattention(
+        model, windows[:, :-1], windows[:, 1:], noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=2.0
+    )
+    assert reattention.propagation.layer_norm is None  # post-LN: no LayerNorm before the first keys
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 1], [0, 0, 6, 2]])
+    expected = reattention.key_variance(ids)
+    real = ids != 0
+
+    # the propagation's mean path is the model's: right-aligned positions, E[x] + P (no LN) then W_K
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    means = reattention.propagation.key_moments(ids, reattention.item_error_var).mean
+    torch.testing.assert_close(means[real], _first_keys(model, ids, params)[real])
+
+    item_var, pos_var = reattention.item_error_var.double(), reattention.propagation.position_error_var
+    v_block = block_error_variance(noise_multiplier=1.0, clip_norm=1.0, batch_size=2.0)
+    assert float(item_var[6]) > 25 * float(params["item_emb.weight"][6].pow(2).mean())  # noise >> signal
+    std = {name: torch.tensor(math.sqrt(v_block), dtype=F64) for name in params}
+    std["item_emb.weight"] = item_var.sqrt()[:, None]
+    std["pos_emb.weight"] = pos_var.double().sqrt()[:, None]
+    gen = _gen(17)
+
+    def keys_of(noise: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _first_keys(model, ids, {name: params[name] + std[name] * noise[name] for name in params})
+
+    draws = []
+    for _ in range(4):  # 4 chunks of 5k draws
+        noise = {name: _randn(5_000, *p.shape, gen=gen) for name, p in params.items()}
+        draws.append(torch.func.vmap(keys_of)(noise))
+    simulated = torch.cat(draws).var(dim=0).mean(dim=-1)  # (B, L) scalar key variance
     torch.testing.assert_close(expected[real], simulated[real], rtol=0.06, atol=0)
     assert bool((expected[~real] == 0).all())

@@ -39,6 +39,8 @@ def _ids() -> torch.Tensor:
         ({"activation": "tanh"}, "known: relu, gelu"),
         ({"d_ff": 0}, "d_ff"),
         ({"tied": "yes"}, "tied"),
+        ({"norm_first": 0}, "norm_first must be a bool"),
+        ({"arch": "gru", "norm_first": False}, "norm_first=False .* needs arch='transformer'"),
     ],
 )
 def test_config_validation_names_bad_value(kw, fragment):
@@ -49,6 +51,7 @@ def test_config_validation_names_bad_value(kw, fragment):
 def test_config_defaults_match_paper():
     cfg = SeqRecConfig(num_items=M, max_len=L)
     assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.dropout, cfg.tied) == (64, 1, 2, 0.2, True)
+    assert cfg.norm_first  # pre-LN by default; the DP methods pick post-LN (core.dp.methods)
     assert cfg.vocab_size == M + 1
     with pytest.raises(ConfigError, match="SeqRecConfig"):
         build_seqrec({"num_items": M})
@@ -72,15 +75,18 @@ def test_tied_logits_are_hidden_times_embedding():
     assert torch.allclose(model(ids), model.hidden(ids) @ model.item_emb.weight.T)
 
 
-def test_attention_is_built_from_plain_linears():
-    model = build_seqrec(_cfg())
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_attention_is_built_from_plain_linears(norm_first):
+    model = build_seqrec(_cfg(norm_first=norm_first))
     kinds = {type(m) for m in model.modules() if list(m.parameters(recurse=False))}
     assert kinds == {torch.nn.Embedding, torch.nn.Linear, torch.nn.LayerNorm}
 
 
-@pytest.mark.parametrize("arch", ["transformer", "gru"])
-def test_causal_future_items_do_not_change_past_scores(arch):
-    model = build_seqrec(_cfg(arch=arch)).eval()
+@pytest.mark.parametrize(
+    ("arch", "norm_first"), [("transformer", True), ("transformer", False), ("gru", True)]
+)
+def test_causal_future_items_do_not_change_past_scores(arch, norm_first):
+    model = build_seqrec(_cfg(arch=arch, norm_first=norm_first)).eval()
     ids = _ids()
     changed = ids.clone()
     changed[:, -1] = 9
@@ -88,17 +94,41 @@ def test_causal_future_items_do_not_change_past_scores(arch):
     assert not torch.allclose(model(ids)[:, -1], model(changed)[:, -1])
 
 
-def test_transformer_real_positions_ignore_left_padding():
-    model = build_seqrec(_cfg()).eval()
-    padded = torch.tensor([[0, 0, 0, 3, 4, 5]])
-    short = torch.tensor([[3, 4, 5]])  # right-aligned positions: same as the padded batch
-    assert torch.allclose(model(padded)[:, -3:], model(short), atol=1e-6)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_transformer_real_positions_ignore_left_padding(norm_first):
+    model = build_seqrec(_cfg(norm_first=norm_first)).eval()
+    padded = torch.tensor([[0, 0, 0, 3, 4, 5], [0, 0, 0, 0, 0, 7]])
+    short = torch.tensor([[3, 4, 5], [0, 0, 7]])  # right-aligned positions: same as the padded batch
+    out = model(padded)
+    assert torch.allclose(out[:, -3:][short != 0], model(short)[short != 0], atol=1e-6)
+    other = padded.clone()
+    other[0, :3] = torch.tensor([0, 9, 1])  # different items *before* the real ones, still left of them
+    assert not torch.allclose(model(other)[0, -3:], out[0, -3:])  # sanity: the context does matter
 
 
-def test_padding_row_gets_no_input_side_gradient():
-    model = build_seqrec(_cfg(tied=False))
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_padding_row_gets_no_input_side_gradient(norm_first):
+    model = build_seqrec(_cfg(tied=False, norm_first=norm_first))
     sequence_loss(model(_ids()), _ids().roll(-1, 1)).sum().backward()
     assert torch.count_nonzero(model.item_emb.weight.grad[0]) == 0
+
+
+def test_post_ln_block_is_vaswani_encoder_layer():
+    """norm_first=False: LN(x + Attn(x)), LN(x + FFN(x)), no final LayerNorm; same sub-modules as pre-LN."""
+    torch.manual_seed(0)
+    post, pre = build_seqrec(_cfg(norm_first=False)).eval(), build_seqrec(_cfg()).eval()
+    assert isinstance(post.final_norm, torch.nn.Identity) and isinstance(pre.final_norm, torch.nn.LayerNorm)
+    names = {n for n, _ in pre.named_parameters() if not n.startswith("final_norm")}
+    assert {n for n, _ in post.named_parameters()} == names
+    ids = _ids()
+    valid = ids != 0
+    positions = torch.arange(L).repeat(3, 1)
+    x = (post.item_emb(ids) + post.pos_emb(positions)) * valid.unsqueeze(-1)
+    for block in post.blocks:
+        x = block.ln_attn(x + block.attn(x, valid))
+        x = block.ln_ff(x + block.ff(x))
+    torch.testing.assert_close(post.hidden(ids), x)
+    torch.testing.assert_close(post(ids), x @ post.item_emb.weight.T)
 
 
 def test_attention_mask_is_causal_and_lets_padding_see_itself():
