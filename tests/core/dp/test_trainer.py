@@ -311,3 +311,24 @@ def test_nan_loss_stops_training_naming_the_step(data: SequentialDataset, monkey
     ) as info:
         train_seqrec(data, cfg)
     assert isinstance(info.value, PrivacyError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_reattention_corrects_every_pre_ln_block_but_only_the_first_post_ln_block(
+    data: SequentialDataset, norm_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The propagated variances describe the first block's keys: post-LN later blocks stay uncorrected."""
+    from core.models.attention import CausalSelfAttention
+
+    seen: list[bool] = []
+    original = CausalSelfAttention.forward
+
+    def spy(self, x, key_valid, score_correction=None):  # noqa: ANN001, ANN202
+        seen.append(score_correction is not None)
+        return original(self, x, key_valid, score_correction)
+
+    monkeypatch.setattr(CausalSelfAttention, "forward", spy)
+    cfg = method_config("dpformer", **TINY, epsilon=8.0, max_steps=1, n_layers=2, norm_first=norm_first)
+    train_seqrec(data, cfg)
+    per_forward = [seen[i : i + 2] for i in range(0, len(seen), 2)]
+    assert per_forward and all(p == ([True, True] if norm_first else [True, False]) for p in per_forward)
