@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,12 @@ def _build(spec: DatasetSpec, source: SourceRef, key: str, out_dir: Path) -> tup
                 "n_interactions": len(interactions)},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _write_atomically(out_dir, lambda tmp: (data.save(tmp), (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))))
+
+    def write(tmp: Path) -> None:
+        data.save(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
+
+    _write_atomically(out_dir, write)
     t3 = time.perf_counter()
     written = read_manifest(out_dir)  # a concurrent writer may have won the rename; theirs is identical
     return written or manifest, {"parse_s": t1 - t0, "preprocess_s": t2 - t1, "write_s": t3 - t2}
@@ -169,7 +175,7 @@ def _synthetic_source(spec: DatasetSpec) -> SourceRef:
     return SourceRef(str(path), syn.format, sha256_file(path), f"synthetic {syn.preset} x{syn.scale} seed {syn.seed}")
 
 
-def _write_atomically(target: Path, write: Any) -> None:
+def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
     """Fill a temporary sibling folder with ``write(tmp)`` and rename it to ``target`` (first writer wins)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

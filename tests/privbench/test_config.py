@@ -94,3 +94,26 @@ def test_configs_are_frozen_and_hash_is_stable() -> None:
     flat = flatten(cfg)
     assert flat["prepare.datasets.0.name"] == "ml-100k"
     assert flat["prepare.datasets.1.synthetic.seed"] == "0"
+
+
+def test_unknown_dataset_names_list_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"train_dp.datasets \['nope'\] are not prepared.*'ml-100k'"):
+        load_config("quick", overrides=("train_dp.datasets.0.name=nope",))
+    with pytest.raises(ConfigError, match="unknown dataset 'nope'; this profile prepares: ml-100k, ml-1m-synthetic"):
+        load_config("quick").prepare.dataset("nope")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train_dp.epsilons=[0, 8]", "every epsilon must be > 0, got [0.0]"),
+        ("train_dp.delta=1.5", "delta must be in (0, 1), got delta=1.5"),
+        ("train_dp.clip_norm=0", "train_dp.clip_norm = 0: Input should be greater than 0"),
+        ("train_dp.methods=[transformr]", "'gru', 'lstm', 'transformer_untied', 'transformer' or 'dpformer'"),
+        ("train_dp.batch_sizes=[-1]", "learning rates and batch sizes must be > 0, got [-1]"),
+    ],
+)
+def test_privacy_critical_train_values_are_validated(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("quick", overrides=(override,))
+    assert expected in str(info.value)
