@@ -26,18 +26,9 @@ from core.dp.moments import (
     softmax_moments,
 )
 from core.errors import ConfigError
-
-F64 = torch.float64
-N_MC = 40_000
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
+from tests.core.dp.montecarlo import F64, N_MC
+from tests.core.dp.montecarlo import gen as _gen
+from tests.core.dp.montecarlo import randn as _randn
 
 # ==================================================================================================
 # propagation vs Monte Carlo (eq. 5.5, 5.6, App. D, our LayerNorm / softmax derivations)

@@ -24,18 +24,9 @@ from core.dp.reattention import (
     token_presence_frequency,
 )
 from core.errors import ConfigError, DataError
-
-F64 = torch.float64
-N_MC = 40_000
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
+from tests.core.dp.montecarlo import F64
+from tests.core.dp.montecarlo import gen as _gen
+from tests.core.dp.montecarlo import randn as _randn
 
 # ==================================================================================================
 # error instantiation (Claims 5.3, 5.4, App. C)
