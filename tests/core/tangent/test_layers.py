@@ -22,6 +22,7 @@ from core.tangent.layers import (
     tangent_add,
 )
 from core.tangent.model import linearize_block
+from tests.core.tangent.tiny import tiny_config
 
 DT = torch.float64
 TOL = 1e-5
@@ -130,20 +131,6 @@ def test_tangent_add() -> None:
     a, b = (torch.ones(2), 2 * torch.ones(2)), (3 * torch.ones(2), 4 * torch.ones(2))
     y, j = tangent_add(a, b)
     assert torch.equal(y, 4 * torch.ones(2)) and torch.equal(j, 6 * torch.ones(2))
-
-
-def tiny_config(cls: type = transformers.Dinov2Config, **kw: object) -> transformers.PretrainedConfig:
-    base = {
-        "hidden_size": 32,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-        "image_size": 28,
-        "patch_size": 7,
-        "num_channels": 1,
-    }
-    base.update(kw)
-    return cls(**base)
 
 
 def jitter_(mod: nn.Module, gen: torch.Generator, scale: float = 0.1) -> nn.Module:

@@ -12,6 +12,7 @@ from torch.func import functional_call, jvp
 
 from core.errors import ConfigError, DataError
 from core.tangent.model import TangentModel, reinit_block_
+from tests.core.tangent.tiny import tiny_config
 
 DT = torch.float64
 
@@ -26,16 +27,7 @@ def tiny_backbone(kind: str = "dinov2", seed: int = 0, **kw: object) -> nn.Modul
         "dinov2": (transformers.Dinov2Config, transformers.Dinov2Model),
         "vit": (transformers.ViTConfig, transformers.ViTModel),
     }[kind]
-    cfg = cfg_cls(
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        image_size=28,
-        patch_size=7,
-        num_channels=1,
-        **kw,
-    )
+    cfg = tiny_config(cfg_cls, **kw)
     torch.manual_seed(seed)
     extra = {"add_pooling_layer": False} if kind == "vit" else {}
     m = model_cls(cfg, **extra).to(DT).eval()

@@ -34,21 +34,13 @@ from core.tangent.train import (
     train_tangent,
     train_tangent_dp,
 )
+from tests.core.tangent.tiny import tiny_config
 
 C = 2
 
 
 def tiny_backbone(dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    cfg = transformers.Dinov2Config(
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        image_size=28,
-        patch_size=7,
-        num_channels=1,
-        attn_implementation="eager",
-    )
+    cfg = tiny_config(attn_implementation="eager")
     torch.manual_seed(seed)
     return transformers.Dinov2Model(cfg).to(dtype).eval()
 
