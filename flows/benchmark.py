@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows.prepare import prepare_flow
+from flows.tangent import tangent_flow, tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
 from privbench.config import BenchmarkConfig
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
@@ -25,6 +26,11 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         paths = {name: d["path"] for name, d in prepared["datasets"].items()}
         stages["train-dp"] = train_dp_flow.with_options(task_runner=train_dp_runner(config.train_dp))(
             config.train_dp, config.prepare, profile=config.profile, parent=run, prepared=paths)
+    if config.tangent is not None:
+        t = config.tangent
+        done = {"images": prepared["images"][t.dataset]["path"], "model": prepared["models"][t.model]["path"]}
+        stages["tangent"] = tangent_flow.with_options(task_runner=tangent_runner(t))(
+            t, config.prepare, profile=config.profile, parent=run, prepared=done)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

