@@ -1,0 +1,104 @@
+"""MPC approximations of GPT-2 (MPCFormer, THE-X): formulas, causality, distillation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from core.errors import ConfigError
+from core.mpc.approx import (
+    APPROXIMATIONS,
+    ApproxGPT2,
+    _norm,
+    approx_softmax,
+    distill,
+    get_approximation,
+    logits_kd_loss,
+)
+from core.mpc.merge_spec import activation
+
+
+def tiny_gpt2(dtype=torch.float64, seed=0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+def test_registry_names_and_unknown_name():
+    assert {"mpcformer_2relu", "mpcformer_2quad", "thex"} <= set(APPROXIMATIONS)
+    with pytest.raises(ConfigError, match="mpcformer_2relu.*mpcformer_2quad.*thex"):
+        get_approximation("nope")
+    with pytest.raises(ConfigError, match="nope"):
+        ApproxGPT2(tiny_gpt2(), "nope")
+
+
+def test_exact_forward_equals_hf_model():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 100, (2, 9))
+    out = ApproxGPT2(model, "exact")(ids)
+    ref = model(ids, output_hidden_states=True, output_attentions=True)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-10, rtol=0)
+    for a, b in zip(out.hidden, ref.hidden_states, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("kind", "c"), [("2relu", 0.0), ("2quad", 5.0), ("thex", 3.0)])
+def test_softmax_approximations_match_formula_and_mask(kind, c):
+    s = torch.randn(2, 3, 5, 5, dtype=torch.float64) * 2
+    p = approx_softmax(s, kind, c)
+    f = torch.relu(s + c) if kind != "2quad" else (s + c) ** 2
+    for i in range(5):
+        num = f[..., i, : i + 1]
+        torch.testing.assert_close(p[..., i, : i + 1], num / (num.sum(-1, keepdim=True) + 1e-6))
+        assert torch.all(p[..., i, i + 1:] == 0)
+
+
+def test_activation_formulas():
+    x = torch.linspace(-3, 3, 13, dtype=torch.float64)
+    torch.testing.assert_close(activation("quad", x), 0.125 * x**2 + 0.25 * x + 0.5)
+    torch.testing.assert_close(activation("relu", x), x.clamp_min(0))
+
+
+def test_thex_layernorm_is_affine():
+    student = ApproxGPT2(tiny_gpt2(), "thex")
+    ln = student.ln_f
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(_norm(ln, x, "affine"), x * ln.weight + ln.bias)
+    exact = ApproxGPT2(tiny_gpt2(), "exact")
+    torch.testing.assert_close(_norm(ln, x, "exact"), torch.nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
+    assert not torch.allclose(student(torch.arange(4)[None]).logits, exact(torch.arange(4)[None]).logits)
+
+
+@pytest.mark.parametrize("name", ["mpcformer_2relu", "mpcformer_2quad", "thex", "exact"])
+def test_approximations_keep_causality(name):
+    student = ApproxGPT2(tiny_gpt2(), name)
+    ids = torch.randint(0, 100, (2, 8))
+    ids2 = ids.clone()
+    ids2[:, 5:] = (ids2[:, 5:] + 17) % 100
+    a, b = student(ids).logits, student(ids2).logits
+    torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-12, rtol=0)
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_distillation_reduces_student_teacher_gap():
+    teacher = tiny_gpt2(dtype=torch.float32)
+    student = ApproxGPT2(teacher, "mpcformer_2quad")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 100, (4, 10), generator=g) for _ in range(3)]
+
+    def gap() -> float:
+        with torch.no_grad():
+            return sum(logits_kd_loss(student(b).logits, teacher(b).logits).item() for b in batches)
+
+    before = gap()
+    losses = distill(teacher, student, batches, steps=30, lr=3e-3, layerwise_fraction=0.3)
+    assert len(losses) == 30
+    assert gap() < before
+
+
+def test_distill_rejects_bad_arguments():
+    teacher = tiny_gpt2(dtype=torch.float32)
+    with pytest.raises(ConfigError, match="steps"):
+        distill(teacher, ApproxGPT2(teacher, "thex"), [torch.zeros(1, 3, dtype=torch.long)], steps=0, lr=1e-3)
