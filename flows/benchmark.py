@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows.prepare import prepare_flow
+from flows.secure_inference import secure_inference_flow
 from flows.tangent import tangent_flow, tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
 from privbench.config import BenchmarkConfig
@@ -31,6 +32,8 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         done = {"images": prepared["images"][t.dataset]["path"], "model": prepared["models"][t.model]["path"]}
         stages["tangent"] = tangent_flow.with_options(task_runner=tangent_runner(t))(
             t, config.prepare, profile=config.profile, parent=run, prepared=done)
+    if config.secure_inference is not None:
+        stages["secure-inference"] = secure_inference_flow(config.secure_inference, profile=config.profile, parent=run)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

@@ -81,6 +81,9 @@ def bench(
     max_batch_mem_mb: Annotated[float | None, typer.Option(
         "--max-batch-mem-mb", help="dp-clipping, paper profile: max-batch search memory cap (MB), 0 skips",
     )] = None,
+    methods: Annotated[str | None, typer.Option(
+        "--methods", help="mpc-generation: comma-separated methods to run (default: all)",
+    )] = None,
 ) -> None:
     """Micro-benchmarks: ratios measured side by side in one run (interleaved, medians), plus absolutes."""
     from privbench.bench import BENCHMARKS, run_benchmark
@@ -92,7 +95,9 @@ def bench(
     if name not in BENCHMARKS:
         _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
     try:
-        options = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
+        options: dict[str, object] = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
+        if methods:
+            options["methods"] = tuple(m.strip() for m in methods.split(",") if m.strip())
         result = run_benchmark(name, profile=profile, progress=err, **options)
     except PrivbenchError as exc:
         _fail(str(exc))

@@ -33,6 +33,14 @@ def _tangent(cfg: BenchmarkConfig) -> dict[str, Any]:
                                                                              profile=cfg.profile)
 
 
+def _secure_inference(cfg: BenchmarkConfig) -> dict[str, Any]:
+    from flows.secure_inference import secure_inference_flow
+
+    if cfg.secure_inference is None:
+        raise ConfigError(f"profile {cfg.profile!r} has no secure_inference section; add one or use --profile quick")
+    return secure_inference_flow(cfg.secure_inference, profile=cfg.profile)
+
+
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.benchmark import benchmark_flow
 
@@ -43,6 +51,7 @@ FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
     "prepare": _prepare,
     "train-dp": _train_dp,
     "tangent": _tangent,
+    "secure-inference": _secure_inference,
     "benchmark": _benchmark,
 }
 

@@ -10,6 +10,7 @@ the machinery (``interleave``, ``run_in_fresh_process``, ``machine_info``, ``reg
 from __future__ import annotations
 
 from privbench.bench import dp_clipping as _dp_clipping  # noqa: F401  - registers "dp-clipping"
+from privbench.bench import mpc_generation as _mpc_generation  # noqa: F401  - registers "mpc-generation"
 from privbench.bench import tangent as _tangent  # noqa: F401  - registers "tangent"
 from privbench.bench.harness import (
     BENCHMARKS,

@@ -1,0 +1,98 @@
+"""The secure-inference methods as registry entries: which model each runs, with which MPC nonlinearities
+and which generation procedure, and the plaintext twin of each (the decrypted MPC output must equal it).
+
+| method | model | under MPC | generation |
+|---|---|---|---|
+| ``vanilla`` | fine-tuned GPT-2 | exact softmax, GELU, LayerNorm | recompute the whole sequence every step (the paper's baseline) |
+| ``vanilla_kv`` | fine-tuned GPT-2 | exact | KV cache: only the new position per step (stronger baseline) |
+| ``mpcformer_2relu`` | distilled student | softmax -> 2ReLU, GELU -> quad | as vanilla |
+| ``mpcformer_2quad`` | distilled student | softmax -> 2Quad (c = 5), GELU -> quad | as vanilla |
+| ``thex`` | distilled student | softmax -> ReLU(x + 3) normalised, GELU -> ReLU, LayerNorm -> x*g+b | as vanilla |
+| ``merge_er`` | ER-trained GPT-2 | exact | embedding resending (eq. 3): no token selection or lookup per step |
+| ``merge_mm`` | merge module from the fine-tuned model | constant attention, merged products (eq. 10-11) | token per step, as vanilla |
+| ``merge`` | merge module from the ER model | constant attention, merged products | embedding resending (MERGE) |
+
+``payload`` is a :class:`core.mpc.gpt2.GPT2Weights` for the ``gpt2`` engine and a
+:class:`core.mpc.merge_spec.MergeSpec` for the ``merge`` engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from core.errors import ConfigError
+from core.mpc import gpt2 as G
+from core.mpc.merge_spec import MergeSpec, merge_generate_plain, mm_generate_plain
+
+__all__ = ["METHODS", "MethodSpec", "generate_plain", "method_spec", "run_method_party"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """``engine``: ``gpt2`` or ``merge``; ``mode``: the engine's generation mode; ``variant``: the MPC
+    nonlinearities (gpt2 engine); ``approx``: the :mod:`core.mpc.approx` registry name its student is
+    distilled with (None: no distillation); ``model``: which trained model it runs (``finetuned``,
+    ``distilled``, ``er``, ``mm``, ``merge``)."""
+
+    name: str
+    engine: str
+    mode: str
+    model: str
+    variant: G.MPCVariant | None = None
+    approx: str | None = None
+
+
+METHODS: dict[str, MethodSpec] = {
+    "vanilla": MethodSpec("vanilla", "gpt2", "vanilla", "finetuned", G.MPCVariant()),
+    "vanilla_kv": MethodSpec("vanilla_kv", "gpt2", "vanilla_kv", "finetuned", G.MPCVariant()),
+    "mpcformer_2relu": MethodSpec("mpcformer_2relu", "gpt2", "vanilla", "distilled",
+                                  G.MPCVariant(softmax="2relu", activation="quad", softmax_c=0.0), "mpcformer_2relu"),
+    "mpcformer_2quad": MethodSpec("mpcformer_2quad", "gpt2", "vanilla", "distilled",
+                                  G.MPCVariant(softmax="2quad", activation="quad", softmax_c=5.0), "mpcformer_2quad"),
+    "thex": MethodSpec("thex", "gpt2", "vanilla", "distilled",
+                       G.MPCVariant(softmax="2relu", activation="relu", norm="approx", softmax_c=3.0), "thex"),
+    "merge_er": MethodSpec("merge_er", "gpt2", "vanilla_er", "er", G.MPCVariant()),
+    "merge_mm": MethodSpec("merge_mm", "merge", "mm", "mm"),
+    "merge": MethodSpec("merge", "merge", "merge", "merge"),
+}
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registry entry of ``name``; ConfigError listing the known methods otherwise."""
+    if name not in METHODS:
+        raise ConfigError(f"unknown secure-inference method {name!r}; known: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def run_method_party(ctx: Any, method: str, payload: Any, prefix_ids: torch.Tensor | None, n_new: int,
+                     shape: tuple[int, int]) -> G.GenerationResult:
+    """One party's share of an encrypted generation with ``method`` (call inside ``parties.run_local``).
+
+    ``prefix_ids`` (B, N) is used only by the client (party 1); the model owner (party 0) passes its
+    ``payload`` (the other party's copy is ignored: it receives shares)."""
+    spec = method_spec(method)
+    ids = prefix_ids if ctx.is_client else None
+    if spec.engine == "merge":
+        if not isinstance(payload, MergeSpec):
+            raise ConfigError(f"method {method!r} runs a MergeSpec, got {type(payload).__name__}")
+        return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(ids, n_new, mode=spec.mode,
+                                                                                     shape=shape)
+    if not isinstance(payload, G.GPT2Weights):
+        raise ConfigError(f"method {method!r} runs GPT2Weights, got {type(payload).__name__}")
+    model = G.EncryptedGPT2(payload, spec.variant, rank=ctx.rank, device=ctx.device)
+    return model.generate(ids, n_new, mode=spec.mode, shape=shape)
+
+
+def generate_plain(method: str, payload: Any, prefix_ids: torch.Tensor, n_new: int) -> torch.Tensor:
+    """The plaintext twin of :func:`run_method_party` (same model, same approximations, same procedure):
+    greedy tokens (B, n_new)."""
+    spec = method_spec(method)
+    with torch.no_grad():
+        if spec.engine == "merge":
+            if spec.mode == "mm":
+                return mm_generate_plain(payload, prefix_ids, n_new)
+            return merge_generate_plain(payload, payload.lm_head[prefix_ids], n_new)[0]
+        return G.plaintext_reference(payload, spec.variant, prefix_ids, n_new, mode=spec.mode)

@@ -1,0 +1,37 @@
+"""Stage 4 flow: train the models, then run every method's encrypted generation (two parties, one process each)
+one after the other (each run uses both parties' cores), then the scaling sweep; recorded under one parent run."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+from prefect import flow
+
+from privbench.config import SecureInferenceConfig
+from storage.recording import RunRef
+from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.secure_inference import mpc_generation, scaling_point, si_summary, train_models, workdir_of
+
+STAGE = "secure-inference"
+
+
+@flow(name="secure-inference", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
+      on_cancellation=[mark_flow_failed])
+def secure_inference_flow(config: SecureInferenceConfig, profile: str = "quick",
+                          parent: RunRef | None = None) -> dict[str, Any]:
+    """Tables 1-2 analogues (per-op time and communication per method), quality of the decrypted text, and
+    time/bytes vs generated length and model size."""
+    run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
+    try:
+        models = train_models(config, run)
+        results = [mpc_generation(m, config, models, run) for m in config.methods]
+        points = [(m, n, None) for m in config.scaling_methods if m in models.payloads for n in config.scaling_gen_lens]
+        points += [(m, config.gen_len, s) for m in config.scaling_methods for s in config.scaling_sizes]
+        scaling = [scaling_point(m, n, s, config, models, run) for m, n, s in points]
+        summary = si_summary(config, results, scaling)
+    finally:
+        shutil.rmtree(workdir_of(run), ignore_errors=True)
+    summary["run_id"] = run.run_id
+    close_flow_record(run, metrics=summary.pop("metrics"), summary=summary)
+    return summary
