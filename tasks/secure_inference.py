@@ -293,7 +293,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         plain = generate_plain(method, payload, prefix, cfg.gen_len)
         agreement = float((out["tokens"] == plain).double().mean())
         tok = gpt2_tokenizer()
-        decode = lambda ids: tok.decode([t for t in ids if t != EOS])  # noqa: E731
+        decode = lambda ids: tok.decode([t for t in ids if t != EOS])
         refs = prompts["references"]
         quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])
         plain_quality = text_quality(_cut(plain), refs, decode, prompts["table"])
@@ -397,8 +397,8 @@ def si_summary(cfg: SecureInferenceConfig, results: list[dict[str, Any]], scalin
 
 def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, scaling: list) -> str:
     cats = [c for c in CATEGORIES if c != "Other"]
-    lines = [f"Table 1 analogue: seconds per category ({cfg.gen_len} tokens after {cfg.prefix_len}, "
-             f"batch {cfg.n_prompts}, slower party)", "",
+    lines = [(f"Table 1 analogue: seconds per category ({cfg.gen_len} tokens after {cfg.prefix_len}, "
+             f"batch {cfg.n_prompts}, slower party)"), "",
              "| method | total | " + " | ".join(cats) + " | speedup |", "|---|" + "---|" * (len(cats) + 2)]
     for m, r in t1.items():
         lines.append(f"| {m} | {r['total_s']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in cats)

@@ -106,10 +106,10 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
-    from core.mpc.costmodel import NETWORKS, project_all
-    from core.mpc.parties import run_local
     from core.mpc.accounting import CATEGORIES
+    from core.mpc.costmodel import NETWORKS, project_all
     from core.mpc.methods import run_method_party
+    from core.mpc.parties import run_local
 
     setting = resolve_setting(profile, options)
     methods = tuple(options.get("methods") or METHOD_NAMES)

@@ -1,0 +1,56 @@
+"""`privbench bench mpc-generation` on a tiny GPT-2: every method and key of the contract, ops summing to
+totals, ratios computed from the methods' own numbers, the run stored, bad input refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from core.errors import ConfigError
+from core.mpc.crypten_compat import crypten_available
+from privbench.bench import mpc_generation, run_benchmark
+from privbench.cli import app
+from storage.repository import ResultsRepository
+
+pytestmark = pytest.mark.skipif(not crypten_available(), reason="CrypTen is not installed")
+TINY = mpc_generation.Setting(n_layer=1, n_embd=16, n_head=2, prefix_len=3, gen_len=2, vocab=100, timeout_s=300)
+CATS = {"Embed", "Linear", "Softmax", "Activation", "Norm", "Generation", "Other"}
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(mpc_generation.PROFILES, "quick", TINY)
+    monkeypatch.setenv("PRIVBENCH_BENCH_THREADS", "2")
+
+
+def test_every_method_and_ratio_key(home, tiny) -> None:
+    out = run_benchmark("mpc-generation", profile="quick")
+    assert set(out["methods"]) == set(mpc_generation.METHOD_NAMES)
+    for name, m in out["methods"].items():
+        assert m["total_s"] > 0 and m["comm_bytes"] > 0 and m["rounds"] > 0, name
+        assert set(m["ops"]) == CATS
+        assert all(set(v) == {"s", "bytes", "rounds"} for v in m["ops"].values())
+        assert sum(v["bytes"] for v in m["ops"].values()) >= m["comm_bytes"]  # max per op >= the busiest party
+    r, ms = out["ratios"], out["methods"]
+    assert r["merge_speedup_over_vanilla"] == pytest.approx(ms["vanilla"]["total_s"] / ms["merge"]["total_s"])
+    assert r["merge_comm_fraction_of_vanilla"] == pytest.approx(ms["merge"]["comm_bytes"] / ms["vanilla"]["comm_bytes"])
+    assert r["merge_speedup_over_vanilla_kv"] == pytest.approx(ms["vanilla_kv"]["total_s"] / ms["merge"]["total_s"])
+    assert ms["merge"]["ops"]["Softmax"]["bytes"] == 0 < ms["vanilla"]["ops"]["Softmax"]["bytes"]
+    assert r["merge_comm_fraction_of_vanilla"] < 1.0  # no per-step lookup of the vocabulary table
+    assert all(math.isfinite(v) for v in r.values()) and "merge_speedup_ge_target" in out["targets"]
+    run = ResultsRepository().get_run(out["run_id"])
+    assert run["status"] == "finished" and run["technique"] == "mpc-generation"
+
+
+def test_cli_subset_and_bad_method(home, tiny) -> None:
+    result = CliRunner().invoke(app, ["bench", "mpc-generation", "--methods", "vanilla,merge", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert set(body["methods"]) == {"vanilla", "merge"} and "merge_speedup_over_vanilla" in body["ratios"]
+    with pytest.raises(ConfigError, match="unknown methods \\['fast'\\]; known: vanilla"):
+        run_benchmark("mpc-generation", profile="quick", methods=("fast",))
+    with pytest.raises(ConfigError, match="unknown profile 'huge'"):
+        run_benchmark("mpc-generation", profile="huge")
