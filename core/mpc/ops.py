@@ -50,6 +50,10 @@ QUAD_C = 5.0
 RELU_C = 0.0
 RELU_EPS = 1e-3
 LN_NR_ITERS = 10
+GELU_TANH_CLIP = 5.0
+"""tanh's argument in the GELU is clipped to [-5, 5] (tanh(5) = 1 - 9e-5): CrypTen's tanh is 2 sigmoid(2x) - 1
+with sigmoid = 1 / (1 + exp(-2x)), and exp(-2x) overflows the 64-bit fixed-point ring for x below about -16
+(pre-activations of 20 give arguments near 300), which turned whole rows into garbage."""
 
 CrypTensor = Any  # crypten.CrypTensor (kept untyped: crypten is imported lazily)
 
@@ -175,6 +179,7 @@ def activation(x: CrypTensor, meter: CostMeter, *, kind: str = "gelu") -> CrypTe
         if kind == "quad":
             return x.square() * 0.125 + x * 0.25 + 0.5
         inner = (x + x.square() * x * 0.044715) * math.sqrt(2.0 / math.pi)
+        inner = inner - (inner - GELU_TANH_CLIP).relu() + (-inner - GELU_TANH_CLIP).relu()  # clip to [-5, 5]
         return x * (inner.tanh() + 1.0) * 0.5
 
 
@@ -224,7 +229,8 @@ def plain_activation(x: torch.Tensor, *, kind: str = "gelu") -> torch.Tensor:
         return torch.relu(x)
     if kind == "quad":
         return 0.125 * x * x + 0.25 * x + 0.5
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+    inner = (math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))).clamp(-GELU_TANH_CLIP, GELU_TANH_CLIP)
+    return 0.5 * x * (1.0 + torch.tanh(inner))
 
 
 def plain_layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, *, eps: float = 1e-5,
