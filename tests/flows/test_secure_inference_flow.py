@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from core.mpc.crypten_compat import crypten_available
+from core.mpc.methods import run_method_party
+from core.mpc.parties import PartyError
 from flows.secure_inference import secure_inference_flow
 from privbench.config import SecureInferenceConfig
 from storage.repository import ResultsRepository
@@ -46,3 +48,27 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
     assert summary["table1"]["merge"]["Softmax"] == 0.0  # constant attention: no softmax under MPC
     assert summary["table1"]["vanilla"]["speedup_over_vanilla"] == 1.0
     assert summary["scaling"][0]["gen_len"] == 1 and "Table 2 analogue" in summary["markdown"]
+
+
+def _dying_party(ctx, *args):
+    if ctx.rank == 0:
+        import os
+
+        os._exit(3)  # the model owner's process dies mid-run
+    return run_method_party(ctx, *args)
+
+
+def test_a_party_that_dies_fails_the_run_cleanly(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tasks.secure_inference as si
+
+    monkeypatch.setattr(si, "run_method_party", _dying_party)
+    cfg = TINY.model_copy(update={"methods": ("vanilla",), "scaling_methods": ()})
+    with pytest.raises(PartyError, match="party 0"):
+        secure_inference_flow(cfg, profile="tiny")
+    _, rows = ResultsRepository().query(
+        "select technique, status, error from runs where stage = 'secure-inference' order by started_at")
+    status = {t: (s, e) for t, s, e in rows}
+    assert status["vanilla"][0] == "failed" and "party 0" in status["vanilla"][1]
+    assert status["flow"][0] == "failed" and all(s != "running" for _, s, _ in rows)
+    _, costs = ResultsRepository().query("select count(*) from mpc_costs")
+    assert costs == [(0,)]  # nothing the failed run measured was written
