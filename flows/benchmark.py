@@ -11,6 +11,7 @@ from prefect import flow
 
 from flows.prepare import prepare_flow
 from flows.secure_inference import secure_inference_flow
+from flows.stip import stip_flow
 from flows.tangent import tangent_flow, tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
 from privbench.config import BenchmarkConfig
@@ -34,6 +35,8 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
             t, config.prepare, profile=config.profile, parent=run, prepared=done)
     if config.secure_inference is not None:
         stages["secure-inference"] = secure_inference_flow(config.secure_inference, profile=config.profile, parent=run)
+    if config.stip is not None:
+        stages["stip"] = stip_flow(config.stip, profile=config.profile, parent=run)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

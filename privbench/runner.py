@@ -41,6 +41,14 @@ def _secure_inference(cfg: BenchmarkConfig) -> dict[str, Any]:
     return secure_inference_flow(cfg.secure_inference, profile=cfg.profile)
 
 
+def _stip(cfg: BenchmarkConfig) -> dict[str, Any]:
+    from flows.stip import stip_flow
+
+    if cfg.stip is None:
+        raise ConfigError(f"profile {cfg.profile!r} has no stip section; add one or use --profile quick")
+    return stip_flow(cfg.stip, profile=cfg.profile)
+
+
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.benchmark import benchmark_flow
 
@@ -52,6 +60,7 @@ FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
     "train-dp": _train_dp,
     "tangent": _tangent,
     "secure-inference": _secure_inference,
+    "stip": _stip,
     "benchmark": _benchmark,
 }
 

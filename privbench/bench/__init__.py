@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from privbench.bench import dp_clipping as _dp_clipping  # noqa: F401  - registers "dp-clipping"
 from privbench.bench import mpc_generation as _mpc_generation  # noqa: F401  - registers "mpc-generation"
+from privbench.bench import stip as _stip  # noqa: F401  - registers "stip"
 from privbench.bench import tangent as _tangent  # noqa: F401  - registers "tangent"
 from privbench.bench.harness import (
     BENCHMARKS,

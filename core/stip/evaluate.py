@@ -1,0 +1,147 @@
+"""What the STIP stage measures, as plain functions shared by the flow and the benchmark: the protocol's
+correctness and costs, and the three attacks on the permutation with what each reveals of the user's input.
+
+* :func:`protocol_costs`: one three-process run (tokens vs plaintext, max logit error, bytes per generated token
+  in each direction) plus ``repeats`` in-process runs timing P2's share against the plaintext model on the same
+  thread (median of per-repeat ratios) and P3's share of the protocol's work.
+* :func:`attack_weight_matching`: the deployed model is the public base checkpoint plus a simulated fine-tune
+  (Gaussian noise of ``rel_noise`` times each tensor's RMS); P2 holds its transformed blocks (no embedding, no
+  head) and matches them to the base with the Hungarian algorithm; the recovered ``pi`` then decodes a user's
+  permuted input embeddings by nearest neighbour in the public embedding table.
+* :func:`attack_activation_stats`: P2 sees the permuted inputs X[:, pi] of ``n_queries`` queries; the attacker
+  has the base model's inputs on other text; coordinates are matched by their statistics.
+* :func:`attack_token_frequency`: permuted-vocabulary design; P2 sees a substituted token stream and knows
+  public unigram frequencies.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.stip import attacks as A
+from core.stip.parties import run_stip, run_stip_inprocess
+from core.stip.transform import _arch, base_model_of, random_permutation
+
+__all__ = ["attack_activation_stats", "attack_token_frequency", "attack_weight_matching", "embedding_table",
+           "model_dim", "protocol_costs", "simulate_finetune"]
+
+
+def model_dim(model: nn.Module) -> int:
+    return int(model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd)
+
+
+def embedding_table(model: nn.Module) -> torch.Tensor:
+    return model.get_input_embeddings().weight.detach()
+
+
+def protocol_costs(model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, seed: int, repeats: int,
+                   timeout_s: float) -> dict[str, Any]:
+    """Correctness and costs of one design (see the module docstring)."""
+    res = run_stip(model, prompt, n_new, design=design, seed=seed, timeout_s=timeout_s)
+    ratios, fractions, p2s, plains = [], [], [], []
+    for r in range(repeats):
+        ip = run_stip_inprocess(model, prompt, n_new, design=design, seed=seed + r)
+        ratios.append(ip.p2_seconds / ip.plain_seconds)
+        fractions.append(ip.p3_seconds / (ip.p2_seconds + ip.p3_seconds))
+        p2s.append(ip.p2_seconds)
+        plains.append(ip.plain_seconds)
+    return {"design": design, "tokens_match": float(res.tokens_match), "max_abs_err": res.max_abs_logit_error,
+            "server_over_plaintext_time": statistics.median(ratios), "user_overhead_fraction": statistics.median(fractions),
+            "p2_s": statistics.median(p2s), "plaintext_s": statistics.median(plains),
+            "bytes_up_per_token": res.bytes_up_per_token, "bytes_down_per_token": res.bytes_down_per_token,
+            "setup_bytes_to_cloud": res.setup_bytes_p1_to_p2, "setup_bytes_to_user": res.setup_bytes_p1_to_p3,
+            "three_process_wall_s": res.wall_seconds, "tokens": res.tokens, "plain_tokens": res.plain_tokens}
+
+
+def simulate_finetune(model: nn.Module, rel_noise: float, seed: int) -> nn.Module:
+    """A copy of ``model`` with every floating parameter moved by N(0, (rel_noise * RMS)^2): a stand-in for the
+    deployed fine-tune of a public base checkpoint (no fine-tuned pair of real checkpoints is available offline)."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.is_floating_point():
+                rms = p.pow(2).mean().sqrt()
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * rel_noise * rms)
+    return out
+
+
+def _block_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What P2 holds in the user_embed design: every parameter but the token embedding and the LM head."""
+    skip = ("wte", "embed_tokens", "lm_head")
+    return {k: v.detach() for k, v in model.state_dict().items() if not any(s in k for s in skip)
+            and v.is_floating_point()}
+
+
+def _user_inputs(model: nn.Module, n: int, length: int, seed: int) -> torch.Tensor:
+    vocab = embedding_table(model).shape[0]
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def attack_weight_matching(base: nn.Module, *, rel_noise: float, seed: int) -> dict[str, Any]:
+    arch = _arch(base)
+    deployed = simulate_finetune(base, rel_noise, seed)
+    d = model_dim(base)
+    pi = random_permutation(d, seed)
+    state = _block_state(deployed)
+    axes = A.model_dim_axes(state, arch)
+    transformed = A.permute_state(state, pi, axes)
+    t0 = time.perf_counter()
+    res = A.weight_matching_attack(transformed, _block_state(base), axes=arch, true_perm=pi)
+    seconds = time.perf_counter() - t0
+    ids = _user_inputs(base, 1, 16, seed + 7)[0]
+    table = embedding_table(deployed)
+    reveal = A.what_it_reveals(res.recovered, table[ids][:, pi], table, true_tokens=ids)
+    return {"recovery_rate": res.recovery_rate, "input_tokens_recovered": reveal.token_recovery_rate,
+            "margin": res.margin, "attack_s": seconds, "d": d, "rel_noise": rel_noise,
+            "log10_guess_probability": A.guess_probability(d)}
+
+
+@torch.no_grad()
+def _input_activations(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The block-stack input P2 receives (token embeddings, plus positions for GPT-2), rows (n*T, d)."""
+    base = base_model_of(model)
+    x = model.get_input_embeddings()(ids)
+    if hasattr(base, "wpe"):
+        x = x + base.wpe(torch.arange(ids.shape[1]))
+    return x.reshape(-1, x.shape[-1])
+
+
+def attack_activation_stats(base: nn.Module, *, n_queries: int, seq_len: int, rel_noise: float,
+                            seed: int) -> dict[str, Any]:
+    deployed = simulate_finetune(base, rel_noise, seed)
+    d = model_dim(base)
+    pi = random_permutation(d, seed + 1)
+    seen = _input_activations(deployed, _user_inputs(base, n_queries, seq_len, seed + 2))[:, pi]
+    reference = _input_activations(base, _user_inputs(base, max(n_queries, 64), seq_len, seed + 3))
+    t0 = time.perf_counter()
+    res = A.activation_statistics_attack(seen, reference, true_perm=pi)
+    seconds = time.perf_counter() - t0
+    ids = _user_inputs(base, 1, seq_len, seed + 2)[0]
+    table = embedding_table(deployed)
+    x = _input_activations(deployed, ids[None])[:, pi]
+    offset = None
+    b = base_model_of(deployed)
+    if hasattr(b, "wpe"):
+        offset = b.wpe.weight.detach()[: ids.shape[0]]
+    reveal = A.what_it_reveals(res.recovered, x, table, true_tokens=ids, offset=offset)
+    return {"recovery_rate": res.recovery_rate, "input_tokens_recovered": reveal.token_recovery_rate,
+            "n_queries": n_queries, "rows": int(seen.shape[0]), "attack_s": seconds, "d": d}
+
+
+def attack_token_frequency(stream: torch.Tensor, reference: torch.Tensor, vocab_size: int, *, seed: int) -> dict[str, Any]:
+    """``stream``: the user's token ids (substituted here with a secret sigma); ``reference``: public text ids."""
+    sigma = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+    freqs = torch.bincount(reference, minlength=vocab_size).double()
+    t0 = time.perf_counter()
+    res = A.token_frequency_attack(sigma[stream], freqs / freqs.sum(), vocab_size, true_sigma=sigma,
+                                   reference_stream=reference)
+    return {"recovery_rate": res.stream_decoding_rate, "vocabulary_recovered": res.recovery_rate,
+            "coverage_recovery": res.coverage_recovery, "n_stream": int(stream.numel()),
+            "attack_s": time.perf_counter() - t0}

