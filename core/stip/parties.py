@@ -323,12 +323,16 @@ def _generate(user: User, exchange: Callable[[torch.Tensor], torch.Tensor], prom
 
 @torch.no_grad()
 def _plain_greedy(model: nn.Module, prompt: torch.Tensor, n_new: int) -> tuple[list[int], float]:
+    """The same service in plaintext, same work as the protocol: the block stack with a KV cache and the LM head
+    on the last position only (``model(...)`` would apply the head to every prompt position)."""
+    base = base_model_of(model)
+    _, head = _embed_and_head(model)
     t0 = time.perf_counter()
     cache, ids, tokens = None, prompt.view(1, -1), []
     for _ in range(n_new):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = base(input_ids=ids, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(int((out.last_hidden_state[0, -1] @ head.T).argmax()))
         ids = torch.tensor([[tokens[-1]]])
     return tokens, time.perf_counter() - t0
 

@@ -97,7 +97,8 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     main = designs["user_embed"]
     ratios = {"server_over_plaintext_time": main["server_over_plaintext_time"],
               "user_overhead_fraction": main["user_overhead_fraction"],
-              "vocab_perm_server_over_plaintext_time": designs["vocab_perm"]["server_over_plaintext_time"]}
+              "vocab_perm_server_over_plaintext_time": designs["vocab_perm"]["server_over_plaintext_time"],
+              "vocab_perm_user_overhead_fraction": designs["vocab_perm"]["user_overhead_fraction"]}
     max_err = max(d["max_abs_err"] for d in designs.values())
     return {
         "setting": {**asdict(setting), "model_name": spec.name, "threads": bench_threads()},
