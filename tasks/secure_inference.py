@@ -15,8 +15,6 @@ Runs (``technique`` column; ``privbench.result_group`` tag):
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -26,10 +24,10 @@ from typing import Any
 import torch
 from prefect import task
 
-from core.errors import ConfigError, DataError
+from core.errors import DataError
 from core.mpc.accounting import CATEGORIES
 from core.mpc.costmodel import Network, project_all
-from core.mpc.methods import METHODS, generate_plain, method_spec, run_method_party
+from core.mpc.methods import generate_plain, method_spec, run_method_party
 from core.mpc.parties import run_local
 from core.mpc.quality import text_quality
 from privbench.config import SecureInferenceConfig
@@ -48,10 +46,6 @@ class SIModels:
     payloads: dict[str, str]  # method -> file holding its GPT2Weights / MergeSpec
     prompts_path: str  # {"prefix": (B, P) ids, "references": list of id lists, "table": (V, d) embeddings}
     corpus: str
-
-
-def _set_threads(cfg: SecureInferenceConfig) -> None:
-    torch.set_num_threads(cfg.threads_per_party)
 
 
 def workdir_of(parent: RunRef) -> Path:
@@ -111,7 +105,6 @@ def train_models(cfg: SecureInferenceConfig, parent: RunRef) -> SIModels:
     from core.mpc.merge import ERConfig, build_merge_model, export_spec, train_er, train_mm
     from core.mpc.textdata import encode_pairs, gpt2_tokenizer, lm_sequences, text_pairs
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     torch.manual_seed(cfg.seed)
     tok = gpt2_tokenizer()
     corpus, pairs = text_pairs(cfg.corpus, max_pairs=cfg.max_pairs)
@@ -418,13 +411,3 @@ def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, sca
         lines += [f"| {s['method']} | {s['model']} | {s['gen_len']} | {s['total_s']:.2f} | {s['comm_bytes'] / 1e6:.1f} |"
                   for s in scaling]
     return "\n".join(lines) + "\n"
-
-
-def config_fingerprint(cfg: SecureInferenceConfig) -> str:
-    return hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def check_methods(names: list[str]) -> None:
-    unknown = [n for n in names if n not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown secure-inference methods {unknown}; known: {', '.join(METHODS)}")
