@@ -24,11 +24,11 @@ from tasks.tangent import (
     forget_fraction,
     forget_one_by_retraining,
     parent_workdir,
-    tangent_summary,
     train_dp_regime,
     train_full,
     train_shard,
 )
+from tasks.tangent_report import tangent_summary
 
 STAGE = "tangent"
 

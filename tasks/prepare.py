@@ -103,13 +103,14 @@ def cache_key(spec: DatasetSpec, source: SourceRef) -> str:
     return hashlib.sha256(f"{PREP_VERSION}|{spec_json}|{source.format}|{source.sha256}".encode()).hexdigest()
 
 
-def read_manifest(out_dir: Path) -> dict[str, Any] | None:
-    """The manifest of a complete prepared dataset, or None if there is none (or it is unreadable)."""
+def read_manifest(out_dir: Path, version: str = PREP_VERSION) -> dict[str, Any] | None:
+    """The manifest of a complete prepared folder written by preparation ``version``, or None if there is none
+    (or it is unreadable, or from another version)."""
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return manifest if manifest.get("prep_version") == PREP_VERSION else None
+    return manifest if manifest.get("prep_version") == version else None
 
 
 def load_prepared(ref: PreparedRef | str | Path) -> SequentialDataset:

