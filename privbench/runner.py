@@ -49,6 +49,15 @@ def _stip(cfg: BenchmarkConfig) -> dict[str, Any]:
     return stip_flow(cfg.stip, profile=cfg.profile)
 
 
+def _attacks(cfg: BenchmarkConfig) -> dict[str, Any]:
+    from flows.attacks import attacks_flow, attacks_runner
+
+    if cfg.attacks is None:
+        raise ConfigError(f"profile {cfg.profile!r} has no attacks section; add one or use --profile quick")
+    return attacks_flow.with_options(task_runner=attacks_runner(cfg.attacks))(cfg.attacks, cfg.prepare,
+                                                                             profile=cfg.profile)
+
+
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.benchmark import benchmark_flow
 
@@ -61,6 +70,7 @@ FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
     "tangent": _tangent,
     "secure-inference": _secure_inference,
     "stip": _stip,
+    "attacks": _attacks,
     "benchmark": _benchmark,
 }
 

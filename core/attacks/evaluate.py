@@ -1,0 +1,181 @@
+"""FILM against one victim in FedSGD, end to end (SEB paper Sec. 3.3 and 5.1): warm the victim up, take one
+client's gradient per attacked batch, extract candidates in every attacker setting, recover sentences with the
+prior, score them with ROUGE against the batch.
+
+Victims (``build_victim``): a GPT-2-shaped causal LM with the real 50,257-token GPT-2 vocabulary and either an
+ordinary subword input embedding (untied from the output layer, so its gradient is non-zero exactly on the rows
+of the batch's subwords, the threat model of Sec. 3.3) or SEB (the output layer is a separate SEB module over
+the same mapping, ``output="seb"``, so no parameter anywhere is indexed by subword).
+
+Attacker settings (``SETTINGS``):
+
+* ``subwords``: non-zero rows of the subword embedding's gradient (subword victims);
+* ``bytes``: non-zero byte rows of the SEB byte parameter, then every subword made only of those bytes;
+* ``positional``: SEB_co's byte parameter is its first FFN layer, whose rows are (position, byte) pairs: the
+  attacker keeps every subword whose byte at each position j is among position j's non-zero rows;
+* ``relaxed``: the paper's relaxed setting for SEB (Sec. 5.1): ``relaxed_random`` random subwords plus the true
+  ones. It hands the attacker the true subwords, so it measures the beam search's power, not the defence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any
+
+import torch
+
+from core.attacks import film
+from core.attacks.federated import client_gradient, fedsgd_round
+from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, pack
+from core.errors import ConfigError
+
+SETTINGS = ("subwords", "bytes", "positional", "relaxed")
+
+
+def settings_for(victim: str, wanted: Sequence[str]) -> list[str]:
+    """The attacker settings that apply to ``victim`` (subword victims: ``subwords``; SEB victims: ``bytes``,
+    ``relaxed``, and ``positional`` for SEB_co only), in the order of ``wanted``."""
+    ok = {"subwords"} if victim == "subword" else {"bytes", "relaxed"} | ({"positional"} if victim == "seb_co" else set())
+    return [s for s in wanted if s in ok]
+
+
+def build_victim(victim: str, *, mapping: torch.Tensor | None, n_layer: int, n_embd: int, n_head: int,
+                 n_positions: int, byte_dim: int, hidden: int, seed: int) -> torch.nn.Module:
+    """The FedSGD victim: GPT-2 vocabulary, untied subword embedding or SEB in and out (see module docstring).
+    The Transformer blocks get the same initial weights for every victim kind (same seed)."""
+    from core.attacks.lm import build_causal_lm
+
+    return build_causal_lm(GPT2_VOCAB, embedding=victim, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                           n_positions=n_positions, mapping=mapping if victim != "subword" else None,
+                           byte_dim=byte_dim, hidden=hidden, output="seb", tie_subword=False, seed=seed)
+
+
+def embedding_gradients(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients the attacker reads: ``input`` (the subword embedding's weight or SEB's byte parameter)
+    and ``positions`` (the position embedding), found by identity among the named parameters."""
+    emb = model.get_input_embeddings()
+    target = emb.byte_weight if hasattr(emb, "byte_weight") else emb.weight
+    wpe = model.transformer.wpe.weight
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p is target:
+            out["input"] = grads[name]
+        elif p is wpe:
+            out["positions"] = grads[name]
+    if set(out) != {"input", "positions"}:
+        raise ConfigError(f"victim {type(model).__name__} lacks an input embedding or position embedding gradient")
+    return out
+
+
+def candidates(setting: str, grad: torch.Tensor, *, mapping: torch.Tensor | None, byte_vocab: int,
+               true_ids: Sequence[int], relaxed_random: int, seed: int) -> torch.Tensor:
+    """Candidate subword ids (sorted) of one attacker setting from the input-embedding gradient ``grad``:
+    (V, d) for a subword victim; (byte_vocab, byte_dim) for SEB_ar/cr; (n_bytes * byte_vocab, hidden) for SEB_co."""
+    if setting == "subwords":
+        return film.subword_candidates(grad, exclude=[GPT2_EOS])
+    if mapping is None:
+        raise ConfigError(f"attacker setting {setting!r} needs an SEB victim (a byte mapping)")
+    if setting == "relaxed":
+        return film.relaxed_candidates(torch.as_tensor(sorted(set(true_ids))), mapping.shape[0],
+                                       n_random=relaxed_random, seed=seed, exclude=[GPT2_EOS])
+    n = mapping.shape[1]
+    positional_rows = grad.shape[0] == n * byte_vocab and n > 1
+    if setting == "positional":
+        if not positional_rows:
+            raise ConfigError("the positional attacker needs SEB_co's (position, byte) rows; this victim has "
+                              f"{grad.shape[0]} byte rows")
+        present = film.positional_byte_sets(grad, n, byte_vocab)
+    elif positional_rows:
+        present = film.byte_bag(grad, n_bytes=n, byte_vocab=byte_vocab)
+    else:
+        present = film.byte_bag(grad)
+    found = film.seb_candidates(mapping, present)
+    return found[found != GPT2_EOS]
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One attacked batch in one attacker setting."""
+
+    setting: str
+    batch_size: int
+    n_tokens: int
+    n_unique_subwords: int
+    n_unique_bytes: int
+    n_candidates: int
+    recall: float
+    precision: float
+    rouge1: float
+    rouge2: float
+    rougeL: float
+    mean_rougeL_over_originals: float
+    originals: list[str]
+    recovered: list[str]
+    best_recovered: str
+    best_original: str
+
+
+def attack_batches(model: torch.nn.Module, batches: Sequence[Sequence[Sequence[int]]], *, victim: str,
+                   settings: Sequence[str], mapping: torch.Tensor, byte_vocab: int, prior: Any,
+                   decode: Callable[[Sequence[int]], str], beam_width: int, reorder_passes: int,
+                   relaxed_random: int, seed: int) -> list[BatchResult]:
+    """Attack each batch (a list of token-id sentences without EOS) of one client at the victim's current
+    parameters, in every setting of ``settings_for(victim, settings)``. ``mapping`` is the SEB mapping (also
+    given for subword victims: it counts the bytes a batch would touch, the statistics of Fig. 3)."""
+    results = []
+    for k, sentences in enumerate(batches):
+        ids, mask = pack([list(s) + [GPT2_EOS] for s in sentences], max_len=10**6)
+        grads = embedding_gradients(model, client_gradient(model, ids, mask))
+        length = film.sequence_length_from_positions(grads["positions"])
+        true_ids = sorted({t for s in sentences for t in s})
+        n_bytes = len(set(mapping[true_ids].flatten().tolist()))
+        originals = [decode(s) for s in sentences]
+        for setting in settings_for(victim, settings):
+            cand = candidates(setting, grads["input"], mapping=mapping, byte_vocab=byte_vocab, true_ids=true_ids,
+                              relaxed_random=relaxed_random, seed=seed + k)
+            recovered_ids = film.film_recover(prior, cand, length=length, n_sentences=len(sentences),
+                                              beam_width=beam_width, reorder_passes=reorder_passes)
+            recovered = [decode(r) for r in recovered_ids]
+            best = film.best_match(recovered, originals)
+            hit = len(set(cand.tolist()) & set(true_ids))
+            results.append(BatchResult(
+                setting=setting, batch_size=len(sentences), n_tokens=int(sum(len(s) for s in sentences)),
+                n_unique_subwords=len(true_ids), n_unique_bytes=n_bytes, n_candidates=int(cand.numel()),
+                recall=hit / len(true_ids), precision=hit / max(int(cand.numel()), 1),
+                rouge1=best["rouge1"], rouge2=best["rouge2"], rougeL=best["rougeL"],
+                mean_rougeL_over_originals=best["mean_rougeL_over_originals"], originals=originals,
+                recovered=recovered, best_recovered=best["recovered"], best_original=best["original"]))
+    return results
+
+
+def warm_up(model: torch.nn.Module, clients: Sequence[Sequence[Sequence[int]]], *, rounds: int, batch_size: int,
+            lr: float, seed: int) -> list[float]:
+    """``rounds`` FedSGD rounds (eq. 1) over every client, each on a seeded random batch of its sentences.
+    Returns the mean client loss of each round (measured before its update)."""
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(rounds):
+        batches = []
+        for sentences in clients:
+            pick = torch.randperm(len(sentences), generator=gen)[:batch_size].tolist()
+            batches.append(pack([list(sentences[i]) + [GPT2_EOS] for i in pick], max_len=10**6))
+        with torch.no_grad():
+            losses.append(fmean(float(model(input_ids=i, attention_mask=m,
+                                            labels=i.masked_fill(~m, -100)).loss) for i, m in batches))
+        fedsgd_round(model, batches, lr=lr)
+    return losses
+
+
+def summarize(results: Sequence[BatchResult]) -> dict[str, dict[str, float]]:
+    """Means per setting over the attacked batches (the curves of Fig. 5 and the candidate statistics)."""
+    out: dict[str, dict[str, float]] = {}
+    for setting in dict.fromkeys(r.setting for r in results):
+        rs = [r for r in results if r.setting == setting]
+        out[setting] = {k: fmean(float(getattr(r, k)) for r in rs) for k in (
+            "rouge1", "rouge2", "rougeL", "mean_rougeL_over_originals", "recall", "precision", "n_candidates",
+            "n_tokens", "n_unique_subwords")}
+        out[setting]["n_unique_bytes"] = fmean(float(r.n_unique_bytes) for r in rs)
+        out[setting]["n_batches"] = float(len(rs))
+    return out

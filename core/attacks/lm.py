@@ -1,0 +1,264 @@
+"""Small causal LMs with subword or SEB embeddings: build, train, perplexity (SEB paper Sec. 5.1, 5.2.3).
+
+The FILM attack (Gupta et al., 2022; SEB paper Sec. 3.3) reads which rows of the input-embedding gradient are
+non-zero. With ``embedding="subword"`` and an untied head these rows are exactly the batch's tokens; with
+``embedding="seb_*"`` (:mod:`core.attacks.seb`) only byte-indexed rows exist. Data are ``ids (N, T)`` int64 and
+``mask (N, T)`` bool (True on real tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.attacks.seb import install_seb
+from core.errors import ConfigError, DataError
+
+EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
+
+
+def build_causal_lm(
+    vocab_size: int,
+    *,
+    embedding: str = "subword",
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_head: int = 4,
+    n_positions: int = 128,
+    mapping: Tensor | None = None,
+    byte_dim: int = 64,
+    hidden: int = 512,
+    output: str = "seb",
+    byte_vocab: int | None = None,
+    tie_subword: bool = False,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> nn.Module:
+    """A randomly initialised ``GPT2LMHeadModel`` (sdpa attention) with the chosen embedding.
+
+    ``"subword"``: an ordinary (V, n_embd) ``wte``; with ``tie_subword=False`` the ``lm_head`` is a separate
+    matrix, so the ``wte`` gradient is non-zero exactly on the rows of the batch's input tokens (FILM's signal;
+    strictly, of the tokens that feed a loss term: the last real token of a sequence predicts nothing and,
+    under causal attention, gets no gradient).
+    ``"seb_ar" | "seb_cr" | "seb_co"``: :func:`core.attacks.seb.install_seb` with ``mapping`` (V, n_bytes) and
+    ``output`` (``"seb"``, ``"tied"`` or ``"subword"``). Initialisation is seeded without touching the global RNG.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if embedding not in EMBEDDINGS:
+        raise ConfigError(f"unknown embedding {embedding!r}; choose one of {EMBEDDINGS}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {dropout=}")
+    if embedding != "subword" and mapping is None:
+        raise ConfigError(
+            f"embedding={embedding!r} needs a subword->bytes mapping; pass mapping=build_byte_mapping({vocab_size})"
+        )
+    cfg = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tie_subword and embedding == "subword",
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(cfg)
+        if embedding != "subword":
+            variant = embedding.removeprefix("seb_")
+            install_seb(
+                model,
+                mapping,
+                variant=variant,
+                byte_dim=byte_dim,
+                hidden=hidden,
+                output=output,
+                byte_vocab=byte_vocab,
+            )
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """All distinct parameters (shared ones counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def embedding_parameter_count(model: nn.Module) -> int:
+    """Parameters of the input embedding module plus the output head, a parameter tied between them once."""
+    seen: dict[int, int] = {}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            seen.update({id(p): p.numel() for p in module.parameters()})
+    return sum(seen.values())
+
+
+def _check_data(ids: Tensor, mask: Tensor) -> None:
+    if ids.dim() != 2 or mask.shape != ids.shape:
+        raise DataError(
+            f"ids and mask must both be (N, T), got ids {tuple(ids.shape)} and mask {tuple(mask.shape)}"
+        )
+    if ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise DataError(f"need at least one sequence of length >= 2, got ids of shape {tuple(ids.shape)}")
+    if mask.dtype != torch.bool:
+        raise DataError(f"mask must be a bool tensor (True on real tokens), got dtype={mask.dtype}")
+    if not bool(next_token_mask(mask).any()):
+        raise DataError(
+            "mask leaves no next-token prediction (no two adjacent real tokens); check the padding"
+        )
+
+
+def next_token_mask(mask: Tensor) -> Tensor:
+    """(N, T) bool: position t is a real prediction target when tokens t-1 and t are both real."""
+    prev = torch.zeros_like(mask)
+    prev[:, 1:] = mask[:, :-1]  # (N, T) mask shifted right by one
+    return mask & prev
+
+
+def lm_labels(ids: Tensor, mask: Tensor) -> Tensor:
+    """HF-style labels (N, T): ``ids`` with -100 where no real next-token prediction ends (HF shifts inside)."""
+    return ids.masked_fill(~next_token_mask(mask), -100)
+
+
+def _denormals_flushed() -> bool:
+    """Whether the CPU currently flushes denormal floats to zero (torch has a setter but no getter)."""
+    return float(torch.tensor([1e-30]) * torch.tensor([1e-10])) == 0.0
+
+
+@contextlib.contextmanager
+def flush_denormals(enabled: bool = True) -> Iterator[None]:
+    """Flush denormal floats to zero on CPU inside the block, restoring the previous mode after.
+
+    Sharp attention (e.g. a learned reversal) makes softmax probabilities of ~1e-40; their gradients are
+    denormals, and CPU matmuls on denormals run 10-50x slower (measured: 300 translation steps 52 s -> 4 s).
+    GPUs are unaffected. Flushing changes values below 1.2e-38 only.
+    """
+    if not enabled:
+        yield
+        return
+    before = _denormals_flushed()
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _check_train_args(steps: int, batch_size: int, lr: float, warmup: int) -> None:
+    if steps < 1 or batch_size < 1:
+        raise ConfigError(f"steps and batch_size must be >= 1, got {steps=}, {batch_size=}")
+    if not lr > 0:
+        raise ConfigError(f"lr must be > 0, got {lr=}")
+    if warmup < 0:
+        raise ConfigError(f"warmup must be >= 0, got {warmup=}")
+
+
+def train_lm(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    warmup: int = 0,
+    weight_decay: float = 0.0,
+    max_seconds: float | None = None,
+    grad_clip: float | None = 1.0,
+    flush_denormal: bool = True,
+) -> dict:
+    """AdamW next-token training on ``ids (N, T)`` / ``mask (N, T)``; batches drawn with a seeded generator.
+
+    Linear warmup over ``warmup`` steps then cosine decay to 0. Returns ``{"steps": done, "train_loss": mean
+    of the last 50 step losses, "seconds": wall time}``; stops early once ``max_seconds`` have passed.
+    ``flush_denormal`` runs the loop under :func:`flush_denormals` (a CPU speed fix).
+    """
+    _check_data(ids, mask)
+    _check_train_args(steps, batch_size, lr, warmup)
+    with flush_denormals(flush_denormal):
+        return _train_loop(
+            model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip
+        )
+
+
+def _train_loop(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    warmup: int,
+    weight_decay: float,
+    max_seconds: float | None,
+    grad_clip: float | None,
+) -> dict:
+    device = next(model.parameters()).device
+    labels = lm_labels(ids, mask)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        idx = torch.randint(ids.shape[0], (batch_size,), generator=gen)
+        out = model(
+            input_ids=ids[idx].to(device),
+            attention_mask=mask[idx].to(device).long(),
+            labels=labels[idx].to(device),
+        )
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if grad_clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(float(out.loss.detach()))
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    model.eval()
+    tail = losses[-50:]
+    return {"steps": len(losses), "train_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, ids: Tensor, mask: Tensor, *, batch_size: int = 64) -> float:
+    """exp(token-weighted mean NLL) over every real next-token prediction (both tokens real; Sec. 5.2.3)."""
+    _check_data(ids, mask)
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size=}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, ids.shape[0], batch_size):
+        x, m = ids[i : i + batch_size].to(device), mask[i : i + batch_size].to(device)
+        logits = model(input_ids=x, attention_mask=m.long()).logits[:, :-1]  # (B, T-1, V) predicts x[:, 1:]
+        keep = next_token_mask(m)[:, 1:]  # (B, T-1)
+        nll = F.cross_entropy(logits[keep].float(), x[:, 1:][keep], reduction="sum")  # over (K, V) rows
+        total += float(nll)
+        count += int(keep.sum())
+    model.train(was_training)
+    return math.exp(total / count)

@@ -1,0 +1,58 @@
+"""Stage 5 flow: attack evaluation. Part 1 (SEB paper): the attacker's prior, FILM against every victim at every
+batch size, the byte-coverage curve, and SEB's utility (perplexity, BLEU); runs in parallel on a process pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, unmapped
+from prefect.task_runners import ProcessPoolTaskRunner
+
+from flows.prepare import prepare_flow
+from privbench.config import PrepareConfig
+from privbench.config_attacks import AttacksConfig
+from storage.recording import RunRef
+from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
+from tasks.attacks_report import attacks_summary
+from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+
+STAGE = "attacks"
+
+
+@flow(name="attacks", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
+      on_cancellation=[mark_flow_failed])
+def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "quick",
+                 parent: RunRef | None = None, prepared: dict[str, str] | None = None) -> dict[str, Any]:
+    """``prepared`` maps text-dataset names to prepared folders (prepared here when not given)."""
+    if prepared is None:
+        wanted = PrepareConfig(texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()))
+        prepared = {n: d["path"] for n, d in prepare_flow(wanted, profile=profile, parent=parent)["texts"].items()}
+    run = open_flow_record(flow="attacks", stage=STAGE, config=config, profile=profile, parent=parent)
+    u, f = config.utility, config.film
+    prior = cov = None
+    if f is not None:  # first in the pool's queue: every FILM run waits for the prior
+        public = {n: prepared[n] for n in f.prior.public} if f.prior.path is None else {}
+        prior = train_prior.submit(f, public, run, threads=config.threads_per_worker)
+        cov = seb_coverage.submit(config, run)
+    lm_jobs = [(d, e) for d in u.lm_datasets for e in u.embeddings] if u else []
+    lm = utility_lm.map([j[0] for j in lm_jobs], [j[1] for j in lm_jobs], unmapped(config),
+                        [prepared[j[0]] for j in lm_jobs], unmapped(run))
+    mt_emb = list(u.mt_embeddings) if u and u.translation else []
+    mt = utility_translation.map(mt_emb, unmapped(config), unmapped(prepared[u.translation] if mt_emb else ""),
+                                 unmapped(run))
+    film_runs: list[dict[str, Any]] = []
+    if f is not None:
+        prior_dir = prior.result()
+        private = {n: prepared[n] for n in f.private}
+        jobs = [(v, b) for v in f.victims for b in f.batch_sizes]
+        film_runs = film_attack.map([j[0] for j in jobs], [j[1] for j in jobs], unmapped(config), unmapped(private),
+                                    unmapped(prior_dir), unmapped(run)).result()
+    coverage = cov.result() if cov is not None else None
+    summary = attacks_summary(film=film_runs, coverage=coverage, lm=lm.result(), mt=mt.result())
+    summary["run_id"] = run.run_id
+    close_flow_record(run, metrics=summary.pop("metrics"), summary=summary)
+    return summary
+
+
+def attacks_runner(config: AttacksConfig) -> ProcessPoolTaskRunner:
+    return ProcessPoolTaskRunner(max_workers=config.workers)

@@ -1,0 +1,175 @@
+"""Configuration of the attack stage (``privbench run attacks``).
+
+Part 1 (SEB paper, ``../shared/papers/seb-subword-embedding-from-bytes.txt``): the FILM-style text recovery from
+embedding gradients in FedSGD against subword embeddings and against SEB (``film``), and the utility side of
+the defence: language-model perplexity and German->English translation BLEU (``utility``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from privbench.config_base import FrozenConfig
+
+EMBEDDINGS = ("subword", "seb_ar", "seb_cr", "seb_co")
+Embedding = Literal["subword", "seb_ar", "seb_cr", "seb_co"]
+# what the attacker does with the gradient (see core.attacks.film):
+#   subwords    non-zero rows of a subword embedding's gradient (subword victims only)
+#   bytes       non-zero byte rows, then every subword made only of those bytes (the issue's SEB attacker)
+#   positional  non-zero (position, byte) rows of SEB_co's first layer, every subword matching at each position
+#   relaxed     the paper's relaxed setting (Sec. 5.1): `relaxed_random` random subwords plus the true ones
+FILM_SETTINGS = ("subwords", "bytes", "positional", "relaxed")
+
+
+class SEBSpec(FrozenConfig):
+    """Subword Embedding from Bytes (Sec. 4): ``n_bytes`` bytes per subword from a byte vocabulary of
+    ``byte_vocab`` (paper defaults 256 and 8, Sec. 5), a 2-layer FFN of ``hidden`` units; ``byte_dim`` is the
+    real-valued byte embedding size of SEB_ar/SEB_cr. The mapping is drawn with ``seed`` and saved with the model."""
+
+    n_bytes: int = Field(8, ge=1)
+    byte_vocab: int = Field(256, ge=2)
+    byte_dim: int = Field(64, ge=1)
+    hidden: int = Field(512, ge=1)
+    seed: int = Field(0, ge=0)
+
+
+class ModelShapeSpec(FrozenConfig):
+    """A small GPT-2-shaped causal LM."""
+
+    n_layer: int = Field(2, ge=1)
+    n_embd: int = Field(128, ge=8)
+    n_head: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelShapeSpec:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        return self
+
+
+class PriorSpec(FrozenConfig):
+    """The attacker's language-model prior (FILM step 2): a GPT-2-tokenizer causal LM trained on the ``public``
+    text datasets (disjoint from the clients' private text), or the Hugging Face model folder ``path`` (e.g.
+    real GPT-2 weights, when a user has them: its vocabulary must be GPT-2's 50,257 tokens)."""
+
+    public: tuple[str, ...] = Field(("kjv",), description="prepared text datasets the prior is trained on")
+    path: str | None = None
+    shape: ModelShapeSpec = ModelShapeSpec()
+    max_len: int = Field(64, ge=8)
+    steps: int = Field(400, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0.0)
+    max_seconds: float | None = Field(None, gt=0.0, description="stop training after this long (None: all steps)")
+
+
+class FilmConfig(FrozenConfig):
+    """FILM against subword and SEB victims in FedSGD (Sec. 3.2-3.3, 5.1).
+
+    ``n_clients`` clients each hold a disjoint share of the ``private`` text datasets; the victim model is
+    trained for ``warmup_rounds`` FedSGD rounds, then in the attacked round the server (the attacker) reads one
+    client's gradient for each of ``batches_per_size`` batches of every size in ``batch_sizes``.
+    """
+
+    private: tuple[str, ...] = Field(("shakespeare",), min_length=1)
+    victims: tuple[Embedding, ...] = ("subword", "seb_co")
+    settings: tuple[Literal["subwords", "bytes", "positional", "relaxed"], ...] = FILM_SETTINGS
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    batches_per_size: int = Field(5, ge=1)
+    relaxed_random: int = Field(7000, ge=0, description="random subwords added in the relaxed setting (paper: 7,000)")
+    shape: ModelShapeSpec = ModelShapeSpec()
+    max_tokens: int = Field(40, ge=4, description="longest private sentence, in GPT-2 tokens")
+    min_tokens: int = Field(8, ge=1)
+    n_clients: int = Field(4, ge=1)
+    warmup_rounds: int = Field(3, ge=0)
+    client_batch_size: int = Field(8, ge=1, description="batch size of the warm-up rounds")
+    fed_lr: float = Field(0.05, gt=0.0)
+    beam_width: int = Field(8, ge=1)
+    reorder_passes: int = Field(2, ge=0)
+    prior: PriorSpec = PriorSpec()
+    seed: int = Field(0, ge=0)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sizes(cls, values: tuple[int, ...]) -> tuple[int, ...]:
+        if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+            raise ValueError(f"batch_sizes must be distinct positive integers, got {list(values)}; e.g. [1, 2, 4, 8]")
+        return values
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FilmConfig:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        if not self.victims:
+            raise ValueError("film.victims is empty; pick from " + ", ".join(EMBEDDINGS))
+        if len(set(self.victims)) != len(self.victims):
+            raise ValueError(f"film.victims must be distinct, got {list(self.victims)}")
+        return self
+
+
+class UtilityConfig(FrozenConfig):
+    """The utility side of the defence (Sec. 5.2): the same small models, the same training budget, with
+    subword embeddings or SEB. ``lm_datasets``: perplexity of a causal LM on each prepared text dataset;
+    ``translation``: German->English BLEU on a prepared ``gettext-de-en`` dataset (None: skip)."""
+
+    embeddings: tuple[Embedding, ...] = EMBEDDINGS
+    lm_datasets: tuple[str, ...] = ("shakespeare", "kjv")
+    lm_shape: ModelShapeSpec = ModelShapeSpec()
+    lm_max_len: int = Field(64, ge=8)
+    lm_steps: int = Field(300, ge=1)
+    lm_batch_size: int = Field(32, ge=1)
+    lm_lr: float = Field(3e-3, gt=0.0)
+    translation: str | None = "gettext-de-en"
+    translation_embeddings: tuple[Embedding, ...] | None = Field(
+        None, description="embeddings compared on translation (None: the same as embeddings)")
+    mt_d_model: int = Field(128, ge=8)
+    mt_layers: int = Field(2, ge=1)
+    mt_heads: int = Field(4, ge=1)
+    mt_ff: int = Field(256, ge=8)
+    mt_max_len: int = Field(48, ge=8)
+    mt_steps: int = Field(600, ge=1)
+    mt_batch_size: int = Field(32, ge=1)
+    mt_lr: float = Field(1e-3, gt=0.0)
+    mt_eval: int = Field(300, ge=1, description="test pairs translated for BLEU")
+    max_seconds: float | None = Field(None, gt=0.0, description="cap on each model's training time (None: all steps)")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _some_work(self) -> UtilityConfig:
+        if not self.embeddings:
+            raise ValueError("utility.embeddings is empty; pick from " + ", ".join(EMBEDDINGS))
+        if "subword" not in self.embeddings:
+            raise ValueError(f"utility.embeddings={list(self.embeddings)} lacks 'subword', the baseline SEB is "
+                             "compared with; add it")
+        return self
+
+    @property
+    def mt_embeddings(self) -> tuple[str, ...]:
+        return self.translation_embeddings if self.translation_embeddings is not None else self.embeddings
+
+
+class AttacksConfig(FrozenConfig):
+    """Stage 5: attack evaluation. Part 1: FILM vs subword/SEB and SEB's utility."""
+
+    seb: SEBSpec = SEBSpec()
+    film: FilmConfig | None = None
+    utility: UtilityConfig | None = None
+    workers: int = Field(2, ge=1, description="runs executed in parallel (processes)")
+    threads_per_worker: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _some_part(self) -> AttacksConfig:
+        if self.film is None and self.utility is None:
+            raise ValueError("attacks has nothing to do: give film and/or utility")
+        return self
+
+    def text_datasets(self) -> list[str]:
+        """Every prepared text dataset this stage reads."""
+        names: list[str] = []
+        if self.film is not None:
+            names += [*self.film.private, *self.film.prior.public] if self.film.prior.path is None else [
+                *self.film.private]
+        if self.utility is not None:
+            names += [*self.utility.lm_datasets, *([self.utility.translation] if self.utility.translation else [])]
+        return list(dict.fromkeys(names))

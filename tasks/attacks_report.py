@@ -1,0 +1,85 @@
+"""The attack stage's report (part 1, SEB): recovery curves (Fig. 5), candidate statistics (Fig. 3), byte
+coverage (Fig. 4), best recovered sentences (Table 2) and the utility table (Tables 3 and 6) as nested JSON,
+their headline numbers as flat metrics for the flow's parent run, and a Markdown rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | None, lm: list[dict[str, Any]],
+                    mt: list[dict[str, Any]]) -> dict[str, Any]:
+    recovery = []
+    for run in sorted(film, key=lambda r: (r["victim"], r["batch_size"])):
+        for setting, vals in run["settings"].items():
+            recovery.append({"victim": run["victim"], "setting": setting, "batch_size": run["batch_size"],
+                             **{k: vals[k] for k in ("rouge1", "rouge2", "rougeL", "recall", "precision",
+                                                     "n_candidates", "n_tokens", "n_unique_subwords",
+                                                     "n_unique_bytes", "n_batches")}})
+    best = []
+    for run in film:
+        if run["batch_size"] == min(r["batch_size"] for r in film):
+            for setting, (score, original, recovered) in run["best"].items():
+                best.append({"victim": run["victim"], "setting": setting, "batch_size": run["batch_size"],
+                             "rougeL": score, "original": original, "recovered": recovered})
+    metrics: dict[str, float] = {}
+    for row in recovery:
+        key = f"film.{row['victim']}.{row['setting']}.b{row['batch_size']}"
+        metrics.update({f"{key}.rouge1": row["rouge1"], f"{key}.rougeL": row["rougeL"],
+                        f"{key}.recall": row["recall"], f"{key}.n_candidates": row["n_candidates"]})
+    for row in lm:
+        metrics[f"utility.lm.{row['dataset']}.{row['embedding']}.perplexity"] = row["perplexity"]
+    for row in mt:
+        metrics[f"utility.mt.{row['embedding']}.bleu"] = row["bleu"]
+    lm_rows = [{k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps",
+                                  "train_s")} for r in lm]
+    mt_rows = [{k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
+               for r in mt]
+    return {"recovery": recovery, "best_sentences": best, "coverage": coverage, "utility_lm": lm_rows,
+            "utility_mt": mt_rows, "markdown": markdown_report(recovery, best, coverage, lm_rows, mt_rows),
+            "metrics": metrics}
+
+
+def markdown_report(recovery: list[dict[str, Any]], best: list[dict[str, Any]], coverage: dict[str, Any] | None,
+                    lm: list[dict[str, Any]], mt: list[dict[str, Any]]) -> str:
+    lines: list[str] = []
+    if recovery:
+        lines += ["### FILM recovery (ROUGE F, mean over attacked batches)", "",
+                  "| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
+                  "unique subwords | unique bytes |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in recovery:
+            lines.append(f"| {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
+                         f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['n_candidates']:.0f} | {r['recall']:.2f} | "
+                         f"{r['n_unique_subwords']:.1f} | {r['n_unique_bytes']:.1f} |")
+        lines.append("")
+    if best:
+        lines += ["### Best recovered sentence (smallest batch, by ROUGE-L)", "",
+                  "| victim | setting | ROUGE-L | original | recovered |", "|---|---|---:|---|---|"]
+        for b in best:
+            lines.append(f"| {b['victim']} | {b['setting']} | {b['rougeL']:.3f} | {_cell(b['original'])} | "
+                         f"{_cell(b['recovered'])} |")
+        lines.append("")
+    if coverage:
+        lines += ["### Subwords covered by k random bytes (GPT-2 vocabulary, 50,257 subwords)", "",
+                  "| k bytes | made only of them | containing one of them |", "|---:|---:|---:|"]
+        for k, v in coverage.items():
+            lines.append(f"| {k} | {v['only']:.1f} | {v['any']:.1f} |")
+        lines.append("")
+    if lm:
+        lines += ["### Language modelling (test perplexity, same model and budget)", "",
+                  "| dataset | embedding | perplexity | embedding params | all params |", "|---|---|---:|---:|---:|"]
+        for r in lm:
+            lines.append(f"| {r['dataset']} | {r['embedding']} | {r['perplexity']:.2f} | {r['embedding_params']:,} | "
+                         f"{r['params']:,} |")
+        lines.append("")
+    if mt:
+        lines += ["### German->English translation (sacreBLEU, 13a)", "",
+                  "| embedding | BLEU | embedding params | all params |", "|---|---:|---:|---:|"]
+        for r in mt:
+            lines.append(f"| {r['embedding']} | {r['bleu']:.2f} | {r['embedding_params']:,} | {r['params']:,} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,136 @@
+"""Causal LMs with subword / SEB embeddings: perplexity against a slow per-token reference, training lowers the
+loss, the FILM-relevant gradient pattern of an untied subword embedding, and input validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.attacks.lm import (
+    EMBEDDINGS,
+    build_causal_lm,
+    count_parameters,
+    embedding_parameter_count,
+    lm_labels,
+    perplexity,
+    train_lm,
+)
+from core.attacks.seb import SEBEmbedding, build_byte_mapping
+from core.errors import ConfigError, DataError
+
+V = 40
+TINY = {"n_layer": 1, "n_embd": 32, "n_head": 4, "n_positions": 32, "hidden": 64, "byte_dim": 16}
+
+
+def tiny(embedding: str = "subword", **kw):
+    mapping = None if embedding == "subword" else build_byte_mapping(V, n_bytes=4, byte_vocab=16)
+    return build_causal_lm(V, embedding=embedding, mapping=mapping, **(TINY | kw))
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (5, 12), generator=g)
+    mask = torch.ones(5, 12, dtype=torch.bool)
+    mask[0, 8:] = False  # right padding
+    mask[1, :4] = False  # left padding
+    mask[2, 2:] = False  # a single prediction
+    return ids, mask
+
+
+@torch.no_grad()
+def slow_perplexity(model, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """One forward pass per predicted token on the prefix only; both the input and the target must be real."""
+    nll, count = 0.0, 0
+    for i in range(ids.shape[0]):
+        for t in range(1, ids.shape[1]):
+            if mask[i, t] and mask[i, t - 1]:
+                logits = model(input_ids=ids[i : i + 1, :t], attention_mask=mask[i : i + 1, :t].long()).logits
+                nll -= F.log_softmax(logits[0, -1].double(), -1)[ids[i, t]].item()
+                count += 1
+    return math.exp(nll / count)
+
+
+@pytest.mark.parametrize("embedding", ["subword", "seb_co"])
+def test_perplexity_matches_slow_reference(embedding: str) -> None:
+    model = tiny(embedding).eval()
+    ids, mask = padded_batch()
+    fast = perplexity(model, ids, mask, batch_size=2)
+    assert fast == pytest.approx(slow_perplexity(model, ids, mask), rel=1e-5)
+
+
+def test_labels_mask_padding_and_first_real_token() -> None:
+    ids = torch.tensor([[7, 8, 9, 1]])
+    mask = torch.tensor([[False, True, True, False]])
+    assert lm_labels(ids, mask).tolist() == [[-100, -100, 9, -100]]
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_training_lowers_loss_on_repetitive_corpus(embedding: str) -> None:
+    pattern = torch.arange(10) * 3 % V
+    ids = pattern.repeat(16, 2)[:, :16].roll(1, dims=1)  # (16, 16) shifted copies of one cycle
+    ids = torch.stack([ids[i].roll(i) for i in range(16)])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    model = tiny(embedding)
+    before = perplexity(model, ids, mask)
+    stats = train_lm(model, ids, mask, steps=60, batch_size=8, lr=3e-3, warmup=5, seed=1)
+    after = perplexity(model, ids, mask)
+    assert stats["steps"] == 60 and stats["seconds"] > 0
+    assert after < before / 4, (before, after, stats)
+
+
+def test_training_is_reproducible_per_seed() -> None:
+    ids, mask = padded_batch()
+    a, b = tiny(), tiny()
+    ra = train_lm(a, ids, mask, steps=5, batch_size=2, lr=1e-3, seed=3)
+    rb = train_lm(b, ids, mask, steps=5, batch_size=2, lr=1e-3, seed=3)
+    assert ra["train_loss"] == rb["train_loss"]
+
+
+def test_max_seconds_stops_early() -> None:
+    ids, mask = padded_batch()
+    assert train_lm(tiny(), ids, mask, steps=10_000, batch_size=2, lr=1e-3, max_seconds=0.0)["steps"] == 1
+
+
+def test_untied_subword_gradient_rows_are_the_batch_tokens() -> None:
+    model = tiny()
+    assert model.get_input_embeddings().weight is not model.get_output_embeddings().weight
+    ids = torch.tensor([[3, 5, 7, 3, 11, 13]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    rows = torch.nonzero(model.get_input_embeddings().weight.grad.abs().sum(1)).flatten().tolist()
+    assert rows == [3, 5, 7, 11]  # the last token (13) feeds no loss term under causal attention
+
+
+def test_parameter_counts() -> None:
+    untied, tied = tiny(), tiny(tie_subword=True)
+    assert embedding_parameter_count(untied) == 2 * V * 32
+    assert embedding_parameter_count(tied) == V * 32
+    assert count_parameters(untied) - count_parameters(tied) == V * 32
+    seb = tiny("seb_co")
+    emb = seb.get_input_embeddings()
+    assert isinstance(emb, SEBEmbedding) and emb.variant == "co"
+    assert embedding_parameter_count(seb) == 2 * emb.embedding_parameter_count()
+    assert embedding_parameter_count(tiny("seb_co", output="tied")) == emb.embedding_parameter_count()
+
+
+def test_empty_or_malformed_data_raise() -> None:
+    model = tiny()
+    empty = torch.zeros(0, 8, dtype=torch.long)
+    with pytest.raises(DataError, match=r"\(0, 8\)"):
+        train_lm(model, empty, empty.bool(), steps=1, batch_size=1, lr=1e-3)
+    ids, mask = padded_batch()
+    with pytest.raises(DataError, match="no next-token prediction"):
+        perplexity(model, ids, torch.zeros_like(mask))
+    with pytest.raises(DataError, match="bool"):
+        perplexity(model, ids, mask.long())
+    with pytest.raises(ConfigError, match="lr"):
+        train_lm(model, ids, mask, steps=1, batch_size=1, lr=0.0)
+
+
+def test_bad_build_arguments_raise() -> None:
+    with pytest.raises(ConfigError, match="'bytes'.*subword"):
+        build_causal_lm(V, embedding="bytes")
+    with pytest.raises(ConfigError, match=r"needs a subword->bytes mapping.*build_byte_mapping\(40\)"):
+        build_causal_lm(V, embedding="seb_cr")
