@@ -226,7 +226,8 @@ def film_attack(victim: str, batch_size: int, cfg: AttacksConfig, private: dict[
         results = attack_batches(model, batches, victim=victim, settings=settings, mapping=mapping,
                                  byte_vocab=cfg.seb.byte_vocab, prior=prior, decode=tokenizer().decode,
                                  beam_width=f.beam_width, reorder_passes=f.reorder_passes,
-                                 relaxed_random=f.relaxed_random, seed=f.seed)
+                                 relaxed_random=f.relaxed_random, seed=f.seed, repeat_penalty=f.repeat_penalty,
+                                 reorder_moves=f.reorder_moves)
         attack_s = time.perf_counter() - t0
         summary = summarize(results)
         for setting, vals in summary.items():
@@ -241,7 +242,7 @@ def film_attack(victim: str, batch_size: int, cfg: AttacksConfig, private: dict[
                      "warmup_final_loss": losses[-1] if losses else float("nan")}, units={"attack_s": "s"})
         rec.artifact_json("recovered.json", [asdict(r) for r in results])
     return {"victim": victim, "batch_size": batch_size, "settings": summary, "embedding_params": n_emb,
-            "best": {s: max(((r.rougeL, r.best_original, r.best_recovered) for r in results if r.setting == s))
+            "best": {s: max((r.rougeL, r.best_original, r.best_recovered) for r in results if r.setting == s)
                      for s in summary}}
 
 
@@ -277,7 +278,13 @@ def _lm_blocks(seqs: list[list[int]], max_len: int, eos: int) -> torch.Tensor:
 @task(name="seb-lm")
 def utility_lm(dataset: str, embedding: str, cfg: AttacksConfig, path: str, parent: RunRef) -> dict[str, Any]:
     """Perplexity of a small causal LM on ``dataset``'s test split with ``embedding`` (Sec. 5.2.3's analogue)."""
-    from core.attacks.lm import build_causal_lm, count_parameters, embedding_parameter_count, perplexity, train_lm
+    from core.attacks.lm import (
+        build_causal_lm,
+        count_parameters,
+        embedding_parameter_count,
+        perplexity,
+        train_lm,
+    )
     from core.attacks.vocab import GPT2_EOS, CompactVocab
 
     _threads(cfg)
@@ -314,7 +321,13 @@ def utility_lm(dataset: str, embedding: str, cfg: AttacksConfig, path: str, pare
 def utility_translation(embedding: str, cfg: AttacksConfig, path: str, parent: RunRef) -> dict[str, Any]:
     """German->English BLEU of a small encoder-decoder with ``embedding`` (Sec. 5.2.1's analogue, sacreBLEU 13a)."""
     from core.attacks.lm import count_parameters
-    from core.attacks.translation import Seq2SeqLM, bleu, embedding_parameter_count, train_translation, translate
+    from core.attacks.translation import (
+        Seq2SeqLM,
+        bleu,
+        embedding_parameter_count,
+        train_translation,
+        translate,
+    )
     from core.attacks.vocab import GPT2_EOS, CompactVocab
 
     _threads(cfg)

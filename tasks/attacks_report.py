@@ -45,8 +45,8 @@ def markdown_report(recovery: list[dict[str, Any]], best: list[dict[str, Any]], 
     lines: list[str] = []
     if recovery:
         lines += ["### FILM recovery (ROUGE F, mean over attacked batches)", "",
-                  "| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
-                  "unique subwords | unique bytes |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  ("| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
+                   "unique subwords | unique bytes |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in recovery:
             lines.append(f"| {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
                          f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['n_candidates']:.0f} | {r['recall']:.2f} | "

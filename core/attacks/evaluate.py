@@ -120,10 +120,15 @@ class BatchResult:
 def attack_batches(model: torch.nn.Module, batches: Sequence[Sequence[Sequence[int]]], *, victim: str,
                    settings: Sequence[str], mapping: torch.Tensor, byte_vocab: int, prior: Any,
                    decode: Callable[[Sequence[int]], str], beam_width: int, reorder_passes: int,
-                   relaxed_random: int, seed: int) -> list[BatchResult]:
+                   relaxed_random: int, seed: int, repeat_penalty: float = 20.0,
+                   reorder_moves: int | None = 256) -> list[BatchResult]:
     """Attack each batch (a list of token-id sentences without EOS) of one client at the victim's current
     parameters, in every setting of ``settings_for(victim, settings)``. ``mapping`` is the SEB mapping (also
-    given for subword victims: it counts the bytes a batch would touch, the statistics of Fig. 3)."""
+    given for subword victims: it counts the bytes a batch would touch, the statistics of Fig. 3).
+
+    The candidates form a bag of subwords, most of which occur once in a sentence: the beam search subtracts
+    ``repeat_penalty`` (nats) for each reuse of a subword and allows at most ceil(length / |candidates|) + 1
+    uses, so that a strong prior cannot fill the sentence with its favourite word."""
     results = []
     for k, sentences in enumerate(batches):
         ids, mask = pack([list(s) + [GPT2_EOS] for s in sentences], max_len=10**6)
@@ -135,8 +140,11 @@ def attack_batches(model: torch.nn.Module, batches: Sequence[Sequence[Sequence[i
         for setting in settings_for(victim, settings):
             cand = candidates(setting, grads["input"], mapping=mapping, byte_vocab=byte_vocab, true_ids=true_ids,
                               relaxed_random=relaxed_random, seed=seed + k)
+            max_uses = -(-length // max(int(cand.numel()), 1)) + 1
             recovered_ids = film.film_recover(prior, cand, length=length, n_sentences=len(sentences),
-                                              beam_width=beam_width, reorder_passes=reorder_passes)
+                                              beam_width=beam_width, reorder_passes=reorder_passes,
+                                              repeat_penalty=repeat_penalty, max_uses=max_uses,
+                                              max_moves=reorder_moves)
             recovered = [decode(r) for r in recovered_ids]
             best = film.best_match(recovered, originals)
             hit = len(set(cand.tolist()) & set(true_ids))

@@ -464,13 +464,16 @@ def reorder(
     max_passes: int = 3,
     max_span: int = 3,
     chunk: int = 512,
+    max_moves: int | None = None,
+    seed: int = 0,
 ) -> tuple[list[int], float]:
     """FILM step 3: greedy local search over token orders under the prior.
 
     Each pass scores, in batches, every ordering reachable by moving one span of up to ``max_span``
     tokens to any other position (adjacent swaps included), and accepts the best one if it strictly
     improves the prior log-prob; stops when none improves or after ``max_passes``. The score never
-    decreases.
+    decreases. A sentence of n tokens has O(max_span * n^2) such orderings; ``max_moves`` caps each pass
+    at a seeded random sample of them to bound the prior's work.
 
     Returns:
         ``(tokens, log_prob)`` of the final order.
@@ -481,10 +484,16 @@ def reorder(
     if max_passes < 0 or max_span < 1:
         raise ConfigError(f"need max_passes >= 0 and max_span >= 1, got {max_passes=}, {max_span=}")
     best = float(_score(prior, [tokens], chunk)[0])
+    if max_moves is not None and max_moves < 1:
+        raise ConfigError(f"max_moves must be >= 1 or None, got {max_moves=}")
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(max_passes):
         moves = _span_moves(tokens, max_span)
         if not moves:
             break
+        if max_moves is not None and len(moves) > max_moves:
+            pick = torch.randperm(len(moves), generator=gen)[:max_moves]
+            moves = [moves[i] for i in sorted(pick.tolist())]
         scores = _score(prior, moves, chunk)
         i = int(scores.argmax())
         if not float(scores[i]) > best:
@@ -504,8 +513,10 @@ def film_recover(
     repeat_penalty: float = 0.0,
     max_uses: int | None = None,
     max_span: int = 3,
+    max_moves: int | None = None,
 ) -> list[list[int]]:
-    """The FILM attack (steps 2-3): ``n_sentences`` distinct beams of ``length`` tokens, each reordered.
+    """The FILM attack (steps 2-3): ``n_sentences`` distinct beams of ``length`` tokens, each reordered
+    (``max_moves`` orderings per reordering pass at most, see :func:`reorder`).
 
     Returns:
         ``n_sentences`` token-id lists (fewer if fewer distinct sequences exist).
@@ -519,7 +530,8 @@ def film_recover(
         repeat_penalty=repeat_penalty,
         max_uses=max_uses,
     )
-    return [reorder(prior, toks, max_passes=reorder_passes, max_span=max_span)[0] for toks, _ in beams]
+    return [reorder(prior, toks, max_passes=reorder_passes, max_span=max_span, max_moves=max_moves)[0]
+            for toks, _ in beams]
 
 
 # --------------------------------------------------------------------------------------------------

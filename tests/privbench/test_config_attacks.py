@@ -1,0 +1,37 @@
+"""The attack stage's config: the profiles load, bad values are refused with messages naming them."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from privbench.config import load_config
+from privbench.config_attacks import AttacksConfig, FilmConfig, UtilityConfig
+
+
+@pytest.mark.parametrize("profile", ["quick", "paper"])
+def test_profiles_configure_the_attack_stage(profile: str) -> None:
+    cfg = load_config(profile)
+    assert cfg.attacks is not None and cfg.attacks.film is not None and cfg.attacks.utility is not None
+    prepared = {t.name for t in cfg.prepare.texts}
+    assert set(cfg.attacks.text_datasets()) <= prepared
+    assert cfg.attacks.seb.n_bytes == 8 and cfg.attacks.seb.byte_vocab == 256  # the paper's defaults (Sec. 5)
+    assert set(cfg.attacks.film.batch_sizes) == {1, 2, 4, 8}
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(ValidationError, match="batch_sizes must be distinct positive"):
+        FilmConfig(batch_sizes=(1, 1))
+    with pytest.raises(ValidationError, match="min_tokens=30 exceeds max_tokens=20"):
+        FilmConfig(min_tokens=30, max_tokens=20)
+    with pytest.raises(ValidationError, match="lacks 'subword'"):
+        UtilityConfig(embeddings=("seb_co",))
+    with pytest.raises(ValidationError, match="nothing to do"):
+        AttacksConfig()
+    with pytest.raises(ValidationError, match="divisible"):
+        FilmConfig(shape={"n_embd": 10, "n_head": 3})
+
+
+def test_prior_from_a_path_needs_no_public_text() -> None:
+    cfg = AttacksConfig(film={"private": ["a"], "prior": {"public": ["b"], "path": "/models/gpt2"}})
+    assert cfg.text_datasets() == ["a"]
