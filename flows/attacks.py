@@ -1,5 +1,6 @@
 """Stage 5 flow: attack evaluation. Part 1 (SEB paper): the attacker's prior, FILM against every victim at every
-batch size, the byte-coverage curve, and SEB's utility (perplexity, BLEU); runs in parallel on a process pool."""
+batch size, the byte-coverage curve, and SEB's utility (perplexity, BLEU). Part 2: the membership-inference
+audit of the private-training stage's models. Runs in parallel on a process pool."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from prefect import flow, unmapped
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows.prepare import prepare_flow
-from privbench.config import PrepareConfig
+from core.errors import ConfigError
+from privbench.config import PrepareConfig, TrainDPConfig
 from privbench.config_attacks import AttacksConfig
 from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
+from tasks.audit import audit_seqrec, audit_targets
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
 STAGE = "attacks"
@@ -22,11 +25,19 @@ STAGE = "attacks"
 @flow(name="attacks", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
       on_cancellation=[mark_flow_failed])
 def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "quick",
-                 parent: RunRef | None = None, prepared: dict[str, str] | None = None) -> dict[str, Any]:
-    """``prepared`` maps text-dataset names to prepared folders (prepared here when not given)."""
-    if prepared is None:
-        wanted = PrepareConfig(texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()))
-        prepared = {n: d["path"] for n, d in prepare_flow(wanted, profile=profile, parent=parent)["texts"].items()}
+                 parent: RunRef | None = None, prepared: dict[str, str] | None = None,
+                 train_dp: TrainDPConfig | None = None, seqrec: dict[str, str] | None = None) -> dict[str, Any]:
+    """``prepared`` maps text-dataset names to prepared folders and ``seqrec`` the audited sequential datasets'
+    names to theirs (both prepared here when not given); ``train_dp`` holds the audited models' hyperparameters."""
+    a = config.audit
+    if a is not None and train_dp is None:
+        raise ConfigError("attacks.audit needs the train_dp section (the audited models' hyperparameters)")
+    if prepared is None or (a is not None and seqrec is None):
+        wanted = PrepareConfig(texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()),
+                               datasets=tuple(prepare.dataset(n) for n in (a.datasets if a else ())))
+        done = prepare_flow(wanted, profile=profile, parent=parent)
+        prepared = {n: d["path"] for n, d in done["texts"].items()}
+        seqrec = {n: d["path"] for n, d in done["datasets"].items()}
     run = open_flow_record(flow="attacks", stage=STAGE, config=config, profile=profile, parent=parent)
     u, f = config.utility, config.film
     prior = cov = None
@@ -34,6 +45,10 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
         public = {n: prepared[n] for n in f.prior.public} if f.prior.path is None else {}
         prior = train_prior.submit(f, public, run, threads=config.threads_per_worker)
         cov = seb_coverage.submit(config, run)
+    targets = audit_targets(a) if a is not None else []
+    audits = audit_seqrec.map([t[0] for t in targets], [t[1] for t in targets], [t[2] for t in targets],
+                              unmapped(a), unmapped(train_dp), [seqrec[t[0]] for t in targets], unmapped(run),
+                              threads=unmapped(config.threads_per_worker))
     lm_jobs = [(d, e) for d in u.lm_datasets for e in u.embeddings] if u else []
     lm = utility_lm.map([j[0] for j in lm_jobs], [j[1] for j in lm_jobs], unmapped(config),
                         [prepared[j[0]] for j in lm_jobs], unmapped(run))
@@ -48,7 +63,8 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
         film_runs = film_attack.map([j[0] for j in jobs], [j[1] for j in jobs], unmapped(config), unmapped(private),
                                     unmapped(prior_dir), unmapped(run)).result()
     coverage = cov.result() if cov is not None else None
-    summary = attacks_summary(film=film_runs, coverage=coverage, lm=lm.result(), mt=mt.result())
+    summary = attacks_summary(film=film_runs, coverage=coverage, lm=lm.result(), mt=mt.result(),
+                              audit=audits.result())
     summary["run_id"] = run.run_id
     close_flow_record(run, metrics=summary.pop("metrics"), summary=summary)
     return summary

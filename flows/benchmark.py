@@ -40,8 +40,10 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         stages["stip"] = stip_flow(config.stip, profile=config.profile, parent=run)
     if config.attacks is not None:
         texts = {name: d["path"] for name, d in prepared.get("texts", {}).items()}
+        seqrec = {name: d["path"] for name, d in prepared["datasets"].items()}
         stages["attacks"] = attacks_flow.with_options(task_runner=attacks_runner(config.attacks))(
-            config.attacks, config.prepare, profile=config.profile, parent=run, prepared=texts)
+            config.attacks, config.prepare, profile=config.profile, parent=run, prepared=texts,
+            train_dp=config.train_dp, seqrec=seqrec)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

@@ -518,6 +518,16 @@ class BenchmarkConfig(FrozenConfig):
             if missing:
                 raise ValueError(f"attacks reads text datasets {missing} that are not prepared; add them to "
                                  f"prepare.texts or pick from {sorted(prepared)}")
+            audit = self.attacks.audit
+            if audit is not None:
+                if self.train_dp is None:
+                    raise ValueError("attacks.audit trains with the train_dp section's hyperparameters; add a "
+                                     "train_dp section or remove attacks.audit")
+                trained = {d.name for d in self.train_dp.datasets}
+                missing = [n for n in audit.datasets if n not in trained]
+                if missing:
+                    raise ValueError(f"attacks.audit.datasets {missing} are not in train_dp.datasets; pick from "
+                                     f"{sorted(trained)}")
         return self
 
     @model_validator(mode="after")

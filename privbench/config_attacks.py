@@ -151,19 +151,58 @@ class UtilityConfig(FrozenConfig):
         return self.translation_embeddings if self.translation_embeddings is not None else self.embeddings
 
 
+MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
+
+
+class AuditConfig(FrozenConfig):
+    """Part 2: membership-inference audit of the private-training stage's sequential recommenders.
+
+    For every dataset x (method x epsilon [+ non-private]) the audit trains a target on a random half of the
+    users and ``shadows`` shadow models on random halves (every user in exactly half of them), with the same
+    training code and the ``train_dp`` section's hyperparameters (``epochs`` overrides its epoch count), then
+    runs each attack of ``attacks`` (loss threshold; LiRA online and offline, Carlini et al. 2022). The member
+    unit is a user's sequence, as in user-level DP. ``delta`` for the empirical epsilon: None = the target's
+    accountant delta (non-private targets: 1/n users). ``alpha``: 1 - confidence of the Clopper-Pearson bounds.
+    """
+
+    datasets: tuple[str, ...] = Field(("ml-100k",), min_length=1)
+    methods: tuple[Literal["gru", "lstm", "transformer_untied", "transformer", "dpformer"], ...] = (
+        "transformer", "dpformer")
+    epsilons: tuple[float, ...] = (8.0,)
+    nonprivate: bool = True
+    shadows: int = Field(4, ge=1)
+    attacks: tuple[Literal["loss", "lira_online", "lira_offline"], ...] = MIA_ATTACKS
+    epochs: int | None = Field(None, ge=1, description="None: train_dp.epochs")
+    delta: float | None = Field(None, gt=0.0, lt=1.0)
+    alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _enough_shadows(self) -> AuditConfig:
+        if "lira_online" in self.attacks and self.shadows < 4:
+            raise ValueError(f"online LiRA needs every user inside and outside shadow models and a pooled variance: "
+                             f"shadows={self.shadows} is too few; use shadows >= 4 (the paper uses 16+) or drop "
+                             "'lira_online' from attacks")
+        if any(e <= 0 for e in self.epsilons):
+            raise ValueError(f"audit epsilons must be > 0, got {list(self.epsilons)}")
+        return self
+
+
 class AttacksConfig(FrozenConfig):
-    """Stage 5: attack evaluation. Part 1: FILM vs subword/SEB and SEB's utility."""
+    """Stage 5: attack evaluation. Part 1: FILM vs subword/SEB and SEB's utility; part 2: the membership
+    audit of the private-training stage's models."""
 
     seb: SEBSpec = SEBSpec()
     film: FilmConfig | None = None
     utility: UtilityConfig | None = None
+    audit: AuditConfig | None = None
     workers: int = Field(2, ge=1, description="runs executed in parallel (processes)")
     threads_per_worker: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _some_part(self) -> AttacksConfig:
-        if self.film is None and self.utility is None:
-            raise ValueError("attacks has nothing to do: give film and/or utility")
+        if self.film is None and self.utility is None and self.audit is None:
+            raise ValueError("attacks has nothing to do: give film, utility and/or audit")
         return self
 
     def text_datasets(self) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | None, lm: list[dict[str, Any]],
-                    mt: list[dict[str, Any]]) -> dict[str, Any]:
+                    mt: list[dict[str, Any]], audit: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     recovery = []
     for run in sorted(film, key=lambda r: (r["victim"], r["batch_size"])):
         for setting, vals in run["settings"].items():
@@ -35,9 +35,35 @@ def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | No
                                   "train_s")} for r in lm]
     mt_rows = [{k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
                for r in mt]
+    audit_rows = []
+    for t in audit or []:
+        label = "nonprivate" if t["epsilon"] is None else f"eps={t['epsilon']:g}"
+        for name, r in t["attacks"].items():
+            audit_rows.append({"dataset": t["dataset"], "method": t["method"], "dp": label, "attack": name,
+                               "accountant_epsilon": t["accountant_epsilon"], "delta": t["delta"],
+                               "test_ndcg_at_10": t["target_test_ndcg_at_10"],
+                               **{k: r[k] for k in ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr",
+                                                    "empirical_epsilon", "empirical_epsilon_ci")}})
+            key = f"audit.{t['dataset']}.{t['method']}.{label.replace('=', '')}.{name}"
+            metrics.update({f"{key}.auc": r["auc"], f"{key}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0]})
+    markdown = markdown_report(recovery, best, coverage, lm_rows, mt_rows) + audit_markdown(audit_rows)
     return {"recovery": recovery, "best_sentences": best, "coverage": coverage, "utility_lm": lm_rows,
-            "utility_mt": mt_rows, "markdown": markdown_report(recovery, best, coverage, lm_rows, mt_rows),
-            "metrics": metrics}
+            "utility_mt": mt_rows, "audit": audit_rows, "markdown": markdown, "metrics": metrics}
+
+
+def audit_markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["### Membership-inference audit (member unit: a user's sequence)", "",
+             "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] | accountant eps |",
+             "|---|---|---|---|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lo, hi = r["empirical_epsilon_ci"]
+        acc = "-" if r["accountant_epsilon"] is None else f"{r['accountant_epsilon']:.2f}"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['dp']} | {r['attack']} | {r['auc']:.3f} | "
+                     f"{r['tpr_at_0.1pct_fpr']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}] | {acc} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown_report(recovery: list[dict[str, Any]], best: list[dict[str, Any]], coverage: dict[str, Any] | None,

@@ -63,7 +63,7 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
     """Train one grid point; record curves (step = epoch), best/final metrics, and the privacy ledger."""
     torch.set_num_threads(cfg.threads_per_worker)
     data = load_prepared(point.dataset_path)
-    train_cfg = method_config(point.method, **_overrides(point, cfg))
+    train_cfg = method_config(point.method, **train_overrides(point, cfg))
     with task_record(parent=parent, technique=point.method, config=_run_config(point, train_cfg),
                      dataset=point.dataset, run_name=point.label) as rec:
         result = train_seqrec(data, train_cfg, on_epoch=lambda log: _record_epoch(rec, log))
@@ -73,7 +73,7 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
             "test_hit_at_10": result.test_hit10, "wall_s": result.wall_s}
 
 
-def _overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
+def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
     common = {
         "dropout": point.dropout, "max_len": cfg.max_len, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers,
         "epochs": cfg.epochs, "batch_size": point.batch_size, "lr": point.lr, "weight_decay": cfg.weight_decay,

@@ -20,7 +20,8 @@ from tests.core.data.test_text import write_mo
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-WORDS = ["the", "king", "of", "france", "came", "to", "the", "old", "castle", "with", "his", "men", "and", "spoke", "of", "war", "and", "love"]
+WORDS = ["the", "king", "of", "france", "came", "to", "the", "old", "castle", "with", "his", "men", "and", "spoke",
+         "of", "war", "and", "love"]
 
 
 def _sentences(n: int, seed: int) -> list[str]:
@@ -93,3 +94,32 @@ def test_attacks_need_their_text_prepared(prepare: PrepareConfig) -> None:
     with pytest.raises(ConfigError, match=r"not prepared.*prepare.texts"):
         validate(BenchmarkConfig, {"prepare": {"texts": [prepare.texts[0].model_dump()]},
                                    "attacks": TINY.model_dump()}, origin="test")
+
+
+def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
+    cfg = validate(BenchmarkConfig, {
+        "profile": "tiny",
+        "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
+                                  "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}]},
+        "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["transformer"], "epsilons": [8],
+                     "epochs": 1, "lrs": [0.005], "batch_sizes": [64], "max_len": 16, "d_model": 16},
+        "attacks": {"audit": {"datasets": ["ml-1m-tiny"], "methods": ["transformer"], "epsilons": [8],
+                              "shadows": 4, "epochs": 2}, "workers": 1},
+    }, origin="test")
+    summary = attacks_flow(cfg.attacks, cfg.prepare, profile="tiny", train_dp=cfg.train_dp)
+    repo = ResultsRepository()
+    assert repo.get_run(summary["run_id"])["status"] == "finished"
+    rows = {(r["dp"], r["attack"]): r for r in summary["audit"]}
+    assert set(rows) == {(dp, a) for dp in ("eps=8", "nonprivate") for a in ("loss", "lira_online", "lira_offline")}
+    for (dp, _), r in rows.items():
+        lo, hi = r["empirical_epsilon_ci"]
+        assert 0.0 <= r["auc"] <= 1.0 and 0.0 <= lo <= hi
+        if dp == "eps=8":
+            assert 7.0 < r["accountant_epsilon"] <= 8.0 and lo <= r["accountant_epsilon"]  # the audit's invariant
+    _, runs = repo.query("select id from runs where technique = 'mia-transformer' and config_json like '%8.0%'")
+    shown = repo.get_run(runs[0][0])
+    assert shown["privacy_ledger"] and len(shown["attack_results"]) == 3
+    for a in shown["attack_results"]:  # the JSON contract of `privbench results show RUN --json`
+        assert {"auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr", "empirical_epsilon", "empirical_epsilon_ci",
+                "accountant_epsilon"} <= set(a)
+    assert "Membership-inference audit" in summary["markdown"]

@@ -35,3 +35,20 @@ def test_bad_values_are_named() -> None:
 def test_prior_from_a_path_needs_no_public_text() -> None:
     cfg = AttacksConfig(film={"private": ["a"], "prior": {"public": ["b"], "path": "/models/gpt2"}})
     assert cfg.text_datasets() == ["a"]
+
+
+def test_audit_config_refuses_too_few_shadows_and_missing_training_section() -> None:
+    from core.errors import ConfigError
+    from privbench.config import BenchmarkConfig, validate
+    from privbench.config_attacks import AuditConfig
+
+    with pytest.raises(ValidationError, match="shadows=2 is too few"):
+        AuditConfig(shadows=2)
+    assert AuditConfig(shadows=2, attacks=("loss", "lira_offline")).shadows == 2  # offline needs no IN shadows
+    quick = load_config("quick").model_dump(mode="json")
+    no_train = {k: v for k, v in quick.items() if k != "train_dp"}
+    with pytest.raises(ConfigError, match="train_dp section"):
+        validate(BenchmarkConfig, no_train, origin="test")
+    quick["attacks"]["audit"]["datasets"] = ["amazon-games-synthetic"]
+    with pytest.raises(ConfigError, match="not in train_dp.datasets"):
+        validate(BenchmarkConfig, quick, origin="test")

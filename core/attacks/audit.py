@@ -1,0 +1,126 @@
+"""Membership-inference audit of a trained model: attack scores for its members and non-members, ROC, TPR at
+low FPR, and an empirical lower bound on epsilon next to the accountant's (``core.attacks.membership``).
+
+The audit needs the target's training-set membership (:class:`AuditTarget.members`): without it there is no
+ground truth and :func:`audit` refuses. Shadow (reference) models are trained by the *same* training code on
+random halves of the same population (``membership.split_halves``); the member unit is whatever the privacy
+guarantee protects: a user's whole sequence for user-level DP on sequential recommendation.
+
+Per-example statistic (higher = more member-like): for sequential recommenders, the mean next-item
+log-likelihood of the user's training positions (:func:`seqrec_user_stats`), the sequence analogue of LiRA's
+logit-scaled confidence; its distribution over models is close to Gaussian, which LiRA assumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.attacks import membership as M
+from core.data.sequential import SequentialDataset
+from core.errors import ConfigError, DataError
+from core.models.loss import sequence_loss
+
+
+@dataclass(frozen=True)
+class AuditTarget:
+    """A target model's statistic per example (n,) and its training-set membership (n,) bool (None when it
+    was not recorded: such a target cannot be audited). ``accountant_epsilon``/``delta``: the DP guarantee
+    claimed for it (None for a non-private model; the audit then uses ``delta`` for its bound only)."""
+
+    name: str
+    stats: np.ndarray
+    members: np.ndarray | None
+    accountant_epsilon: float | None = None
+    delta: float | None = None
+
+
+def subset_users(data: SequentialDataset, users: Sequence[int] | np.ndarray) -> SequentialDataset:
+    """The dataset restricted to ``users`` (indices, kept in the given order), same item id space."""
+    users = np.asarray(users, dtype=np.int64)
+    if users.ndim != 1 or users.size == 0:
+        raise DataError("subset_users needs a non-empty 1-D array of user indices")
+    if users.min() < 0 or users.max() >= data.n_users:
+        raise DataError(f"user indices must lie in 0..{data.n_users - 1}, got {users.min()}..{users.max()}")
+    lens = data.seq_lens[users]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    take = np.concatenate([np.arange(data.offsets[u], data.offsets[u + 1]) for u in users])
+    return SequentialDataset(items=data.items[take], timestamps=data.timestamps[take], offsets=offsets,
+                             raw_user_ids=np.asarray(data.raw_user_ids)[users], raw_item_ids=data.raw_item_ids,
+                             source=f"{data.source} (subset of {users.size} users)", k=data.k)
+
+
+@torch.no_grad()
+def seqrec_user_stats(model: torch.nn.Module, data: SequentialDataset, *, max_len: int,
+                      batch_size: int = 256) -> np.ndarray:
+    """(U,) mean next-item log-likelihood of every user's training positions under ``model`` (eval mode),
+    -sum_t CE(logits_t, s_{t+1}) / T over the SASRec training pairs of ``SequentialDataset.train_examples``."""
+    model.eval()
+    out = []
+    for start in range(0, data.n_users, batch_size):
+        users = np.arange(start, min(start + batch_size, data.n_users))
+        inputs, targets = data.train_examples(max_len, users)
+        loss = sequence_loss(model(inputs), targets, position_reduction="mean")  # (B,)
+        out.append(-loss.double().numpy())
+    return np.concatenate(out)
+
+
+def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarray | None = None,
+          shadow_in: np.ndarray | None = None, delta: float, alpha: float = 0.05,
+          max_thresholds: int | None = 2000) -> dict[str, dict]:
+    """Every attack of ``attacks`` (names of ``membership.ATTACKS``) against ``target``: ROC AUC, TPR at 0.1%
+    and 1% FPR, the ROC curve, and the empirical epsilon at ``delta`` from (TPR, FPR) at one threshold with
+    its Clopper-Pearson interval at confidence 1 - alpha: the threshold is chosen on one random half of the
+    examples and the rates are counted on the other (``empirical_epsilon_lower_bound(split=True)``), so
+    ``empirical_epsilon_ci[0]`` is a valid lower bound on the true epsilon with probability 1 - alpha and can
+    only exceed the accountant's epsilon if the accounting (or the training) is wrong.
+
+    Raises:
+        ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
+        DataError: shadow statistics that do not match the target's examples.
+    """
+    if target.members is None:
+        raise ConfigError(f"target {target.name!r}: its training-set membership was not recorded, so an audit has no "
+                          "ground truth; train the target through the audit (which records the member mask) or "
+                          "pass members=")
+    members = np.asarray(target.members, dtype=bool)
+    stats = np.asarray(target.stats, dtype=np.float64)
+    if members.shape != stats.shape or stats.ndim != 1:
+        raise DataError(f"target {target.name!r}: {stats.shape} statistics but {members.shape} membership flags; "
+                        "both must be one value per example")
+    if members.all() or not members.any():
+        raise DataError(f"target {target.name!r}: needs both members and non-members, got {int(members.sum())} "
+                        f"members of {members.size}")
+    if shadow_stats is not None and np.asarray(shadow_stats).shape[-1] != stats.size:
+        raise DataError(f"shadow statistics cover {np.asarray(shadow_stats).shape[-1]} examples but the target has "
+                        f"{stats.size}; compute both on the same examples, in the same order")
+    out: dict[str, dict] = {}
+    for name in attacks:
+        fn = M.get_attack(name)
+        target_stat = -stats if name == "loss" else stats  # the loss attack takes losses
+        scores = fn(target_stat, shadow_stats=shadow_stats, shadow_in=shadow_in)
+        curve = M.roc(scores[members], scores[~members])
+        eps = M.empirical_epsilon_lower_bound(scores[members], scores[~members], delta=delta, alpha=alpha,
+                                              max_thresholds=max_thresholds, split=True, seed=0)
+        out[name] = {
+            "auc": float(curve["auc"]), "tpr_at_0.1pct_fpr": float(curve["tpr_at_0.1pct_fpr"]),
+            "tpr_at_1pct_fpr": float(curve["tpr_at_1pct_fpr"]),
+            "empirical_epsilon": float(eps["epsilon_point"]),
+            "empirical_epsilon_ci": [float(eps["epsilon_lo"]), float(eps["epsilon_hi"])],
+            "threshold_tpr": float(eps["tpr"]), "threshold_fpr": float(eps["fpr"]),
+            "accountant_epsilon": target.accountant_epsilon, "delta": delta, "alpha": alpha,
+            "n_members": int(members.sum()), "n_nonmembers": int((~members).sum()),
+            "roc": {"fpr": _thin(curve["fpr"]), "tpr": _thin(curve["tpr"])},
+        }
+    return out
+
+
+def _thin(values: np.ndarray, n: int = 200) -> list[float]:
+    """At most ``n`` points of a curve (evenly by index, endpoints kept), for the artifact."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size <= n:
+        return values.tolist()
+    return values[np.unique(np.linspace(0, values.size - 1, n).round().astype(int))].tolist()

@@ -1,0 +1,94 @@
+"""Attack-stage tasks, part 2: the membership-inference audit of the private-training stage's sequential
+recommenders (one recorded run per target: technique ``mia-<method>``, tag ``privbench.result_group`` =
+``audit``), with a row in ``attack_results`` per attack holding ``auc``, ``tpr_at_0.1pct_fpr``,
+``tpr_at_1pct_fpr``, ``empirical_epsilon`` with its Clopper-Pearson interval and the ``accountant_epsilon``,
+the target's privacy ledger, and ``roc.json`` (the ROC curves)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+
+from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
+from core.attacks.membership import split_halves
+from core.dp.trainer import TrainResult, method_config, train_seqrec
+from privbench.config import TrainDPConfig
+from privbench.config_attacks import AuditConfig
+from storage.recording import RunRef
+from tasks.prepare import load_prepared
+from tasks.records import task_record
+from tasks.train_dp import GridPoint, train_overrides
+
+
+def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None]]:
+    """(dataset, method, epsilon) of every audited target: methods x epsilons, plus the non-private ones
+    (DPFormer without noise would repeat the Transformer, as in the training grid)."""
+    points: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
+    if cfg.nonprivate:
+        points += [(m, None) for m in cfg.methods if m != "dpformer"]
+    return [(d, m, e) for d in cfg.datasets for m, e in points]
+
+
+@task(name="mia-audit")
+def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditConfig, train: TrainDPConfig,
+                 path: str, parent: RunRef, threads: int = 1) -> dict[str, Any]:
+    """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target."""
+    torch.set_num_threads(threads)
+    spec = next(d for d in train.datasets if d.name == dataset)
+    point = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
+    overrides = train_overrides(point, train) | ({"epochs": cfg.epochs} if cfg.epochs else {})
+    label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
+    config = {"dataset": dataset, "method": method, "epsilon": epsilon, "audit": cfg.model_dump(mode="json"),
+              "train": overrides}
+    with task_record(parent=parent, technique=f"mia-{method}", config=config, dataset=dataset,
+                     run_name=f"membership audit of {method} ({label}) on {dataset}") as rec:
+        rec.tag("privbench.result_group", "audit")
+        rec.tag("privbench.dp", label)
+        data = load_prepared(path)
+        n = data.n_users
+        target_in = split_halves(n, 2, seed=cfg.seed)[0]  # a random half of the users, recorded
+        shadow_in = split_halves(n, cfg.shadows, seed=cfg.seed + 1)  # (k, n): each user in half of them
+
+        def fit(mask: np.ndarray, seed: int) -> TrainResult:
+            users = np.flatnonzero(mask)
+            return train_seqrec(subset_users(data, users), method_config(method, **(overrides | {"seed": seed})))
+
+        t0 = time.perf_counter()
+        target = fit(target_in, cfg.seed)
+        stats = seqrec_user_stats(target.model, data, max_len=overrides["max_len"])
+        shadows = np.stack([seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
+                            for i, m in enumerate(shadow_in)])  # (k, n)
+        train_s = time.perf_counter() - t0
+        ledger = target.ledger
+        delta = cfg.delta or (ledger.delta if ledger is not None else 1.0 / n)
+        results = audit(AuditTarget(name=f"{method}:{label}", stats=stats, members=target_in,
+                                    accountant_epsilon=ledger.epsilon if ledger is not None else None, delta=delta),
+                        attacks=cfg.attacks, shadow_stats=shadows, shadow_in=shadow_in, delta=delta, alpha=cfg.alpha)
+        if ledger is not None:
+            rec.privacy(epsilon=ledger.epsilon, delta=ledger.delta, noise_multiplier=ledger.noise_multiplier,
+                        sample_rate=ledger.sample_rate, steps=ledger.steps, accountant=str(ledger.accountant),
+                        clip_norm=ledger.clip_norm, target_epsilon=ledger.target_epsilon, unit="user")
+        for name, r in results.items():
+            lo, hi = r["empirical_epsilon_ci"]
+            rec.attack(attack=name, target=f"{dataset}:{method}", setting=f"{label},shadows={cfg.shadows}",
+                       auc=r["auc"], tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"], tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
+                       empirical_epsilon=r["empirical_epsilon"], empirical_epsilon_lo=lo, empirical_epsilon_hi=hi,
+                       accountant_epsilon=r["accountant_epsilon"],
+                       extra={k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr",
+                                                "threshold_fpr")})
+            rec.metrics({f"{name}.auc": r["auc"], f"{name}.tpr_at_0.1pct_fpr": r["tpr_at_0.1pct_fpr"],
+                         f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
+                         f"{name}.empirical_epsilon": r["empirical_epsilon"], f"{name}.empirical_epsilon_lo": lo})
+        rec.metrics({"target_test_ndcg_at_10": target.test_ndcg10, "n_users": n, "shadows": cfg.shadows,
+                     "train_s": train_s, "delta": delta}, units={"train_s": "s"})
+        if ledger is not None:
+            rec.metric("accountant_epsilon", ledger.epsilon)
+        rec.artifact_json("roc.json", {name: r["roc"] for name, r in results.items()})
+    return {"dataset": dataset, "method": method, "epsilon": epsilon,
+            "accountant_epsilon": ledger.epsilon if ledger is not None else None, "delta": delta,
+            "target_test_ndcg_at_10": target.test_ndcg10,
+            "attacks": {name: {k: v for k, v in r.items() if k != "roc"} for name, r in results.items()}}

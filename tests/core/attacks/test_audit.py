@@ -1,0 +1,85 @@
+"""The membership audit's pieces against slow references: user subsets, per-user statistics (one user at a
+time), and the audit on planted members; a target without recorded membership or with mismatched data is
+refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
+from core.attacks.membership import split_halves
+from core.data.sequential import SequentialDataset
+from core.errors import ConfigError, DataError
+from core.models.loss import sequence_loss
+from core.models.seqrec import SeqRecConfig, build_seqrec
+
+
+def _data(n_users: int = 12, n_items: int = 20, seed: int = 0) -> SequentialDataset:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(3, 9, size=n_users)
+    items = rng.integers(1, n_items + 1, size=int(lens.sum()))
+    return SequentialDataset(items=items, timestamps=np.arange(items.size), offsets=np.concatenate([[0], np.cumsum(
+        lens)]), raw_user_ids=np.arange(n_users), raw_item_ids=np.arange(n_items))
+
+
+def test_subset_users_keeps_each_sequence_and_the_item_space() -> None:
+    data = _data()
+    sub = subset_users(data, [7, 2, 9])
+    assert sub.n_users == 3 and len(sub.raw_item_ids) == len(data.raw_item_ids)
+    for i, u in enumerate([7, 2, 9]):
+        assert np.array_equal(sub.sequence(i), data.sequence(u))
+    with pytest.raises(DataError, match="0..11"):
+        subset_users(data, [3, 12])
+    with pytest.raises(DataError, match="non-empty"):
+        subset_users(data, [])
+
+
+def test_user_statistics_match_a_per_user_loop() -> None:
+    data = _data()
+    torch.manual_seed(0)
+    model = build_seqrec(SeqRecConfig(num_items=20, max_len=8, d_model=16, n_heads=2, n_layers=1, dropout=0.0))
+    fast = seqrec_user_stats(model, data, max_len=8, batch_size=5)
+    slow = []
+    with torch.no_grad():
+        for u in range(data.n_users):  # one user at a time: -mean CE over the training positions
+            inputs, targets = data.train_examples(8, [u])
+            logits = model(inputs)[0]
+            valid = targets[0] != 0
+            ce = torch.nn.functional.cross_entropy(logits[valid], targets[0][valid], reduction="sum") if valid.any() \
+                else 0
+            slow.append(-float(ce) / max(int(valid.sum()), 1))
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        whole = -sequence_loss(model(data.train_examples(8)[0]), data.train_examples(8)[1], position_reduction="mean")
+    assert np.allclose(fast, whole.numpy(), atol=1e-5)
+
+
+def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
+    rng = np.random.default_rng(0)
+    n, k = 2000, 8
+    difficulty = rng.normal(0, 2, n)
+    members = split_halves(n, 2, seed=1)[0]
+    shadow_in = split_halves(n, k, seed=2)
+    shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
+    stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
+    out = audit(AuditTarget("planted", stats, members, accountant_epsilon=None), attacks=("loss", "lira_online"),
+                shadow_stats=shadows, shadow_in=shadow_in, delta=1e-3)
+    assert out["lira_online"]["auc"] > 0.9 > out["loss"]["auc"] > 0.55
+    lo, hi = out["lira_online"]["empirical_epsilon_ci"]
+    assert 0 < lo <= out["lira_online"]["empirical_epsilon"] <= hi
+    assert len(out["lira_online"]["roc"]["fpr"]) <= 200
+
+
+def test_audit_refuses_unrecorded_membership_and_mismatched_data() -> None:
+    stats = np.zeros(10)
+    with pytest.raises(ConfigError, match="membership was not recorded"):
+        audit(AuditTarget("t", stats, None), attacks=("loss",), delta=1e-3)
+    with pytest.raises(DataError, match="one value per example"):
+        audit(AuditTarget("t", stats, np.ones(9, bool)), attacks=("loss",), delta=1e-3)
+    with pytest.raises(DataError, match="same examples"):
+        audit(AuditTarget("t", stats, np.arange(10) % 2 == 0), attacks=("lira_offline",),
+              shadow_stats=np.zeros((4, 8)), shadow_in=np.zeros((4, 8), bool), delta=1e-3)
+    with pytest.raises(ConfigError, match="shadow"):
+        audit(AuditTarget("t", stats, np.arange(10) % 2 == 0), attacks=("lira_online",), delta=1e-3)
