@@ -9,14 +9,14 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.task_runners import ProcessPoolTaskRunner
 
-from flows.prepare import prepare_flow
 from core.errors import ConfigError
-from privbench.config import PrepareConfig, TrainDPConfig
+from flows.prepare import prepare_flow
+from privbench.config import PrepareConfig, TangentConfig, TrainDPConfig
 from privbench.config_attacks import AttacksConfig
 from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
-from tasks.audit import audit_seqrec, audit_targets
+from tasks.audit import audit_seqrec, audit_targets, audit_unlearning
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
 STAGE = "attacks"
@@ -26,18 +26,27 @@ STAGE = "attacks"
       on_cancellation=[mark_flow_failed])
 def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "quick",
                  parent: RunRef | None = None, prepared: dict[str, str] | None = None,
-                 train_dp: TrainDPConfig | None = None, seqrec: dict[str, str] | None = None) -> dict[str, Any]:
-    """``prepared`` maps text-dataset names to prepared folders and ``seqrec`` the audited sequential datasets'
-    names to theirs (both prepared here when not given); ``train_dp`` holds the audited models' hyperparameters."""
+                 train_dp: TrainDPConfig | None = None, seqrec: dict[str, str] | None = None,
+                 tangent: TangentConfig | None = None, vision: dict[str, str] | None = None) -> dict[str, Any]:
+    """``prepared`` maps text-dataset names to prepared folders, ``seqrec`` the audited sequential datasets'
+    names to theirs, ``vision`` holds the tangent stage's prepared ``images`` and ``model`` folders (all prepared
+    here when not given); ``train_dp`` and ``tangent`` hold the audited models' hyperparameters."""
     a = config.audit
     if a is not None and train_dp is None:
         raise ConfigError("attacks.audit needs the train_dp section (the audited models' hyperparameters)")
-    if prepared is None or (a is not None and seqrec is None):
+    unlearning = a is not None and a.unlearning
+    if unlearning and tangent is None:
+        raise ConfigError("attacks.audit.unlearning needs the tangent section; add it or set unlearning: false")
+    if prepared is None or (a is not None and seqrec is None) or (unlearning and vision is None):
         wanted = PrepareConfig(texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()),
-                               datasets=tuple(prepare.dataset(n) for n in (a.datasets if a else ())))
+                               datasets=tuple(prepare.dataset(n) for n in (a.datasets if a else ())),
+                               images=(prepare.image_dataset(tangent.dataset),) if unlearning else (),
+                               models=(prepare.model(tangent.model),) if unlearning else ())
         done = prepare_flow(wanted, profile=profile, parent=parent)
         prepared = {n: d["path"] for n, d in done["texts"].items()}
         seqrec = {n: d["path"] for n, d in done["datasets"].items()}
+        if unlearning:
+            vision = {"images": done["images"][tangent.dataset]["path"], "model": done["models"][tangent.model]["path"]}
     run = open_flow_record(flow="attacks", stage=STAGE, config=config, profile=profile, parent=parent)
     u, f = config.utility, config.film
     prior = cov = None
@@ -49,6 +58,7 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
     audits = audit_seqrec.map([t[0] for t in targets], [t[1] for t in targets], [t[2] for t in targets],
                               unmapped(a), unmapped(train_dp), [seqrec[t[0]] for t in targets], unmapped(run),
                               threads=unmapped(config.threads_per_worker))
+    forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
     lm_jobs = [(d, e) for d in u.lm_datasets for e in u.embeddings] if u else []
     lm = utility_lm.map([j[0] for j in lm_jobs], [j[1] for j in lm_jobs], unmapped(config),
                         [prepared[j[0]] for j in lm_jobs], unmapped(run))
@@ -64,7 +74,7 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
                                     unmapped(prior_dir), unmapped(run)).result()
     coverage = cov.result() if cov is not None else None
     summary = attacks_summary(film=film_runs, coverage=coverage, lm=lm.result(), mt=mt.result(),
-                              audit=audits.result())
+                              audit=audits.result(), unlearning=forget.result() if forget is not None else None)
     summary["run_id"] = run.run_id
     close_flow_record(run, metrics=summary.pop("metrics"), summary=summary)
     return summary

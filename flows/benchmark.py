@@ -43,7 +43,9 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         seqrec = {name: d["path"] for name, d in prepared["datasets"].items()}
         stages["attacks"] = attacks_flow.with_options(task_runner=attacks_runner(config.attacks))(
             config.attacks, config.prepare, profile=config.profile, parent=run, prepared=texts,
-            train_dp=config.train_dp, seqrec=seqrec)
+            train_dp=config.train_dp, seqrec=seqrec, tangent=config.tangent,
+            vision={"images": prepared["images"][config.tangent.dataset]["path"],
+                    "model": prepared["models"][config.tangent.model]["path"]} if config.tangent else None)
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

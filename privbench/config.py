@@ -528,6 +528,9 @@ class BenchmarkConfig(FrozenConfig):
                 if missing:
                     raise ValueError(f"attacks.audit.datasets {missing} are not in train_dp.datasets; pick from "
                                      f"{sorted(trained)}")
+                if audit.unlearning and self.tangent is None:
+                    raise ValueError("attacks.audit.unlearning audits the tangent stage's composed model; add a "
+                                     "tangent section or set attacks.audit.unlearning: false")
         return self
 
     @model_validator(mode="after")

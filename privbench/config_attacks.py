@@ -155,7 +155,8 @@ MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
 
 
 class AuditConfig(FrozenConfig):
-    """Part 2: membership-inference audit of the private-training stage's sequential recommenders.
+    """Part 2: membership-inference audit of the private-training stage's sequential recommenders and of the
+    tangent stage's unlearning.
 
     For every dataset x (method x epsilon [+ non-private]) the audit trains a target on a random half of the
     users and ``shadows`` shadow models on random halves (every user in exactly half of them), with the same
@@ -175,6 +176,8 @@ class AuditConfig(FrozenConfig):
     epochs: int | None = Field(None, ge=1, description="None: train_dp.epochs")
     delta: float | None = Field(None, gt=0.0, lt=1.0)
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    unlearning: bool = Field(True, description="also audit the tangent stage's composed TAFT model before and "
+                                               "after forgetting half of its shards (needs the tangent section)")
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")

@@ -56,7 +56,8 @@ def _attacks(cfg: BenchmarkConfig) -> dict[str, Any]:
         raise ConfigError(f"profile {cfg.profile!r} has no attacks section; add one or use --profile quick")
     return attacks_flow.with_options(task_runner=attacks_runner(cfg.attacks))(cfg.attacks, cfg.prepare,
                                                                              profile=cfg.profile,
-                                                                             train_dp=cfg.train_dp)
+                                                                             train_dp=cfg.train_dp,
+                                                                             tangent=cfg.tangent)
 
 
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:

@@ -8,7 +8,8 @@ from typing import Any
 
 
 def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | None, lm: list[dict[str, Any]],
-                    mt: list[dict[str, Any]], audit: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    mt: list[dict[str, Any]], audit: list[dict[str, Any]] | None = None,
+                    unlearning: dict[str, Any] | None = None) -> dict[str, Any]:
     recovery = []
     for run in sorted(film, key=lambda r: (r["victim"], r["batch_size"])):
         for setting, vals in run["settings"].items():
@@ -46,9 +47,39 @@ def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | No
                                                     "empirical_epsilon", "empirical_epsilon_ci")}})
             key = f"audit.{t['dataset']}.{t['method']}.{label.replace('=', '')}.{name}"
             metrics.update({f"{key}.auc": r["auc"], f"{key}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0]})
-    markdown = markdown_report(recovery, best, coverage, lm_rows, mt_rows) + audit_markdown(audit_rows)
+    forget_rows = []
+    if unlearning is not None:
+        for setting, r in unlearning["settings"].items():
+            forget_rows.append({"setting": setting, **{k: r[k] for k in ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr",
+                                                                         "empirical_epsilon", "empirical_epsilon_ci",
+                                                                         "n_members", "n_nonmembers")}})
+        metrics["audit.unlearning.after_forgotten.auc"] = unlearning["settings"]["after: forgotten vs non-members"]["auc"]
+        metrics["audit.unlearning.before.auc"] = unlearning["settings"]["before: members vs non-members"]["auc"]
+        metrics["audit.unlearning.forgotten_ks_pvalue"] = unlearning["two_sample"]["ks_pvalue"]
+    markdown = (markdown_report(recovery, best, coverage, lm_rows, mt_rows) + audit_markdown(audit_rows)
+                + unlearning_markdown(forget_rows, unlearning))
     return {"recovery": recovery, "best_sentences": best, "coverage": coverage, "utility_lm": lm_rows,
-            "utility_mt": mt_rows, "audit": audit_rows, "markdown": markdown, "metrics": metrics}
+            "utility_mt": mt_rows, "audit": audit_rows,
+            "unlearning": {"rows": forget_rows, "two_sample": unlearning["two_sample"], "removed": unlearning["removed"],
+                           "n_shards": unlearning["n_shards"]} if unlearning else None,
+            "markdown": markdown, "metrics": metrics}
+
+
+def unlearning_markdown(rows: list[dict[str, Any]], unlearning: dict[str, Any] | None) -> str:
+    if not rows or unlearning is None:
+        return ""
+    t = unlearning["two_sample"]
+    title = (f"### TAFT unlearning audit ({unlearning['n_shards']} shards, {len(unlearning['removed'])} forgotten "
+             "by subtraction; loss-threshold attack)")
+    lines = ["", title, "",
+             "| members vs non-members | AUC | TPR@1%FPR | empirical eps [95% CI] | n |", "|---|---:|---:|---|---:|"]
+    for r in rows:
+        lo, hi = r["empirical_epsilon_ci"]
+        lines.append(f"| {r['setting']} | {r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}] | {r['n_members']} / {r['n_nonmembers']} |")
+    lines.append(f"\nForgotten vs non-member losses after unlearning: Kolmogorov-Smirnov p = {t['ks_pvalue']:.3g}, "
+                 f"Mann-Whitney p = {t['mw_pvalue']:.3g}.")
+    return "\n".join(lines) + "\n"
 
 
 def audit_markdown(rows: list[dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ from prefect import task
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
 from core.attacks.membership import split_halves
 from core.dp.trainer import TrainResult, method_config, train_seqrec
-from privbench.config import TrainDPConfig
+from privbench.config import TangentConfig, TrainDPConfig
 from privbench.config_attacks import AuditConfig
 from storage.recording import RunRef
 from tasks.prepare import load_prepared
@@ -92,3 +92,80 @@ def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditCon
             "accountant_epsilon": ledger.epsilon if ledger is not None else None, "delta": delta,
             "target_test_ndcg_at_10": target.test_ndcg10,
             "attacks": {name: {k: v for k, v in r.items() if k != "roc"} for name, r in results.items()}}
+
+
+@task(name="mia-audit-unlearning")
+def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str, model_path: str,
+                     parent: RunRef) -> dict[str, Any]:
+    """The composed TAFT model (eq. 13) of ``tangent.fig1_n_shards`` shards before and after forgetting half of
+    them by subtraction (Sect. 3.3), attacked by the loss threshold: members (the training images) against
+    non-members (the test images) before, and the forgotten images against non-members after, with a
+    two-sample test (Kolmogorov-Smirnov and Mann-Whitney) of their statistics."""
+    from core.attacks.audit import audit_groups
+    from core.attacks.membership import two_sample_test
+    from core.tangent.compose import compose, remove_component
+    from core.tangent.train import TangentTrainConfig, train_tangent
+    from tasks.tangent import _features, cache_features, logits_of, shard_index, tangent_model, train_config
+
+    torch.set_num_threads(tangent.threads_per_worker)
+    n_shards = tangent.fig1_n_shards
+    config = {"n_shards": n_shards, "removed": n_shards // 2, "tangent": tangent.model_dump(mode="json"),
+              "alpha": cfg.alpha}
+    with task_record(parent=parent, technique="mia-unlearning", config=config, dataset=tangent.dataset,
+                     run_name=f"membership audit of TAFT unlearning ({n_shards} shards)") as rec:
+        rec.tag("privbench.result_group", "audit")
+        inputs = cache_features.fn(tangent, images_path, model_path, parent)
+        f = _features(inputs.features_path)
+        split = shard_index(inputs.n_train, n_shards, tangent.seed)
+        model, deltas = tangent_model(inputs, tangent), []
+        t0 = time.perf_counter()
+        for j, idx in enumerate(split.shards):  # the tangent stage's shard training, shard by shard
+            tcfg = TangentTrainConfig(**{**train_config(tangent, "taft").__dict__, "seed": tangent.seed + j})
+            model = tangent_model(inputs, tangent)
+            train_tangent(model, f["train_h"][idx], f["train_y"][idx], tcfg)
+            deltas.append(model.get_delta())
+        train_s = time.perf_counter() - t0
+
+        def stats(delta: Any, h: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+            model.set_delta(delta)
+            logits = logits_of(model, h, tangent.eval_batch_size)
+            return -torch.nn.functional.cross_entropy(logits, y, reduction="none").double().numpy()
+
+        removed = sorted(np.random.default_rng(cfg.seed).choice(n_shards, n_shards // 2, replace=False).tolist())
+        composed = compose(deltas)
+        before_train, test_before = stats(composed, f["train_h"], f["train_y"]), stats(composed, f["test_h"], f["test_y"])
+        after = composed
+        for r, j in enumerate(removed):
+            after = remove_component(after, deltas[j], n_shards - r)
+        after_train, test_after = stats(after, f["train_h"], f["train_y"]), stats(after, f["test_h"], f["test_y"])
+        gone = np.zeros(inputs.n_train, dtype=bool)
+        for j in removed:
+            gone[split.shards[j].numpy()] = True
+        delta = cfg.delta or 1.0 / inputs.n_train
+        groups = {  # (setting, member statistics, non-member statistics)
+            "before: members vs non-members": (before_train, test_before),
+            "before: to-be-forgotten vs non-members": (before_train[gone], test_before),
+            "after: forgotten vs non-members": (after_train[gone], test_after),
+            "after: kept vs non-members": (after_train[~gone], test_after),
+        }
+        results = audit_groups(groups, delta=delta, alpha=cfg.alpha)
+        forgotten_test = two_sample_test(after_train[gone], test_after)
+        for setting, r in results.items():
+            lo, hi = r["empirical_epsilon_ci"]
+            extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers")}
+            if setting.startswith("after: forgotten"):
+                extra |= {"two_sample": forgotten_test}
+            rec.attack(attack="loss", target=f"{tangent.dataset}:taft-composed", setting=setting, auc=r["auc"],
+                       tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"], tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
+                       empirical_epsilon=r["empirical_epsilon"], empirical_epsilon_lo=lo, empirical_epsilon_hi=hi,
+                       extra=extra)
+        short = {"before: members vs non-members": "before", "before: to-be-forgotten vs non-members":
+                 "before_forgotten", "after: forgotten vs non-members": "after_forgotten",
+                 "after: kept vs non-members": "after_kept"}
+        rec.metrics({f"{short[s]}.auc": r["auc"] for s, r in results.items()})
+        rec.metrics({"forgotten_vs_nonmembers.ks_pvalue": forgotten_test["ks_pvalue"],
+                     "forgotten_vs_nonmembers.mw_pvalue": forgotten_test["mw_pvalue"], "train_s": train_s,
+                     "n_forgotten": int(gone.sum())}, units={"train_s": "s"})
+        rec.artifact_json("roc.json", {s: r["roc"] for s, r in results.items()})
+    return {"n_shards": n_shards, "removed": removed, "n_forgotten": int(gone.sum()), "two_sample": forgotten_test,
+            "settings": {s: {k: v for k, v in r.items() if k != "roc"} for s, r in results.items()}}

@@ -124,3 +124,18 @@ def _thin(values: np.ndarray, n: int = 200) -> list[float]:
     if values.size <= n:
         return values.tolist()
     return values[np.unique(np.linspace(0, values.size - 1, n).round().astype(int))].tolist()
+
+
+def audit_groups(groups: dict[str, tuple[np.ndarray, np.ndarray]], *, delta: float, alpha: float = 0.05,
+                 max_thresholds: int | None = 2000) -> dict[str, dict]:
+    """The loss-threshold audit of several (member statistics, non-member statistics) pairs of one model, e.g.
+    the forgotten samples of an unlearned model against fresh non-members (they should be indistinguishable:
+    AUC near 0.5 and an empirical epsilon interval containing 0)."""
+    out = {}
+    for setting, (inside, outside) in groups.items():
+        inside, outside = np.asarray(inside, dtype=np.float64), np.asarray(outside, dtype=np.float64)
+        stats = np.concatenate([inside, outside])
+        members = np.concatenate([np.ones(inside.size, bool), np.zeros(outside.size, bool)])
+        out[setting] = audit(AuditTarget(setting, stats, members), attacks=("loss",), delta=delta, alpha=alpha,
+                             max_thresholds=max_thresholds)["loss"]
+    return out
