@@ -76,7 +76,8 @@ def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarr
     its Clopper-Pearson interval at confidence 1 - alpha: the threshold is chosen on one random half of the
     examples and the rates are counted on the other (``empirical_epsilon_lower_bound(split=True)``), so
     ``empirical_epsilon_ci[0]`` is a valid lower bound on the true epsilon with probability 1 - alpha and can
-    only exceed the accountant's epsilon if the accounting (or the training) is wrong.
+    only exceed the accountant's epsilon if the accounting (or the training) is wrong. ``empirical_epsilon``
+    is the point estimate from add-half rates at that threshold (finite even where no non-member passes it).
 
     Raises:
         ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
@@ -108,7 +109,7 @@ def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarr
         out[name] = {
             "auc": float(curve["auc"]), "tpr_at_0.1pct_fpr": float(curve["tpr_at_0.1pct_fpr"]),
             "tpr_at_1pct_fpr": float(curve["tpr_at_1pct_fpr"]),
-            "empirical_epsilon": float(eps["epsilon_point"]),
+            "empirical_epsilon": _point_epsilon(eps, delta),
             "empirical_epsilon_ci": [float(eps["epsilon_lo"]), float(eps["epsilon_hi"])],
             "threshold_tpr": float(eps["tpr"]), "threshold_fpr": float(eps["fpr"]),
             "accountant_epsilon": target.accountant_epsilon, "delta": delta, "alpha": alpha,
@@ -116,6 +117,13 @@ def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarr
             "roc": {"fpr": _thin(curve["fpr"]), "tpr": _thin(curve["tpr"])},
         }
     return out
+
+
+def _point_epsilon(eps: dict, delta: float) -> float:
+    """The point estimate of epsilon at the audit's threshold from add-half rates (tp + 1/2) / (n + 1): finite
+    where the raw rates give inf (no non-member above the threshold), identical in the limit of many examples."""
+    tp, fp = eps["tpr"] * eps["n_members"], eps["fpr"] * eps["n_nonmembers"]
+    return M.empirical_epsilon((tp + 0.5) / (eps["n_members"] + 1), (fp + 0.5) / (eps["n_nonmembers"] + 1), delta)
 
 
 def _thin(values: np.ndarray, n: int = 200) -> list[float]:
