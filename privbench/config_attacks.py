@@ -178,6 +178,8 @@ class AuditConfig(FrozenConfig):
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
     unlearning: bool = Field(True, description="also audit the tangent stage's composed TAFT model before and "
                                                "after forgetting half of its shards (needs the tangent section)")
+    unlearning_epochs: int | None = Field(None, ge=1, description="epochs of the audited TAFT shards (None: "
+                                                                  "tangent.epochs)")
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")

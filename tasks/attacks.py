@@ -15,7 +15,6 @@ Runs (``technique``, tag ``privbench.result_group``):
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import time
@@ -38,11 +37,10 @@ PRIOR_VERSION = "film-prior-v1"
 COVERAGE_K = (8, 16, 32, 64, 96, 120, 128, 160, 192, 224, 256)
 
 
-@functools.lru_cache(maxsize=1)
 def tokenizer():
     from core.mpc.textdata import gpt2_tokenizer
 
-    return gpt2_tokenizer()
+    return gpt2_tokenizer()  # one per thread
 
 
 def _texts(path: str) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str,
     torch.set_num_threads(tangent.threads_per_worker)
     n_shards = tangent.fig1_n_shards
     config = {"n_shards": n_shards, "removed": n_shards // 2, "tangent": tangent.model_dump(mode="json"),
-              "alpha": cfg.alpha}
+              "epochs": cfg.unlearning_epochs or tangent.epochs, "alpha": cfg.alpha}
     with task_record(parent=parent, technique="mia-unlearning", config=config, dataset=tangent.dataset,
                      run_name=f"membership audit of TAFT unlearning ({n_shards} shards)") as rec:
         rec.tag("privbench.result_group", "audit")
@@ -120,7 +120,8 @@ def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str,
         model, deltas = tangent_model(inputs, tangent), []
         t0 = time.perf_counter()
         for j, idx in enumerate(split.shards):  # the tangent stage's shard training, shard by shard
-            tcfg = TangentTrainConfig(**{**train_config(tangent, "taft").__dict__, "seed": tangent.seed + j})
+            tcfg = TangentTrainConfig(**{**train_config(tangent, "taft").__dict__, "seed": tangent.seed + j,
+                                         "epochs": cfg.unlearning_epochs or tangent.epochs})
             model = tangent_model(inputs, tangent)
             train_tangent(model, f["train_h"][idx], f["train_y"][idx], tcfg)
             deltas.append(model.get_delta())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from prefect import task
+from transformers import Dinov2Model  # resolved at import, before the thread pool (see tasks.prepare_texts)
 
 from core.data.images import (
     FASHION_MNIST_CLASSES,
@@ -197,7 +198,6 @@ def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedRef:
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The converted backbone (eval mode, eager attention), its weights checked against the manifest's hash."""
-    from transformers import Dinov2Model
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

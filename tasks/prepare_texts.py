@@ -28,6 +28,10 @@ from typing import Any
 import torch
 from prefect import task
 
+# transformers resolves its names lazily and that is not thread-safe: the prepare flow runs these tasks in a
+# thread pool next to the image and model tasks, so the tokenizer class is resolved here, at import time
+from transformers import PreTrainedTokenizerFast  # noqa: F401
+
 from core.data import text as textsrc
 from core.errors import DataError
 from privbench.config import TextDatasetSpec, canonical_json

@@ -71,6 +71,7 @@ def build_causal_lm(
         bos_token_id=0,
         eos_token_id=0,
         tie_word_embeddings=tie_subword and embedding == "subword",
+        loss_type="ForCausalLM",  # named: left None, transformers warns on every forward with labels
     )
     cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):

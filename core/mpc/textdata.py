@@ -22,6 +22,7 @@ from __future__ import annotations
 import gettext
 import importlib.util
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -51,11 +52,26 @@ def gpt2_bpe_files() -> tuple[Path, Path]:
     return vocab, merges
 
 
+_TOKENIZER_LOCK = threading.Lock()
+_PER_THREAD = threading.local()
+
+
 def gpt2_tokenizer():
     """GPT-2's tokenizer (``PreTrainedTokenizerFast``), offline: ``"Hello world" -> [15496, 995]``.
 
-    EOS/BOS/PAD are all ``<|endoftext|>`` (id 50256), as in GPT-2.
+    EOS/BOS/PAD are all ``<|endoftext|>`` (id 50256), as in GPT-2. Built once per thread, under a lock:
+    transformers' lazy module is not safe to import from several threads at once (tasks of a thread pool
+    building it together saw ``cannot import name 'PreTrainedTokenizerFast'``), and one fast tokenizer used
+    by several threads at once can fail with "Already borrowed". Callers must not modify it.
     """
+    tok = getattr(_PER_THREAD, "tokenizer", None)
+    if tok is None:
+        with _TOKENIZER_LOCK:
+            tok = _PER_THREAD.tokenizer = _build_gpt2_tokenizer()
+    return tok
+
+
+def _build_gpt2_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
