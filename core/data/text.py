@@ -265,17 +265,10 @@ def chatterbot_files(root: Path | None = None) -> list[Path]:
 
 def chatterbot_turns(files: Sequence[Path] | None = None) -> list[str]:
     """Every turn of every conversation (key ``conversations``) of the chatterbot corpus files, in file order."""
-    import yaml
+    from core.mpc.textdata import chatterbot_conversations  # YAML parsing lives with the other corpus readers
 
-    turns: list[str] = []
-    for path in files if files is not None else chatterbot_files():
-        try:
-            doc = yaml.safe_load(read_text(path))
-        except yaml.YAMLError as err:
-            raise DataError(f"cannot parse chatterbot file {path}: {err}") from None
-        for conv in (doc or {}).get("conversations", []) or []:
-            turns.extend(normalize_space(str(t)) for t in conv or [] if t is not None and str(t).strip())
-    return turns
+    conversations = chatterbot_conversations(files if files is not None else chatterbot_files())
+    return [normalize_space(t) for conv in conversations for t in conv if t.strip()]
 
 
 # ----------------------------------------------------------------------------------------------- gettext

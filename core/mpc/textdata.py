@@ -64,18 +64,18 @@ def gpt2_tokenizer():
     building it together saw ``cannot import name 'PreTrainedTokenizerFast'``), and one fast tokenizer used
     by several threads at once can fail with "Already borrowed". Callers must not modify it.
     """
-    tok = getattr(_PER_THREAD, "tokenizer", None)
-    if tok is None:
+    files = gpt2_bpe_files()  # raises DataError, naming the package, when the wheel is missing
+    cache = _PER_THREAD.__dict__.setdefault("tokenizers", {})
+    if files not in cache:
         with _TOKENIZER_LOCK:
-            tok = _PER_THREAD.tokenizer = _build_gpt2_tokenizer()
-    return tok
+            cache[files] = _build_gpt2_tokenizer(*files)
+    return cache[files]
 
 
-def _build_gpt2_tokenizer():
+def _build_gpt2_tokenizer(vocab: Path, merges: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = gpt2_bpe_files()
     tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -98,19 +98,26 @@ def _adjacent_pairs(units: Sequence[str]) -> list[tuple[str, str]]:
     return [(units[i], units[i + 1]) for i in range(len(units) - 1)]
 
 
-def _chatterbot_pairs() -> list[tuple[str, str]]:
+def chatterbot_conversations(files: Sequence[Path]) -> list[list[str]]:
+    """The conversations (key ``conversations``, lists of turns) of chatterbot-corpus YAML files, in order."""
     import yaml
 
+    out: list[list[str]] = []
+    for path in files:
+        try:
+            doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise DataError(f"cannot parse chatterbot file {path}: {err}") from None
+        for conv in (doc or {}).get("conversations", []) or []:
+            out.append([str(t) for t in conv or [] if t is not None])
+    return out
+
+
+def _chatterbot_pairs() -> list[tuple[str, str]]:
     root = _package_dir("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3") / "data/english"
     pairs: list[tuple[str, str]] = []
-    for path in sorted(root.glob("*.yml")):
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise DataError(f"cannot parse chatterbot file {path}: {err}") from err
-        for conv in (doc or {}).get("conversations", []):
-            turns = [str(t) for t in conv if t is not None]
-            pairs.extend(_adjacent_pairs(turns))
+    for turns in chatterbot_conversations(sorted(root.glob("*.yml"))):
+        pairs.extend(_adjacent_pairs(turns))
     return pairs
 
 
