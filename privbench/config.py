@@ -511,29 +511,6 @@ class BenchmarkConfig(FrozenConfig):
     attacks: AttacksConfig | None = None
 
     @model_validator(mode="after")
-    def _attacks_on_prepared(self) -> BenchmarkConfig:
-        if self.attacks is not None:
-            prepared = {d.name for d in getattr(self.prepare, "texts", ())}
-            missing = [n for n in self.attacks.text_datasets() if n not in prepared]
-            if missing:
-                raise ValueError(f"attacks reads text datasets {missing} that are not prepared; add them to "
-                                 f"prepare.texts or pick from {sorted(prepared)}")
-            audit = self.attacks.audit
-            if audit is not None:
-                if self.train_dp is None:
-                    raise ValueError("attacks.audit trains with the train_dp section's hyperparameters; add a "
-                                     "train_dp section or remove attacks.audit")
-                trained = {d.name for d in self.train_dp.datasets}
-                missing = [n for n in audit.datasets if n not in trained]
-                if missing:
-                    raise ValueError(f"attacks.audit.datasets {missing} are not in train_dp.datasets; pick from "
-                                     f"{sorted(trained)}")
-                if audit.unlearning and self.tangent is None:
-                    raise ValueError("attacks.audit.unlearning audits the tangent stage's composed model; add a "
-                                     "tangent section or set attacks.audit.unlearning: false")
-        return self
-
-    @model_validator(mode="after")
     def _tangent_on_prepared(self) -> BenchmarkConfig:
         if self.tangent is not None:
             images = {d.name for d in self.prepare.images}
@@ -554,6 +531,29 @@ class BenchmarkConfig(FrozenConfig):
             if missing:
                 raise ValueError(f"train_dp.datasets {missing} are not prepared; add them to prepare.datasets "
                                  f"or pick from {sorted(prepared)}")
+        return self
+
+    @model_validator(mode="after")
+    def _attacks_on_prepared(self) -> BenchmarkConfig:
+        if self.attacks is not None:
+            prepared = {d.name for d in self.prepare.texts}
+            missing = [n for n in self.attacks.text_datasets() if n not in prepared]
+            if missing:
+                raise ValueError(f"attacks reads text datasets {missing} that are not prepared; add them to "
+                                 f"prepare.texts or pick from {sorted(prepared)}")
+            audit = self.attacks.audit
+            if audit is not None:
+                if self.train_dp is None:
+                    raise ValueError("attacks.audit trains with the train_dp section's hyperparameters; add a "
+                                     "train_dp section or remove attacks.audit")
+                trained = {d.name for d in self.train_dp.datasets}
+                missing = [n for n in audit.datasets if n not in trained]
+                if missing:
+                    raise ValueError(f"attacks.audit.datasets {missing} are not in train_dp.datasets; pick from "
+                                     f"{sorted(trained)}")
+                if audit.unlearning and self.tangent is None:
+                    raise ValueError("attacks.audit.unlearning audits the tangent stage's composed model; add a "
+                                     "tangent section or set attacks.audit.unlearning: false")
         return self
 
 

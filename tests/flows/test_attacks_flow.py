@@ -104,7 +104,7 @@ def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
         "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["transformer"], "epsilons": [8],
                      "epochs": 1, "lrs": [0.005], "batch_sizes": [64], "max_len": 16, "d_model": 16},
         "attacks": {"audit": {"datasets": ["ml-1m-tiny"], "methods": ["transformer"], "epsilons": [8],
-                              "shadows": 4, "epochs": 2}, "workers": 1},
+                              "shadows": 4, "epochs": 2, "unlearning": False}, "workers": 1},
     }, origin="test")
     summary = attacks_flow(cfg.attacks, cfg.prepare, profile="tiny", train_dp=cfg.train_dp)
     repo = ResultsRepository()
