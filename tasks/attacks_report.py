@@ -85,7 +85,7 @@ def unlearning_markdown(rows: list[dict[str, Any]], unlearning: dict[str, Any] |
 def audit_markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    lines = ["### Membership-inference audit (member unit: a user's sequence)", "",
+    lines = ["", "### Membership-inference audit (member unit: a user's sequence)", "",
              "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] | accountant eps |",
              "|---|---|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
