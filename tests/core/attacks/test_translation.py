@@ -117,6 +117,6 @@ def test_training_raises_bleu_on_reversal(embedding: str) -> None:
     )
     hyps = translate(m, test_src, max_len=12, **SPECIAL)
     after = bleu(words(hyps), words(test_tgt))
-    assert stats["steps"] == 300 and stats["seconds"] < 12
+    assert stats["steps"] == 300
     assert before < 5 and after > 20, (before, after, stats)
     assert all(EOS not in h and BOS not in h for h in hyps)
