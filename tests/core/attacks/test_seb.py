@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,10 +34,8 @@ def make(mapping: torch.Tensor, variant: str, **kw) -> SEBEmbedding:
 # --- mapping (Sec. 4.1) ---------------------------------------------------------------------------------------
 
 
-def test_gpt2_sized_mapping_is_unique_in_range_and_fast() -> None:
-    t0 = time.perf_counter()
+def test_gpt2_sized_mapping_is_unique_and_in_range() -> None:
     m = build_byte_mapping(50257, n_bytes=8, byte_vocab=256, seed=0)
-    assert time.perf_counter() - t0 < 1.0
     assert m.shape == (50257, 8) and m.dtype == torch.int64
     assert int(m.min()) >= 0 and int(m.max()) < 256
     assert mapping_is_unique(m)
