@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from core.errors import ConfigError
 from privbench.config_attacks import AttacksConfig
-from privbench.config_base import FrozenConfig
+from privbench.config_base import FrozenConfig, ModelShape
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PROFILES = ("quick", "paper")
@@ -374,20 +374,6 @@ class NetworkSpec(FrozenConfig):
 
     bandwidth_gbps: float = Field(gt=0.0)
     rtt_ms: float = Field(ge=0.0)
-
-
-class ModelShape(FrozenConfig):
-    """A GPT-2 shape for the model-size sweep (random weights: time and bytes do not depend on them)."""
-
-    n_layer: int = Field(ge=1)
-    n_embd: int = Field(ge=2)
-    n_head: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelShape:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
-        return self
 
 
 class SecureInferenceConfig(FrozenConfig):

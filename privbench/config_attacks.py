@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from privbench.config_base import FrozenConfig
+from privbench.config_base import FrozenConfig, ModelShape
 
 EMBEDDINGS = ("subword", "seb_ar", "seb_cr", "seb_co")
 Embedding = Literal["subword", "seb_ar", "seb_cr", "seb_co"]
@@ -35,18 +35,12 @@ class SEBSpec(FrozenConfig):
     seed: int = Field(0, ge=0)
 
 
-class ModelShapeSpec(FrozenConfig):
-    """A small GPT-2-shaped causal LM."""
+class ModelShapeSpec(ModelShape):
+    """A small GPT-2-shaped causal LM (defaults: 2 layers, width 128, 4 heads)."""
 
     n_layer: int = Field(2, ge=1)
     n_embd: int = Field(128, ge=8)
     n_head: int = Field(4, ge=1)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelShapeSpec:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        return self
 
 
 class PriorSpec(FrozenConfig):

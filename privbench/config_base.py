@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class FrozenConfig(BaseModel):
     """Base of every config: immutable, keyword-only, unknown keys refused."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ModelShape(FrozenConfig):
+    """A GPT-2 shape (layers, width, heads); the width must be a multiple of the heads."""
+
+    n_layer: int = Field(ge=1)
+    n_embd: int = Field(ge=2)
+    n_head: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelShape:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        return self

@@ -148,8 +148,8 @@ def load_prior(path: str) -> Any:
     """An ``LMPrior`` from a folder of :func:`train_prior`."""
     from transformers import AutoModelForCausalLM
 
-    from core.attacks.film import HFPrior
-    from core.attacks.vocab import CompactPrior, CompactVocab
+    from core.attacks.priors import CompactPrior, HFPrior
+    from core.attacks.vocab import CompactVocab
 
     folder = Path(path)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -1,22 +1,19 @@
-"""Closed vocabularies over GPT-2's BPE ids, and the attacker's prior on such a vocabulary.
+"""Closed vocabularies over GPT-2's BPE ids, and padded batches of token-id sequences.
 
 Small models trained on one corpus only ever see a fraction of GPT-2's 50,257 subwords (Shakespeare: ~12k), and
 most of a small model's compute is its output layer, so the utility models and the attacker's prior use a
 *compact* vocabulary: the ids seen in their training text plus ``<unk>`` (the closed-vocabulary setting of
-fairseq's dictionaries). :class:`CompactPrior` turns an LM over a compact vocabulary back into a distribution
-over all of GPT-2's ids, so that the FILM beam search can range over any candidate set: a subword the prior
-never saw gets an equal share of the ``<unk>`` probability.
+fairseq's dictionaries). ``core.attacks.priors.CompactPrior`` turns an LM over a compact vocabulary back into
+a distribution over all of GPT-2's ids.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from core.errors import ConfigError, DataError
+from core.errors import DataError
 
 GPT2_VOCAB = 50257
 GPT2_EOS = 50256
@@ -85,56 +82,3 @@ def pack(seqs: Sequence[Sequence[int]], *, max_len: int, pad_id: int = GPT2_EOS)
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, : len(s)] = True
     return ids, mask
-
-
-class CompactPrior:
-    """An LM prior over all GPT-2 ids from a causal LM over a :class:`CompactVocab` (``core.attacks.film.LMPrior``).
-
-    p(v | prefix) = p_c(v' | prefix') for a seen subword v (v' its compact id), and p_c(unk | prefix') / n_unseen
-    for each of the ``n_unseen`` subwords the prior never saw: a proper distribution over the full vocabulary.
-    Prefixes are mapped to compact ids (unseen -> unk). ``bos_id`` (a full id, GPT-2's EOS) starts every sequence.
-    """
-
-    def __init__(self, model: torch.nn.Module, vocab: CompactVocab, *, bos_id: int = GPT2_EOS, max_batch: int = 256):
-        emb = model.get_input_embeddings()
-        n_model = getattr(emb, "num_embeddings", None) or getattr(emb, "vocab_size", None)
-        if n_model is not None and n_model != vocab.size:
-            raise ConfigError(f"prior model vocabulary ({n_model}) differs from the compact vocabulary "
-                              f"({vocab.size}); load the vocabulary saved with the model")
-        self.model, self.vocab, self.bos_id, self.max_batch = model.eval(), vocab, bos_id, max_batch
-        self.vocab_size = vocab.full_size
-        self._unseen_shift = math.log(max(vocab.n_unseen, 1))
-        self._full_of_compact = vocab.ids  # (V_c - 1,)
-        self._n_positions = getattr(model.config, "n_positions", None) or getattr(
-            model.config, "max_position_embeddings", 1 << 30)
-
-    def _logits(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
-        ids = self.vocab.encode(ids[:, -self._n_positions:])
-        out = []
-        with torch.no_grad():
-            for chunk in ids.split(self.max_batch):
-                kw = {"logits_to_keep": 1} if last_only else {}
-                out.append(self.model(input_ids=chunk, **kw).logits.float())
-        return torch.cat(out)  # (B, T or 1, V_c)
-
-    def _full(self, logp_c: torch.Tensor) -> torch.Tensor:
-        """(..., V_c) compact log-probs -> (..., V_full) full log-probs."""
-        full = (logp_c[..., -1:] - self._unseen_shift).expand(*logp_c.shape[:-1], self.vocab_size).clone()
-        full[..., self._full_of_compact] = logp_c[..., :-1]
-        return full
-
-    def next_log_probs(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) full ids starting with bos -> (B, V_full) log p(next | ids)."""
-        return self._full(F.log_softmax(self._logits(ids, last_only=True)[:, -1], dim=-1))
-
-    def sequence_log_prob(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) full ids starting with bos -> (B,) sum_{t>=1} log p(ids[t] | ids[:t])."""
-        if ids.shape[1] < 2:
-            return torch.zeros(ids.shape[0])
-        logp = F.log_softmax(self._logits(ids[:, :-1], last_only=False), dim=-1)  # (B, T-1, V_c)
-        target = ids[:, 1:]
-        compact = self.vocab.encode(target)
-        picked = logp.gather(-1, compact.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-        unseen = compact == self.vocab.unk
-        picked = torch.where(unseen, picked - self._unseen_shift, picked)
-        return picked.sum(dim=1)

@@ -28,7 +28,7 @@ def test_bad_values_are_named() -> None:
         UtilityConfig(embeddings=("seb_co",))
     with pytest.raises(ValidationError, match="nothing to do"):
         AttacksConfig()
-    with pytest.raises(ValidationError, match="divisible"):
+    with pytest.raises(ValidationError, match="must be a multiple of n_head=3"):
         FilmConfig(shape={"n_embd": 10, "n_head": 3})
 
 

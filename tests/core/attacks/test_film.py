@@ -8,7 +8,6 @@ import itertools
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.attacks.federated import client_gradient, pad_sequences
 from core.attacks.film import (
@@ -31,23 +30,7 @@ from core.attacks.film import (
     subword_candidates,
 )
 from core.errors import ConfigError, DataError
-
-V, EOS, PAD = 500, 499, 498
-
-
-def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=V,
-        n_positions=32,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        tie_word_embeddings=False,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+from tests.core.attacks.test_federated import EOS, PAD, V, tiny_gpt2
 
 
 def eos_batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Compact vocabularies and the compact prior: a proper distribution over the full vocabulary, and a sequence
+"""Compact vocabularies and the compact prior (core.attacks.priors): a proper distribution over the full vocabulary, and a sequence
 score equal to the sum of its next-token log-probabilities (the slow, obviously correct reference)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from core.attacks.vocab import CompactPrior, CompactVocab, pack
+from core.attacks.priors import CompactPrior
+from core.attacks.vocab import CompactVocab, pack
 from core.errors import ConfigError, DataError
 
 FULL = 100
