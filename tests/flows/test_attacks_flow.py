@@ -116,7 +116,9 @@ def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
         assert 0.0 <= r["auc"] <= 1.0 and 0.0 <= lo <= hi
         if dp == "eps=8":
             assert 7.0 < r["accountant_epsilon"] <= 8.0 and lo <= r["accountant_epsilon"]  # the audit's invariant
-    _, runs = repo.query("select id from runs where technique = 'mia-transformer' and config_json like '%8.0%'")
+    _, runs = repo.query("select r.id from runs r join privacy_ledger p on p.run_id = r.id "
+                         "where r.technique = 'mia-transformer'")  # the DP target: the one with a ledger
+    assert len(runs) == 1
     shown = repo.get_run(runs[0][0])
     assert shown["privacy_ledger"] and len(shown["attack_results"]) == 3
     for a in shown["attack_results"]:  # the JSON contract of `privbench results show RUN --json`
