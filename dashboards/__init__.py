@@ -1,2 +1,2 @@
-"""Streamlit dashboard over the results store (reads through ``storage``). Not built yet: see the
-operations issue (deployments, dashboard, MLflow comparison views)."""
+"""Streamlit dashboard over the results store: ``app.py`` (the page, reads through ``storage.views``) and
+``plots.py`` (Plotly figure builders). Start it with ``privbench dashboard``."""

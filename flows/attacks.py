@@ -80,5 +80,14 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
     return summary
 
 
-def attacks_runner(config: AttacksConfig) -> ProcessPoolTaskRunner:
+def attacks_runner(config: AttacksConfig) -> Any:
+    """Attack runs execute in parallel processes; on the Dask cluster of ``PRIVBENCH_DASK_ADDRESS`` when it is
+    set (several machines)."""
+    from privbench.settings import get_settings
+
+    address = get_settings().dask_address
+    if address:
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(address=address)
     return ProcessPoolTaskRunner(max_workers=config.workers)

@@ -75,16 +75,24 @@ def tangent_flow(config: TangentConfig, prepare: PrepareConfig, profile: str = "
 
 def tangent_runner(config: TangentConfig) -> Any:
     """The task runner of ``config.task_runner``: processes (default: true parallelism on one machine),
-    threads, or Dask (``dask_address`` of a running cluster for several machines; a local cluster otherwise)."""
-    if config.task_runner == "process":
-        return ProcessPoolTaskRunner(max_workers=config.workers)
+    threads, or Dask (``dask_address`` of a running cluster for several machines; a local cluster otherwise).
+
+    ``PRIVBENCH_DASK_ADDRESS`` applies where the config does not say otherwise: the default ``process``
+    runner, and ``dask`` without a ``dask_address``, use that cluster; ``thread`` and an explicit
+    ``dask_address`` win over it."""
+    from privbench.settings import get_settings
+
+    env_address = get_settings().dask_address
     if config.task_runner == "thread":
         return ThreadPoolTaskRunner(max_workers=config.workers)
+    if config.task_runner == "process" and not env_address:
+        return ProcessPoolTaskRunner(max_workers=config.workers)
     try:
         from prefect_dask import DaskTaskRunner
     except ImportError as exc:  # pragma: no cover - prefect-dask is a dependency
         raise ConfigError("task_runner='dask' needs prefect-dask; pip install prefect-dask") from exc
-    if config.dask_address:
-        return DaskTaskRunner(address=config.dask_address)
+    address = config.dask_address or env_address
+    if address:
+        return DaskTaskRunner(address=address)
     return DaskTaskRunner(cluster_kwargs={"n_workers": config.workers, "threads_per_worker": config.threads_per_worker,
                                          "processes": True, "dashboard_address": None})

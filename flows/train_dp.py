@@ -33,6 +33,14 @@ def train_dp_flow(config: TrainDPConfig, prepare: PrepareConfig, profile: str = 
     return summary
 
 
-def train_dp_runner(config: TrainDPConfig) -> ProcessPoolTaskRunner:
-    """Grid points train in parallel processes: true parallelism and per-process RNG seeding."""
+def train_dp_runner(config: TrainDPConfig) -> Any:
+    """Grid points train in parallel processes (true parallelism, per-process RNG seeding); on the Dask cluster
+    of ``PRIVBENCH_DASK_ADDRESS`` when it is set (several machines)."""
+    from privbench.settings import get_settings
+
+    address = get_settings().dask_address
+    if address:
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(address=address)
     return ProcessPoolTaskRunner(max_workers=config.workers)

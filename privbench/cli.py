@@ -156,17 +156,32 @@ def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique 
 
 
 @results_app.command("query")
-def results_query(sql: Annotated[str, typer.Argument(help="one read-only SQL statement")], as_json: JsonOpt = False) -> None:
-    """Run read-only SQL against the store, e.g. ``select technique, count(*) from runs group by 1``."""
+def results_query(
+    sql: Annotated[str, typer.Argument(help="one read-only SQL statement")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table, csv or json")] = "table",
+    as_json: Annotated[bool, typer.Option("--json", help="same as --format json")] = False,
+) -> None:
+    """Run read-only SQL against the store, e.g. ``select technique, count(*) from runs group by 1``.
+
+    ``--format csv`` and ``--format json`` write to stdout (pipe them into pandas, jq or a spreadsheet)."""
+    fmt = "json" if as_json else fmt
+    if fmt not in ("table", "csv", "json"):
+        _fail(f"--format must be table, csv or json, got {fmt!r}", code=2)
     repo = _repo()
     columns, rows = _store_call(lambda: repo.query(sql))
-    if as_json:
+    if fmt == "json":
         print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], indent=2, default=str))
-        return
-    table = Table(*columns)
-    for row in rows:
-        table.add_row(*(_cell(v) for v in row))
-    Console().print(table)
+    elif fmt == "csv":
+        import csv
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(["" if v is None else v for v in row] for row in rows)
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*(_cell(v) for v in row))
+        Console().print(table)
 
 
 @results_app.command("export")
@@ -196,6 +211,89 @@ def ui(
     err.print(f"MLflow UI on http://{host}:{port}  (Ctrl-C stops)\n  {shlex.join(cmd)}")
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     os.execvpe(cmd[0], cmd, env)
+
+
+NamesOpt = Annotated[list[str] | None, typer.Option("--only", help="only this deployment (repeatable)")]
+PoolOpt = Annotated[list[str] | None, typer.Option("--pool", help="only deployments of this work pool (repeatable)")]
+SpecOpt = Annotated[Path | None, typer.Option("--file", help="the deployment file (default: deploy/prefect.yaml)")]
+
+
+@app.command()
+def serve(
+    only: NamesOpt = None,
+    pool: PoolOpt = None,
+    schedules: Annotated[bool, typer.Option("--schedules/--no-schedules",
+                                            help="attach the cron schedules of the deployment file")] = True,
+    spec_file: SpecOpt = None,
+) -> None:
+    """Serve the deployments of deploy/prefect.yaml on this machine, schedules included (Ctrl-C stops).
+
+    Runs start in subprocesses of this command when their schedule fires or when triggered from the Prefect UI
+    or ``prefect deployment run NAME``. Without PREFECT_API_URL, start a server first (``prefect server start``)
+    so that the schedules and runs outlive this process."""
+    from privbench import deployments as d
+
+    try:
+        path = spec_file or d.DEFAULT_SPEC
+        deps = d.select(d.load_spec(path), only or (), pool or ())
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    for dep in deps:
+        crons = ", ".join(s["cron"] for s in dep.get("schedules") or ()) if schedules else ""
+        err.print(f"serving [cyan]{dep['name']}[/] ({dep['entrypoint']}){'  cron ' + crons if crons else ''}")
+    d.serve(deps, schedules=schedules)
+
+
+@app.command()
+def deploy(
+    only: NamesOpt = None,
+    pool: PoolOpt = None,
+    spec_file: SpecOpt = None,
+    repo: Annotated[Path | None, typer.Option(
+        "--repo", help="the repository checkout path on the worker hosts (default: PRIVBENCH_REPO or this one)")] = None,
+) -> None:
+    """Register the deployments of deploy/prefect.yaml on the Prefect server at PREFECT_API_URL, creating the
+    process work pools they use; then start workers with ``prefect worker start --pool cpu`` (and ``gpu``)."""
+    from privbench import deployments as d
+
+    try:
+        url = d.require_server()
+        path = spec_file or d.DEFAULT_SPEC
+        deps = d.select(d.load_spec(path), only or (), pool or ())
+        created = d.ensure_work_pools(dep["work_pool"]["name"] for dep in deps)
+        d.register(path, deps, repo=repo)
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    for name in created:
+        err.print(f"created work pool [cyan]{name}[/] (type process)")
+    for dep in deps:
+        err.print(f"deployed [cyan]{dep['entrypoint'].rsplit(':', 1)[1].replace('_', '-')}/{dep['name']}[/] "
+                  f"-> pool {dep['work_pool']['name']}")
+    err.print(f"registered {len(deps)} deployment(s) on {url}. Start workers from the repository root:\n"
+              "  prefect worker start --pool cpu --type process\n  prefect worker start --pool gpu --type process")
+
+
+@app.command()
+def dashboard(
+    port: Annotated[int, typer.Option(help="port")] = 8501,
+    host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")] = "127.0.0.1",
+    print_only: Annotated[bool, typer.Option("--print", help="only print the command")] = False,
+) -> None:
+    """Start the Streamlit dashboard over the results store (links go to the MLflow UI of ``privbench ui``)."""
+    cmd = dashboard_command(port=port, host=host)
+    if print_only:
+        print(shlex.join(cmd))
+        return
+    err.print(f"dashboard on http://{host}:{port}  (Ctrl-C stops)\n  {shlex.join(cmd)}")
+    os.execvpe(cmd[0], cmd, os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
+
+
+def dashboard_command(*, port: int, host: str) -> list[str]:
+    import dashboards
+
+    app_file = Path(dashboards.__file__).resolve().with_name("app.py")
+    return [str(Path(sys.executable).with_name("streamlit")), "run", str(app_file), "--server.address", host,
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
 
 
 def mlflow_ui_command(*, port: int, host: str) -> list[str]:

@@ -59,6 +59,7 @@ class RunRef:
     stage: str
     profile: str | None = None
     tracked: bool = True
+    scope: str | None = None  # the root Prefect flow run: a retry of it may reuse this run's completed tasks
 
 
 @dataclass
@@ -169,6 +170,9 @@ def start_run(
     cfg_json, cfg_hash, params = _describe(config)
     run_id = uuid.uuid4().hex
     profile = profile or (parent.profile if parent else None)
+    # the same five params on every run, whatever its config, so MLflow's compare view lines up any runs
+    params = {"run.flow": flow, "run.stage": stage, "run.technique": technique, "run.dataset": dataset or "",
+              "run.profile": profile or ""} | params
     row = Run(
         id=run_id, parent_id=parent.run_id if parent else None, flow=flow, stage=stage, technique=technique,
         dataset=dataset, profile=profile, status="running", config_json=cfg_json, config_hash=cfg_hash,
@@ -236,6 +240,13 @@ def fail_open_runs(reason: str) -> list[str]:
     for ref in pending.values():
         fail_run(ref, KeyboardInterrupt(reason))
     return list(pending)
+
+
+def running_prefect_flow_runs() -> list[str]:
+    """The Prefect flow-run ids of the rows still ``running`` (to reconcile with Prefect after a lost worker)."""
+    with session_scope(get_settings().db_url) as session:
+        return sorted(session.scalars(select(Run.prefect_flow_run_id).distinct().where(
+            Run.status == "running", Run.prefect_flow_run_id.is_not(None))))
 
 
 def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str) -> int:

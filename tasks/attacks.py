@@ -31,7 +31,7 @@ from privbench.config_attacks import AttacksConfig, FilmConfig
 from privbench.settings import get_settings
 from storage.recording import RunRef
 from tasks.prepare import MANIFEST, _write_atomically, read_manifest
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 
 PRIOR_VERSION = "film-prior-v1"
 COVERAGE_K = (8, 16, 32, 64, 96, 120, 128, 160, 192, 224, 256)
@@ -188,7 +188,7 @@ def _victim_model(victim: str, cfg: AttacksConfig, mapping: torch.Tensor) -> tor
                         n_positions=f.max_tokens + 1, byte_dim=cfg.seb.byte_dim, hidden=cfg.seb.hidden, seed=f.seed)
 
 
-@task(name="film-attack")
+@task(name="film-attack", **RESUMABLE)
 def film_attack(victim: str, batch_size: int, cfg: AttacksConfig, private: dict[str, str], prior_dir: str,
                 parent: RunRef) -> dict[str, Any]:
     """FILM on one victim at one batch size: FedSGD warm-up, then ``batches_per_size`` attacked client batches."""
@@ -273,7 +273,7 @@ def _lm_blocks(seqs: list[list[int]], max_len: int, eos: int) -> torch.Tensor:
     return torch.tensor(stream[: n * max_len], dtype=torch.long).view(n, max_len)  # (n_blocks, max_len)
 
 
-@task(name="seb-lm")
+@task(name="seb-lm", **RESUMABLE)
 def utility_lm(dataset: str, embedding: str, cfg: AttacksConfig, path: str, parent: RunRef) -> dict[str, Any]:
     """Perplexity of a small causal LM on ``dataset``'s test split with ``embedding`` (Sec. 5.2.3's analogue)."""
     from core.attacks.lm import (
@@ -315,7 +315,7 @@ def utility_lm(dataset: str, embedding: str, cfg: AttacksConfig, path: str, pare
     return {"dataset": dataset, "embedding": embedding, **out}
 
 
-@task(name="seb-mt")
+@task(name="seb-mt", **RESUMABLE)
 def utility_translation(embedding: str, cfg: AttacksConfig, path: str, parent: RunRef) -> dict[str, Any]:
     """German->English BLEU of a small encoder-decoder with ``embedding`` (Sec. 5.2.1's analogue, sacreBLEU 13a)."""
     from core.attacks.lm import count_parameters

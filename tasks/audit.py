@@ -20,7 +20,7 @@ from privbench.config import TangentConfig, TrainDPConfig
 from privbench.config_attacks import AuditConfig
 from storage.recording import RunRef
 from tasks.prepare import load_prepared
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 from tasks.train_dp import GridPoint, train_overrides
 
 
@@ -33,7 +33,7 @@ def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None]]:
     return [(d, m, e) for d in cfg.datasets for m, e in points]
 
 
-@task(name="mia-audit")
+@task(name="mia-audit", **RESUMABLE)
 def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditConfig, train: TrainDPConfig,
                  path: str, parent: RunRef, threads: int = 1) -> dict[str, Any]:
     """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target."""
@@ -94,7 +94,7 @@ def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditCon
             "attacks": {name: {k: v for k, v in r.items() if k != "roc"} for name, r in results.items()}}
 
 
-@task(name="mia-audit-unlearning")
+@task(name="mia-audit-unlearning", **RESUMABLE)
 def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str, model_path: str,
                      parent: RunRef) -> dict[str, Any]:
     """The composed TAFT model (eq. 13) of ``tangent.fig1_n_shards`` shards before and after forgetting half of

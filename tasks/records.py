@@ -1,15 +1,61 @@
-"""Tasks that open and close a flow's parent run, and the helpers every task uses to record itself."""
+"""Tasks that open and close a flow's parent run, and the helpers every task uses to record itself.
+
+Resuming: the tasks that do a stage's real work (a grid point, a shard, a method) are declared with
+``**RESUMABLE``. When a deployment's flow run is retried after a lost worker (``prefect flow-run retry ID``), they
+reuse the results of the attempts that completed, keyed on the root flow run, the task's source and its inputs
+(minus the parent run handle); any other run recomputes everything. At every flow start, rows left ``running`` by
+a flow run that Prefect knows has ended (a killed worker's) are marked failed, and their Prefect runs Crashed.
+"""
 
 from __future__ import annotations
 
+import logging
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import CachePolicy
 from prefect.runtime import flow_run, task_run
+from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
 from core.errors import PrivbenchError
-from storage.recording import Recorder, RunRef, fail_runs_of_prefect_flow, finish_run, record_run, start_run
+from storage.recording import (
+    Recorder,
+    RunRef,
+    fail_runs_of_prefect_flow,
+    finish_run,
+    record_run,
+    running_prefect_flow_runs,
+    start_run,
+)
+
+log = logging.getLogger("privbench.records")
+
+
+@dataclass
+class RetryScope(CachePolicy):
+    """Cache key = (root flow run, task source, inputs except ``parent``), or no caching when the task's
+    ``parent`` handle carries no root flow run. A new flow run never sees another run's cache."""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        parent = inputs.get("parent")
+        if not isinstance(parent, RunRef) or parent.scope is None:
+            return None
+        try:
+            import inspect
+
+            source = inspect.getsource(task_ctx.task.fn)
+        except (OSError, TypeError):
+            source = task_ctx.task.fn.__qualname__
+        rest = {k: v for k, v in inputs.items() if k != "parent"}
+        return hash_objects(parent.scope, source, rest, raise_on_failure=False)
+
+
+RESUMABLE: dict[str, Any] = {"cache_policy": RetryScope(), "persist_result": True}
 
 
 def prefect_ids() -> dict[str, str | None]:
@@ -32,27 +78,113 @@ def open_flow_record(*, flow: str, stage: str, config: BaseModel, profile: str |
                      parent: RunRef | None = None) -> RunRef:
     """The flow run's parent row and MLflow run; tasks nest their runs under it."""
     ids = prefect_ids()
+    reconcile_lost_runs()
     recorder = start_run(flow=flow, stage=stage, technique="flow", config=config, profile=profile, parent=parent,
                          run_name=f"{flow} flow", prefect_flow_run_id=ids["prefect_flow_run_id"])
-    return recorder.ref
+    return replace(recorder.ref, scope=_root_flow_run_id())
 
 
 @task(name="close-flow-record")
 def close_flow_record(ref: RunRef, *, metrics: dict[str, float] | None = None,
                       summary: Any | None = None) -> RunRef:
-    """Finish the parent run with the flow's summary metrics and a ``summary.json`` artifact."""
+    """Finish the parent run with the flow's summary metrics, a ``summary.json`` artifact and the PNG figures of
+    its result groups (``figures/``, see ``tasks.figures``)."""
     recorder = Recorder(ref=ref)
     recorder.metrics(metrics or {})
     if summary is not None:
         recorder.artifact_json("summary.json", summary)
-    finish_run(recorder)
+    with tempfile.TemporaryDirectory() as tmp:
+        if ref.tracked and ref.mlflow_run_id is not None:
+            for path in _figures(ref, Path(tmp)):
+                recorder.artifact_file(path, "figures")
+        finish_run(recorder)
     return ref
+
+
+def _figures(ref: RunRef, out_dir: Path) -> list[Path]:
+    """The flow's figures; a drawing error is logged, never allowed to fail the measured run."""
+    from tasks.figures import render_figures
+
+    try:
+        return render_figures(ref.stage, ref.run_id, out_dir)
+    except Exception as exc:
+        log.warning("could not draw the figures of %s run %s: %s: %s", ref.stage, ref.run_id, type(exc).__name__, exc)
+        return []
 
 
 def mark_flow_failed(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow ``on_failure``/``on_crashed``/``on_cancellation`` hook: no row of this flow run stays ``running``."""
     message = getattr(state, "message", None) or f"flow run ended {getattr(state, 'name', 'badly')}"
     fail_runs_of_prefect_flow(str(flow_run.id), f"{getattr(state, 'name', 'Failed')}: {message}")
+
+
+def reconcile_lost_runs() -> int:
+    """Mark failed the rows still ``running`` of flow runs lost with their worker (a killed process cannot run its
+    crash hooks): those whose Prefect flow run, or one of its ancestors, has ended. The flow runs that were left
+    Running are set Crashed. Flow runs that are still going, or that this Prefect API does not know, are left
+    alone. Returns the number of rows failed."""
+    from prefect.states import Crashed
+
+    failed = 0
+    with _client() as client:
+        for fr_id, chain in _chains(client):
+            ended = next((fr for fr in chain if fr.state is not None and fr.state.is_final()), None)
+            if ended is None:
+                continue
+            message = f"Crashed: Prefect flow run {ended.id} ended {ended.state.name} while this run was open"
+            failed += fail_runs_of_prefect_flow(fr_id, message)
+            if chain[0].state is None or not chain[0].state.is_final():
+                client.set_flow_run_state(fr_id, Crashed(message=message), force=True)
+    if failed:
+        log.warning("marked %d run(s) of lost flow runs failed", failed)
+    return failed
+
+
+@task(name="reclaim-retried-runs")
+def reclaim_retried_runs() -> int:
+    """In a retried flow run (``prefect flow-run retry``, ``run_count > 1``), before anything of this attempt is
+    recorded: every row still ``running`` under this flow run belongs to an attempt that died with its worker;
+    mark it failed. Returns the number of rows failed."""
+    if (flow_run.get_run_count() or 1) <= 1:
+        return 0
+    root = str(flow_run.get_id())
+    failed = 0
+    with _client() as client:
+        for fr_id, chain in _chains(client):
+            if str(chain[-1].id) == root:
+                failed += fail_runs_of_prefect_flow(
+                    fr_id, f"Crashed: Prefect flow run {root} was restarted while this run was open (worker lost)")
+    return failed
+
+
+def _client() -> Any:
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def _chains(client: Any) -> list[tuple[str, list[Any]]]:
+    """For each Prefect flow run with rows still ``running``: the flow run and its ancestors, innermost first."""
+    from prefect.exceptions import ObjectNotFound
+
+    out = []
+    for fr_id in running_prefect_flow_runs():
+        try:
+            chain = [client.read_flow_run(fr_id)]
+            while chain[-1].parent_task_run_id is not None and len(chain) < 32:
+                parent_task = client.read_task_run(chain[-1].parent_task_run_id)
+                chain.append(client.read_flow_run(parent_task.flow_run_id))
+        except ObjectNotFound:  # another Prefect API's run
+            continue
+        out.append((fr_id, chain))
+    return out
+
+
+def _root_flow_run_id() -> str | None:
+    try:
+        return _str_or_none(flow_run.get_root_flow_run_id())
+    except Exception:  # outside Prefect, or its API is unreachable: no resuming
+        return None
 
 
 def retry_transient(state: Any) -> bool:

@@ -33,7 +33,7 @@ from core.mpc.quality import text_quality
 from privbench.config import SecureInferenceConfig
 from privbench.settings import get_settings
 from storage.recording import Recorder, RunRef
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 
 EOS = 50256
 
@@ -265,7 +265,7 @@ def _record_costs(rec: Recorder, out: dict[str, Any], cfg: SecureInferenceConfig
     return {"metrics": metrics, "projection": proj}
 
 
-@task(name="si-generate")
+@task(name="si-generate", **RESUMABLE)
 def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, parent: RunRef) -> dict[str, Any]:
     """One method: encrypted greedy generation for the evaluation prompts (one batch), costs per op and party,
     the decrypted tokens checked against the plaintext twin, and text quality against the references."""
@@ -312,7 +312,7 @@ def _cut(tokens: torch.Tensor) -> list[list[int]]:
     return out
 
 
-@task(name="si-scaling")
+@task(name="si-scaling", **RESUMABLE)
 def scaling_point(method: str, gen_len: int, shape: Any, cfg: SecureInferenceConfig, models: SIModels,
                   parent: RunRef) -> dict[str, Any]:
     """Fig. 4: one method at one generated length (the trained model) or one model shape (random weights of that

@@ -14,7 +14,7 @@ from prefect import task
 
 from core.stip import evaluate as E
 from privbench.config import StipConfig, StipModelSpec
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 
 GPT2_VOCAB = 50257
 
@@ -43,7 +43,7 @@ def _prompt(model: torch.nn.Module, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@task(name="stip-protocol")
+@task(name="stip-protocol", **RESUMABLE)
 def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> dict[str, Any]:
     """One design on one model: tokens and logits vs the unpermuted model, P2 vs plaintext time, P3's share,
     bytes per generated token each way."""
@@ -61,7 +61,7 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
     return {"model": spec.name, **{k: v for k, v in out.items() if k not in ("tokens", "plain_tokens")}}
 
 
-@task(name="stip-attack")
+@task(name="stip-attack", **RESUMABLE)
 def attack(spec: StipModelSpec, name: str, cfg: StipConfig, parent: Any) -> dict[str, Any]:
     """One attack on the permutation of one model (see ``core.stip.evaluate``)."""
     model = build_model(spec, cfg.seed)

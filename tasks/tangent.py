@@ -46,7 +46,7 @@ from privbench.config import TangentConfig
 from privbench.settings import get_settings
 from storage.recording import Recorder, RunRef
 from tasks.prepare_images import load_prepared_images, load_pretrained, to_pixels
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 
 FEATURES_VERSION = "tangent-features-v1"
 
@@ -208,7 +208,7 @@ def parent_workdir(parent: RunRef) -> str:
 # ----------------------------------------------------------------------------------------------- Table 1
 
 
-@task(name="tangent-table1")
+@task(name="tangent-table1", **RESUMABLE)
 def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
     """Table 1: one method on the whole training set; ``method`` is ``taft``, ``nlft`` or ``fc``."""
     _set_threads(cfg)
@@ -264,7 +264,7 @@ def _cfg_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- shards
 
 
-@task(name="tangent-shard")
+@task(name="tangent-shard", **RESUMABLE)
 def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
     """One shard model (TAFT delta or NLFT suffix) of a split into ``job.n_shards``, saved for composition."""
     _set_threads(cfg)
@@ -310,7 +310,7 @@ def _load_suffixes(inputs: TangentInputs, cfg: TangentConfig, n_shards: int) -> 
 # ----------------------------------------------------------------------------------------------- Table 2
 
 
-@task(name="tangent-table2")
+@task(name="tangent-table2", **RESUMABLE)
 def compose_shards(n_shards: int, shards: list[dict[str, Any]], cfg: TangentConfig, inputs: TangentInputs,
                    parent: RunRef) -> dict[str, Any]:
     """Table 2 for one shard count: TAFT composed by averaging deltas (eq. 13, one forward per input) vs
@@ -393,7 +393,7 @@ def _float64_suffix(model: TangentModel) -> TangentModel:
 # ----------------------------------------------------------------------------------------------- Fig. 1
 
 
-@task(name="tangent-fig1-subtraction")
+@task(name="tangent-fig1-subtraction", **RESUMABLE)
 def forget_by_subtraction_curve(n_shards: int, cfg: TangentConfig, inputs: TangentInputs,
                                 parent: RunRef) -> dict[str, Any]:
     """Fig. 1(a, b): test accuracy after removing r = 0 .. N-1 shards, TAFT by subtracting components from the
@@ -448,7 +448,7 @@ def forget_by_subtraction_curve(n_shards: int, cfg: TangentConfig, inputs: Tange
     return {"n_shards": n_shards, **curve, **summary}
 
 
-@task(name="tangent-fig1-retrain")
+@task(name="tangent-fig1-retrain", **RESUMABLE)
 def forget_one_by_retraining(n_shards: int, cfg: TangentConfig, inputs: TangentInputs,
                              parent: RunRef) -> dict[str, Any]:
     """Fig. 1(c), one request: forget a random training image by retraining its shard without it, next to the
@@ -486,7 +486,7 @@ def forget_one_by_retraining(n_shards: int, cfg: TangentConfig, inputs: TangentI
     return {"n_shards": n_shards, "sample": sample, **result}
 
 
-@task(name="tangent-fig1-fraction")
+@task(name="tangent-fig1-fraction", **RESUMABLE)
 def forget_fraction(n_shards: int, fraction: float, cfg: TangentConfig, inputs: TangentInputs,
                     parent: RunRef) -> dict[str, Any]:
     """Fig. 1(c), many requests: forget a random ``fraction`` of the training images by retraining every shard
@@ -534,7 +534,7 @@ def forget_fraction(n_shards: int, fraction: float, cfg: TangentConfig, inputs: 
 # ----------------------------------------------------------------------------------------------- Table 3
 
 
-@task(name="tangent-table3")
+@task(name="tangent-table3", **RESUMABLE)
 def train_dp_regime(regime: str, tangent: bool, epsilon: float, cfg: TangentConfig, inputs: TangentInputs,
                     parent: RunRef) -> dict[str, Any]:
     """Table 3: DP-SGD fine-tuning of one regime's tangent ("Ours") or original ("Reg") parameters at

@@ -14,7 +14,7 @@ from core.dp.trainer import EpochLog, TrainResult, method_config, train_seqrec
 from privbench.config import TrainDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare import load_prepared
-from tasks.records import task_record
+from tasks.records import RESUMABLE, task_record
 
 CURVES = ("train_loss", "valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10", "epsilon_spent")
 _METRIC_NAMES = {"valid_ndcg10": "valid_ndcg_at_10", "valid_hit10": "valid_hit_at_10",
@@ -58,7 +58,7 @@ def plan_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
     return expand_grid(cfg, prepared)
 
 
-@task(name="train-dp-point")
+@task(name="train-dp-point", **RESUMABLE)
 def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[str, Any]:
     """Train one grid point; record curves (step = epoch), best/final metrics, and the privacy ledger."""
     torch.set_num_threads(cfg.threads_per_worker)

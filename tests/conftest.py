@@ -74,3 +74,21 @@ def prefect_harness() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.filled_store import FilledStore
+
+
+@pytest.fixture(scope="session")
+def filled_store(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> FilledStore:
+    """A results store (and MLflow store) filled once per session by real tiny runs of every stage flow and a
+    tiny ``dp-clipping`` bench (see ``tests/filled_store.py``). Returns a ``FilledStore`` with ``home``,
+    ``db_url``, ``tracking_uri`` (and ``env``, ``flow_runs``); the environment is restored after filling, so
+    set ``filled_store.env`` yourself where a test needs privbench pointed at it."""
+    from tests.filled_store import fill_store
+
+    with pytest.MonkeyPatch.context() as mp:
+        return fill_store(tmp_path_factory.mktemp("filled"), mp)

@@ -1,0 +1,73 @@
+"""The Streamlit app headless (``streamlit.testing.v1.AppTest``): empty states on an empty store; charts,
+MLflow links and working filters on the filled store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.filled_store import FilledStore
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "app.py")
+STAGE_EMPTY_STATES = (
+    "No runs yet: run `privbench run benchmark --profile quick`",
+    "No private-training runs yet: run `privbench run train-dp --profile quick`",
+    "No clipping benchmark yet: run `privbench bench dp-clipping`",
+    "No tangent runs yet: run `privbench run tangent --profile quick`",
+    "No secure-inference runs yet: run `privbench run secure-inference --profile quick`",
+    "No STIP runs yet: run `privbench run stip --profile quick`",
+    "No FILM attack runs yet: run `privbench run attacks --profile quick`",
+    "No membership-inference audits yet: run `privbench run attacks --profile quick`",
+)
+
+
+def _app() -> AppTest:
+    return AppTest.from_file(APP, default_timeout=60).run()
+
+
+def _infos(at: AppTest) -> list[str]:
+    return [i.value for i in at.info]
+
+
+def test_empty_store_shows_what_to_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRIVBENCH_HOME", str(tmp_path / ".privbench"))
+    monkeypatch.delenv("PRIVBENCH_DB_URL", raising=False)
+    at = _app()
+    assert not at.exception
+    infos = _infos(at)
+    for message in STAGE_EMPTY_STATES:
+        assert any(i.startswith(message) for i in infos), message
+    assert not at.get("plotly_chart") and not at.dataframe
+
+
+def test_filled_store_renders_every_stage_with_links_and_filters(filled_store: FilledStore,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in filled_store.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PRIVBENCH_MLFLOW_UI_URL", "http://mlflow.test:5000/")
+    at = _app()
+    assert not at.exception
+    expected_empty = ["No secure-inference runs yet"] if "secure-inference" in filled_store.skipped else []
+    assert [i for i in _infos(at) if not any(i.startswith(e) for e in expected_empty)] == []  # all have data
+    assert len(at.get("plotly_chart")) >= 11
+    runs = at.dataframe[0].value
+    tracked = runs.dropna(subset=["mlflow"])
+    assert len(tracked) > 0 and len(runs) > len(tracked) - 1
+    link = tracked["mlflow"].iloc[0]
+    assert link.startswith("http://mlflow.test:5000/#/experiments/") and "/runs/" in link
+
+    at.selectbox(key="dataset").select("ml-1m-tiny").run()
+    assert not at.exception
+    assert set(at.dataframe[0].value["dataset"]) == {"ml-1m-tiny"}
+    infos = _infos(at)
+    assert any(i.startswith("No STIP runs yet") and "widen the filters" in i for i in infos)
+    assert not any(i.startswith("No private-training runs yet") for i in infos)
+
+    at.selectbox(key="dataset").select("(all)").run()
+    at.text_input(key="root").input(filled_store.flow_runs["stip"]).run()
+    assert not at.exception
+    assert set(at.dataframe[0].value["stage"]) == {"stip"}
+    assert any(i.startswith("No private-training runs yet") for i in _infos(at))

@@ -1,0 +1,241 @@
+"""The deployments for real: a Prefect server on 127.0.0.1, ``privbench deploy``, a process worker on the ``cpu``
+pool, tiny train-dp runs triggered through ``run_deployment``; the concurrency limit; a worker's flow process killed
+mid-run (its runs end failed/crashed in Prefect and the store) and the retried run finishing with the completed
+tasks reused. Workers stop on SIGINT, before the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TINY = ["train_dp.datasets=[{name: ml-100k}]", "train_dp.methods=[transformer]", "train_dp.nonprivate=false",
+        "train_dp.peers=[]", "train_dp.workers=1", "train_dp.max_len=20", "train_dp.d_model=32"]
+
+
+@dataclass
+class Server:
+    url: str
+    env: dict[str, str]
+    tmp: Path
+
+    def sqlite(self, sql: str) -> list[tuple]:
+        import sqlite3
+
+        if not (self.tmp / "pb" / "results.db").exists():
+            return []
+        with sqlite3.connect(self.tmp / "pb" / "results.db", timeout=30) as conn:
+            return conn.execute(sql).fetchall()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, step: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"{proc.args[:4]} did not stop on {signal.Signals(sig).name}") from None
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PRIVBENCH_", "MLFLOW_"))}
+    env |= {
+        "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1", "PREFECT_LOCAL_STORAGE_PATH": str(tmp / "results"), "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PRIVBENCH_HOME": str(tmp / "pb"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            return False
+
+    try:
+        _wait(healthy, 180, "the Prefect server")
+        done = subprocess.run([str(BIN / "privbench"), "deploy"], env=env, cwd=tmp, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        yield Server(url, env, tmp)
+    finally:
+        _stop(proc, signal.SIGINT, timeout=60)
+        log.close()
+
+
+@contextmanager
+def worker(server: Server, pool: str = "cpu") -> Iterator[subprocess.Popen]:
+    """A process worker started outside the checkout: the deployments' pull step finds the code."""
+    log = open(server.tmp / f"worker-{pool}.log", "a")
+    proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+                            env=server.env, cwd=server.tmp, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        assert _stop(proc, signal.SIGINT, timeout=90) is not None
+        log.close()
+
+
+@contextmanager
+def api(server: Server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            yield client
+
+
+def _trigger(server: Server, overrides: list[str]) -> str:
+    from prefect.deployments import run_deployment
+
+    with api(server):
+        run = run_deployment("train-dp-profile/train-dp", parameters={"profile": "quick", "overrides": overrides},
+                             timeout=0)
+    return str(run.id)
+
+
+def _final_state(server: Server, flow_run_id: str, timeout: float = 240) -> str:
+    def final() -> str | None:
+        with api(server) as client:
+            state = client.read_flow_run(flow_run_id).state
+        return state.type.value if state is not None and state.is_final() else None
+
+    return _wait(final, timeout, f"flow run {flow_run_id} to end", step=1)
+
+
+def _retry(server: Server, run_id: str) -> None:
+    """``prefect flow-run retry``, repeated if the worker's late crash report overwrites the rescheduling."""
+    with api(server) as client:
+        runs_before = client.read_flow_run(run_id).run_count
+    for _ in range(3):
+        done = subprocess.run([str(BIN / "prefect"), "flow-run", "retry", run_id], env=server.env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        def started() -> bool | None:
+            with api(server) as client:
+                fr = client.read_flow_run(run_id)
+            return fr.run_count > runs_before or None
+
+        try:
+            _wait(started, 30, "the retried run to start", step=1)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"flow run {run_id} did not start again after 3 retries")
+
+
+def test_deploy_registers_every_deployment_with_schedules_pools_and_limits(server: Server) -> None:
+    spec = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())
+    with api(server) as client:
+        deployments = {d.name: d for d in client.read_deployments()}
+        pools = {p.name: p.type for p in client.read_work_pools()}
+    assert set(deployments) == {d["name"] for d in spec["deployments"]}
+    assert pools["cpu"] == "process" and pools["gpu"] == "process"
+    for dep in spec["deployments"]:
+        got = deployments[dep["name"]]
+        assert got.work_pool_name == dep["work_pool"]["name"], dep["name"]
+        assert got.parameters == dep["parameters"], dep["name"]
+        assert got.concurrency_options.collision_strategy == "CANCEL_NEW", dep["name"]
+        assert got.global_concurrency_limit.limit == 1, dep["name"]
+        assert got.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+    crons = {name: [s.schedule.cron for s in d.schedules] for name, d in deployments.items() if d.schedules}
+    assert crons == {"benchmark-quick": ["0 2 * * *"], "benchmark-paper": ["0 4 * * 6"]}
+    assert {n for n, d in deployments.items() if d.work_pool_name == "gpu"} == {
+        "benchmark-paper", "secure-inference-gpu", "stip-gpu"}
+
+
+def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Server) -> None:
+    with worker(server):
+        first = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=2"])
+        second = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=1"])
+        assert _final_state(server, first) == "COMPLETED"
+        assert _final_state(server, second) == "CANCELLED"
+    rows = server.sqlite("select technique, status, prefect_flow_run_id from runs where stage = 'train-dp'")
+    assert sorted((t, s) for t, s, _ in rows) == [("flow", "finished"), ("transformer", "finished")]
+    with api(server) as client:
+        sub = client.read_flow_run(rows[0][2])
+        parent_task = client.read_task_run(sub.parent_task_run_id)
+    assert str(parent_task.flow_run_id) == first  # recorded under the deployment's flow run
+
+
+def test_killed_flow_process_leaves_failed_runs_and_the_retry_reuses_completed_tasks(server: Server) -> None:
+    before = {r[0] for r in server.sqlite("select id from runs")}
+    with worker(server) as proc:
+        run_id = _trigger(server, [*TINY, "train_dp.epsilons=[1, 2, 4, 8]", "train_dp.epochs=3"])
+
+        def one_point_done() -> bool:
+            rows = server.sqlite("select id, status from runs where technique = 'transformer'")
+            return any(s == "finished" and i not in before for i, s in rows)
+
+        _wait(one_point_done, 240, "the first grid point to finish")
+        engine = _wait(lambda: psutil.Process(proc.pid).children(), 10, "the flow-run process")[0]
+        victims = [engine, *engine.children(recursive=True)]
+        for p in victims:
+            p.kill()
+        psutil.wait_procs(victims, timeout=30)
+        assert _final_state(server, run_id, timeout=60) == "CRASHED"
+
+        new = [r for r in server.sqlite("select id, technique, status from runs") if r[0] not in before]
+        assert ("flow", "running") in {(t, s) for _, t, s in new}  # the train-dp flow was killed mid-grid
+        assert {s for _, t, s in new if t == "transformer"} <= {"finished", "running"}
+        lost = {i: (t, s) for i, t, s in server.sqlite("select id, technique, status from runs") if i not in before}
+        finished_points = {i for i, (t, s) in lost.items() if t == "transformer" and s == "finished"}
+
+        _retry(server, run_id)
+        assert _final_state(server, run_id) == "COMPLETED"
+
+    after = {i: (t, s) for i, t, s in server.sqlite("select id, technique, status from runs") if i not in before}
+    points = {i for i, (t, s) in after.items() if t == "transformer" and s == "finished"}
+    failed_points = {i for i, (t, s) in after.items() if t == "transformer" and s == "failed"}
+    # 4 grid points finished in all: the ones of the killed attempt reused, not trained again
+    assert finished_points <= points and len(points) == 4 and len(failed_points) <= 1
+    assert [t for t, s in after.values() if s == "failed"].count("flow") == 1
+    assert "running" not in {s for _, s in after.values()}
+    errors = server.sqlite("select error from runs where status = 'failed'")
+    assert errors and all("restarted while this run was open" in e for (e,) in errors)
