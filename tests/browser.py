@@ -75,7 +75,7 @@ class Page:
     def click(self, selector_js: str) -> None:
         """A real mouse click (press and release) at the centre of the element ``selector_js`` evaluates to."""
         box = self.evaluate(f"(() => {{ const r = ({selector_js}).getBoundingClientRect(); "
-                            "return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+                            "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
 

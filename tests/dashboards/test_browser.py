@@ -56,7 +56,7 @@ def _not_a_skeleton(path: Path) -> None:
     small = img.resize((img.width // 4, img.height // 4))
     colours = len(set(small.getdata()))
     dark = sum(1 for r, g, b in small.getdata() if r + g + b < 384) / (small.width * small.height)
-    assert colours > 200 and dark > 0.005, f"{path.name} looks unrendered: {colours} colours, {dark:.4f} dark"
+    assert colours > 200 and dark > 0.001, f"{path.name} looks unrendered: {colours} colours, {dark:.4f} dark"
 
 
 def _publish(path: Path) -> None:
