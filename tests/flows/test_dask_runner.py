@@ -18,19 +18,10 @@ from flows.train_dp import train_dp_flow, train_dp_runner
 from privbench.config import BenchmarkConfig, TangentConfig, load_config, validate
 from privbench.settings import DASK_ENV, get_settings
 from storage.repository import ResultsRepository
+from tests.flows.test_train_dp_flow import TINY  # the tiny grid: four grid points
 
 ADDRESS = "tcp://scheduler.example:8786"
 
-# the tiny grid of test_train_dp_flow.py: four grid points
-TINY = validate(BenchmarkConfig, {
-    "profile": "tiny",
-    "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
-                              "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}]},
-    "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["transformer", "dpformer"],
-                 "epsilons": [8], "nonprivate": True, "peers": ["transformer_opacus_hooks"], "peer_epsilons": [8],
-                 "epochs": 1, "lrs": [0.005], "batch_sizes": [64], "max_len": 16, "d_model": 16,
-                 "eval_every": 1, "workers": 2},
-}, origin="test")
 
 
 @pytest.fixture(scope="module")
