@@ -117,6 +117,22 @@ def worker(server: Server, pool: str = "cpu") -> Iterator[subprocess.Popen]:
     finally:
         assert _stop(proc, signal.SIGINT, timeout=90) is not None
         log.close()
+        _settle(server)
+
+
+def _settle(server: Server) -> None:
+    """Leave no flow run holding a deployment's concurrency slot for the next test: a run a failed test left
+    behind is cancelled and the limits are emptied (otherwise CANCEL_NEW cancels the next test's run)."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+    from prefect.states import Cancelled
+
+    with api(server) as client:
+        for run in client.read_flow_runs():
+            if run.state is not None and not run.state.is_final():
+                client.set_flow_run_state(run.id, Cancelled(message="left behind by a test"), force=True)
+        for limit in client.read_global_concurrency_limits(limit=200):
+            if limit.name.startswith("deployment:") and limit.active_slots:
+                client.update_global_concurrency_limit(limit.name, GlobalConcurrencyLimitUpdate(active_slots=0))
 
 
 @contextmanager
@@ -137,6 +153,12 @@ def _trigger(server: Server, overrides: list[str]) -> str:
         run = run_deployment("train-dp-profile/train-dp", parameters={"profile": "quick", "overrides": overrides},
                              timeout=0)
     return str(run.id)
+
+
+def _state(server: Server, flow_run_id: str) -> str | None:
+    with api(server) as client:
+        state = client.read_flow_run(flow_run_id).state
+    return None if state is None else state.type.value
 
 
 def _final_state(server: Server, flow_run_id: str, timeout: float = 240) -> str:
@@ -193,6 +215,9 @@ def test_deploy_registers_every_deployment_with_schedules_pools_and_limits(serve
 def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Server) -> None:
     with worker(server):
         first = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=2"])
+        # the second run comes while the first runs (triggered together, the worker may submit either first)
+        assert _wait(lambda: _state(server, first) in {"RUNNING", "COMPLETED", "FAILED", "CRASHED"}, 120,
+                     "the first run to start") and _state(server, first) == "RUNNING"
         second = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=1"])
         assert _final_state(server, first) == "COMPLETED"
         assert _final_state(server, second) == "CANCELLED"
