@@ -178,8 +178,8 @@ def attacks(db_url: str, filters: Filters) -> None:
     def draw_mia(frame: pd.DataFrame) -> None:
         roc = load("membership_roc", db_url, filters)
         if roc.empty:
-            st.caption("No ROC points found (they are MLflow artifacts `roc.json` of the audit runs under the "
-                       "local artifact root); showing AUC and TPR at low FPR instead.")
+            st.caption("No ROC points found (they are the MLflow artifacts `roc.json` of the audit runs, read from "
+                       "the local artifact root or MLFLOW_TRACKING_URI); showing AUC and TPR at low FPR instead.")
             st.plotly_chart(plots.membership_auc(frame), width="stretch")
         else:
             st.plotly_chart(plots.membership_roc(roc), width="stretch")

@@ -241,7 +241,7 @@ def serve(
     for dep in deps:
         crons = ", ".join(s["cron"] for s in dep.get("schedules") or ()) if schedules else ""
         err.print(f"serving [cyan]{dep['name']}[/] ({dep['entrypoint']}){'  cron ' + crons if crons else ''}")
-    d.serve(deps, schedules=schedules)
+    d.serve(deps, schedules=schedules, echo=err.print)
 
 
 @app.command()
@@ -251,6 +251,10 @@ def deploy(
     spec_file: SpecOpt = None,
     repo: Annotated[Path | None, typer.Option(
         "--repo", help="the repository checkout path on the worker hosts (default: PRIVBENCH_REPO or this one)")] = None,
+    zombie_after: Annotated[float | None, typer.Option(
+        "--zombie-after", metavar="SECONDS",
+        help="mark a flow run Crashed after this long without a heartbeat (its worker host died), so that it can "
+             "be retried; default 3 heartbeat periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY); 0 disables")] = None,
 ) -> None:
     """Register the deployments of deploy/prefect.yaml on the Prefect server at PREFECT_API_URL, creating the
     process work pools they use; then start workers with ``prefect worker start --pool cpu`` (and ``gpu``)."""
@@ -262,6 +266,8 @@ def deploy(
         deps = d.select(d.load_spec(path), only or (), pool or ())
         created = d.ensure_work_pools(dep["work_pool"]["name"] for dep in deps)
         d.register(path, deps, repo=repo)
+        within = 3 * d.heartbeat_seconds() if zombie_after is None else zombie_after
+        zombie = d.ensure_zombie_automation(within)
     except ConfigError as exc:
         _fail(str(exc), code=2)
     for name in created:
@@ -269,6 +275,10 @@ def deploy(
     for dep in deps:
         err.print(f"deployed [cyan]{dep['entrypoint'].rsplit(':', 1)[1].replace('_', '-')}/{dep['name']}[/] "
                   f"-> pool {dep['work_pool']['name']}")
+    if zombie in {"created", "updated"}:
+        err.print(f"{zombie} automation [cyan]{d.ZOMBIE_AUTOMATION}[/] (after {within:g} s without a heartbeat)")
+    elif zombie == "disabled":
+        err.print(f"disabled automation [cyan]{d.ZOMBIE_AUTOMATION}[/]")
     err.print(f"registered {len(deps)} deployment(s) on {url}. Start workers from the repository root:\n"
               "  prefect worker start --pool cpu --type process\n  prefect worker start --pool gpu --type process")
 

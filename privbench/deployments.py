@@ -1,6 +1,7 @@
-"""The deployments of ``deploy/prefect.yaml``, for ``privbench serve`` (one machine: ``prefect.serve`` runs
-them, schedules and concurrency limits included, in subprocesses of this process) and ``privbench deploy``
-(registers them on the Prefect server at ``PREFECT_API_URL`` for workers polling the ``cpu`` and ``gpu`` pools).
+"""The deployments of ``deploy/prefect.yaml``, for ``privbench serve`` (one machine: a Prefect runner serves
+them, schedules and concurrency limits included, and runs them in subprocesses of this process) and for
+``privbench deploy`` (registers them on the Prefect server at ``PREFECT_API_URL`` for workers polling the ``cpu``
+and ``gpu`` pools).
 
 The YAML file is the single source: ``serve`` builds its deployments from the same entries (names, parameters,
 schedules, concurrency limits, descriptions, tags) that ``prefect deploy`` reads, so the two cannot drift.
@@ -89,24 +90,30 @@ def concurrency_of(dep: dict[str, Any]) -> Any:
                                   collision_strategy=limit.get("collision_strategy", "ENQUEUE"))
 
 
-def runner_deployments(deps: Iterable[dict[str, Any]], *, schedules: bool = True) -> list[Any]:
-    """``RunnerDeployment`` objects for ``prefect.serve`` (work pools do not apply to served deployments)."""
-    out = []
-    for dep in deps:
-        flow = load_flow(dep["entrypoint"])
-        out.append(flow.to_deployment(
-            name=dep["name"], description=dep.get("description"), tags=dep.get("tags"),
-            parameters=dict(dep.get("parameters") or {}), schedules=schedules_of(dep) if schedules else None,
-            concurrency_limit=concurrency_of(dep),
-        ))
-    return out
+def serve(deps: Sequence[dict[str, Any]], *, schedules: bool = True, echo: Any = print) -> None:
+    """Serve ``deps`` on this machine until interrupted (Ctrl-C, SIGTERM): a Prefect ``Runner`` that holds the
+    flows in memory and runs each flow run in a subprocess of this process.
 
+    ``Runner.add_flow`` rather than ``prefect.serve(*deployments)``: the runner then runs the flow objects it
+    holds instead of loading code from the deployment's path, so serving works from any directory, and it clears
+    the work pool of a deployment ``privbench deploy`` registered before. ``prefect.serve`` of deployment objects
+    left such a deployment without its pull step and with an entrypoint relative to the current directory, and its
+    runs failed to find their code."""
+    import asyncio
 
-def serve(deps: Sequence[dict[str, Any]], *, schedules: bool = True) -> None:
-    """Serve ``deps`` on this machine until interrupted (Ctrl-C, SIGTERM)."""
-    from prefect import serve as prefect_serve
+    from prefect.runner import Runner
 
-    prefect_serve(*runner_deployments(deps, schedules=schedules), print_starting_message=True)
+    async def main() -> None:
+        runner = Runner(name="privbench-serve")
+        for dep in deps:
+            await runner.aadd_flow(
+                load_flow(dep["entrypoint"]), name=dep["name"], description=dep.get("description"),
+                tags=dep.get("tags"), parameters=dict(dep.get("parameters") or {}),
+                schedules=schedules_of(dep) if schedules else [], concurrency_limit=concurrency_of(dep))
+        echo(f"{len(deps)} deployment(s) being served; runs start in subprocesses of this process (Ctrl-C stops)")
+        await runner.start()
+
+    asyncio.run(main())
 
 
 def require_server() -> str:
@@ -149,6 +156,69 @@ def register(spec_path: Path, deps: Sequence[dict[str, Any]], *, repo: Path | No
     if done.returncode != 0:
         raise ConfigError(f"prefect deploy failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done
+
+
+ZOMBIE_AUTOMATION = "privbench: crash flow runs that stopped heartbeating"
+
+
+def heartbeat_seconds() -> int:
+    """``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` here (Prefect's default 180 s): how often a flow run says it lives."""
+    from prefect.settings import get_current_settings
+
+    return int(get_current_settings().flows.heartbeat_frequency or 180)
+
+
+def ensure_zombie_automation(within_s: float) -> str:
+    """Create or update the server automation that marks a flow run Crashed when neither a heartbeat nor a final
+    state of it arrives within ``within_s`` seconds of its last heartbeat (Prefect's zombie-flow recipe).
+
+    Without it, a worker host that dies with its flow process (power loss, OOM kill of the container, a lost
+    node) leaves the run Running forever: nobody is left to report the crash, the deployment's concurrency slot
+    stays taken and ``prefect flow-run retry`` refuses the run. Once Crashed, the run can be retried and its
+    finished tasks are reused. ``within_s <= 0`` disables the automation. Returns ``created``, ``updated`` or
+    ``disabled`` (or ``absent`` when there was none to disable)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        existing = Automation.read(name=ZOMBIE_AUTOMATION)
+    except (ObjectNotFound, ValueError):
+        existing = None
+    if within_s <= 0:
+        if existing is None:
+            return "absent"
+        existing.disable()
+        return "disabled"
+    if within_s < heartbeat_seconds():
+        raise ConfigError(f"--zombie-after {within_s:g} s is shorter than the heartbeat period "
+                          f"({heartbeat_seconds()} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY): healthy runs would be "
+                          f"crashed; use at least 2-3 heartbeats (e.g. {3 * heartbeat_seconds()})")
+    terminal = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    spec = Automation(
+        name=ZOMBIE_AUTOMATION,
+        description=f"A flow run with no heartbeat for {within_s:g} s (its worker host died) is marked Crashed, "
+                    "which frees its deployment's concurrency slot and lets `prefect flow-run retry` resume it.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *terminal},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+            within=timedelta(seconds=within_s)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within_s:g} s: the worker host or the flow process "
+                                            "died; retry the run to resume it")],
+    )
+    if existing is None:
+        spec.create()
+        return "created"
+    spec.id = existing.id
+    spec.update()
+    return "updated"
 
 
 def _profile_api_url() -> str | None:

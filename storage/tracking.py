@@ -99,6 +99,16 @@ class Tracker:
             path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
             self._call(lambda: self.client.log_artifact(run_id, str(path)))
 
+    def load_json(self, run_id: str, name: str) -> Any | None:
+        """The JSON artifact ``name`` of ``run_id``, wherever MLflow keeps it (a local directory, an MLflow server
+        serving artifacts, object storage); None when the run or the artifact is missing or unreadable."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = self._call(lambda: self.client.download_artifacts(run_id, name, tmp))
+                return json.loads(Path(path).read_text())
+            except (MlflowException, OSError, ValueError):
+                return None
+
     def log_file(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self._call(lambda: self.client.log_artifact(run_id, str(path), artifact_path))
 

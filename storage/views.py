@@ -386,22 +386,32 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
 
 
 def membership_roc(db_url: str | None = None, artifact_root: Path | None = None, **filters: Any) -> pd.DataFrame:
-    """ROC curve points of the DP audits (``ROC_COLUMNS``), one row per point. The store does not hold them:
-    they are read from each audited run's MLflow artifact ``roc.json`` under the local artifact root
-    (``artifact_root``, default ``<PRIVBENCH_HOME>/mlartifacts``); runs whose artifacts live elsewhere (an MLflow
-    server) are left out."""
+    """ROC curve points of the DP audits (``ROC_COLUMNS``), one row per point. The store keeps the audits'
+    AUC and TPR at low FPR; the curves are each audited run's MLflow artifact ``roc.json``. It is read from the
+    local artifact root (``artifact_root``, default ``<PRIVBENCH_HOME>/mlartifacts``) when it is there, and
+    otherwise fetched from the configured MLflow tracking store (``MLFLOW_TRACKING_URI``: an MLflow server with
+    served artifacts, object storage); runs whose artifact cannot be had are left out."""
     audits = membership(db_url, **filters)
     audits = audits[audits["audit"] == "dp"].drop_duplicates("run_id")
     root = artifact_root or get_settings().artifact_root
+    tracker = None
     rows: list[dict[str, Any]] = []
     for audit in audits.to_dict("records"):
-        if not audit["mlflow_run_id"] or not root.is_dir():
+        if not audit["mlflow_run_id"]:
             continue
-        for path in root.glob(f"*/{audit['mlflow_run_id']}/artifacts/roc.json"):
-            for attack, curve in _config(path.read_text()).items():
-                for fpr, tpr in zip(curve.get("fpr", ()), curve.get("tpr", ()), strict=False):
-                    rows.append({**{k: audit[k] for k in ("run_id", "dataset", "method", "setting")},
-                                 "attack": attack, "fpr": fpr, "tpr": tpr})
+        local = sorted(root.glob(f"*/{audit['mlflow_run_id']}/artifacts/roc.json")) if root.is_dir() else []
+        if local:
+            curves = _config(local[0].read_text())
+        else:
+            if tracker is None:
+                from storage.tracking import Tracker
+
+                tracker = Tracker(get_settings().tracking_uri)
+            curves = tracker.load_json(audit["mlflow_run_id"], "roc.json") or {}
+        for attack, curve in curves.items():
+            for fpr, tpr in zip(curve.get("fpr", ()), curve.get("tpr", ()), strict=False):
+                rows.append({**{k: audit[k] for k in ("run_id", "dataset", "method", "setting")},
+                             "attack": attack, "fpr": fpr, "tpr": tpr})
     return pd.DataFrame(rows, columns=ROC_COLUMNS)
 
 

@@ -4,6 +4,7 @@ subtree) and against an empty store on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -179,7 +180,8 @@ def test_film_rows_match_attack_results(filled_store: FilledStore) -> None:
         assert (row["rouge1"], row["rouge2"], row["rougeL"], row["recall"]) == expected[key]
 
 
-def test_membership_and_roc_points(filled_store: FilledStore) -> None:
+def test_membership_and_roc_points(filled_store: FilledStore, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     url = filled_store.db_url
     frame = views.membership(url)
     assert set(zip(frame["setting"].str.split(",").str[0], frame["attack"], strict=True)) == {
@@ -192,4 +194,9 @@ def test_membership_and_roc_points(filled_store: FilledStore) -> None:
     assert set(roc["attack"]) == {"loss", "lira_online", "lira_offline"}
     assert set(roc["run_id"]) == set(frame["run_id"])
     assert roc["fpr"].between(0, 1).all() and roc["tpr"].between(0, 1).all()
+    # away from the local artifact root (an MLflow server's artifacts) the curves come through MLflow's client
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", filled_store.tracking_uri)
+    fetched = views.membership_roc(url, artifact_root=filled_store.home / "nowhere")
+    pd.testing.assert_frame_equal(fetched, roc)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other-mlflow.db'}")
     assert views.membership_roc(url, artifact_root=filled_store.home / "nowhere").empty

@@ -1,7 +1,8 @@
 """The deployments for real: a Prefect server on 127.0.0.1, ``privbench deploy``, a process worker on the ``cpu``
 pool, tiny train-dp runs triggered through ``run_deployment``; the concurrency limit; a worker's flow process killed
-mid-run (its runs end failed/crashed in Prefect and the store) and the retried run finishing with the completed
-tasks reused. Workers stop on SIGINT, before the server."""
+mid-run together with its worker, as when the host dies (the zombie automation crashes the run once its heartbeats
+stop; its store rows end failed) and the retried run finishing with the completed tasks reused. Workers stop on
+SIGINT, before the server."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = ["train_dp.datasets=[{name: ml-100k}]", "train_dp.methods=[transformer]", "train_dp.nonprivate=false",
         "train_dp.peers=[]", "train_dp.workers=1", "train_dp.max_len=20", "train_dp.d_model=32"]
+HEARTBEAT_S, ZOMBIE_AFTER_S = 30, 65  # Prefect's shortest heartbeat period; two missed heartbeats crash a run
 
 
 @dataclass
@@ -81,6 +83,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env |= {
         "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1", "PREFECT_LOCAL_STORAGE_PATH": str(tmp / "results"), "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
         "PRIVBENCH_HOME": str(tmp / "pb"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }
@@ -98,7 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     try:
         _wait(healthy, 180, "the Prefect server")
-        done = subprocess.run([str(BIN / "privbench"), "deploy"], env=env, cwd=tmp, capture_output=True, text=True)
+        done = subprocess.run([str(BIN / "privbench"), "deploy", "--zombie-after", str(ZOMBIE_AFTER_S)], env=env, cwd=tmp, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         yield Server(url, env, tmp)
     finally:
@@ -210,6 +213,23 @@ def test_deploy_registers_every_deployment_with_schedules_pools_and_limits(serve
     assert crons == {"benchmark-quick": ["0 2 * * *"], "benchmark-paper": ["0 4 * * 6"]}
     assert {n for n, d in deployments.items() if d.work_pool_name == "gpu"} == {
         "benchmark-paper", "secure-inference-gpu", "stip-gpu"}
+    with api(server) as client:
+        (zombie,) = client.read_automations_by_name("privbench: crash flow runs that stopped heartbeating")
+    assert zombie.enabled and zombie.trigger.within.total_seconds() == ZOMBIE_AFTER_S
+    assert zombie.trigger.after == {"prefect.flow-run.heartbeat"} and zombie.trigger.posture == "Proactive"
+    assert [(a.type, a.state.value) for a in zombie.actions] == [("change-flow-run-state", "CRASHED")]
+    # deploying again updates the one automation instead of adding a second
+    done = subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "600"],
+                          env=server.env, cwd=server.tmp, capture_output=True, text=True)
+    assert done.returncode == 0 and "updated automation" in done.stderr, done.stderr
+    with api(server) as client:
+        (zombie,) = client.read_automations_by_name("privbench: crash flow runs that stopped heartbeating")
+    assert zombie.trigger.within.total_seconds() == 600
+    done = subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "10"],
+                          env=server.env, cwd=server.tmp, capture_output=True, text=True)
+    assert done.returncode == 2 and "--zombie-after 10 s is shorter than the heartbeat period" in done.stderr
+    subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", str(ZOMBIE_AFTER_S)],
+                   env=server.env, cwd=server.tmp, check=True, capture_output=True)
 
 
 def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Server) -> None:
@@ -229,7 +249,7 @@ def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Ser
     assert str(parent_task.flow_run_id) == first  # recorded under the deployment's flow run
 
 
-def test_killed_flow_process_leaves_failed_runs_and_the_retry_reuses_completed_tasks(server: Server) -> None:
+def test_killed_worker_host_leaves_a_crashed_run_and_the_retry_reuses_completed_tasks(server: Server) -> None:
     before = {r[0] for r in server.sqlite("select id from runs")}
     with worker(server) as proc:
         run_id = _trigger(server, [*TINY, "train_dp.epsilons=[1, 2, 4, 8]", "train_dp.epochs=3"])
@@ -239,19 +259,24 @@ def test_killed_flow_process_leaves_failed_runs_and_the_retry_reuses_completed_t
             return any(s == "finished" and i not in before for i, s in rows)
 
         _wait(one_point_done, 240, "the first grid point to finish")
-        engine = _wait(lambda: psutil.Process(proc.pid).children(), 10, "the flow-run process")[0]
-        victims = [engine, *engine.children(recursive=True)]
+        # the host dies: worker and flow process at once, so nobody is left to report the crash
+        victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(victims) >= 2, "the flow-run process was not found under the worker"
         for p in victims:
             p.kill()
         psutil.wait_procs(victims, timeout=30)
-        assert _final_state(server, run_id, timeout=60) == "CRASHED"
+        assert _state(server, run_id) == "RUNNING"  # as Prefect sees it, until the heartbeats are missed
+        # crashed by the zombie automation `privbench deploy` set up
+        assert _final_state(server, run_id, timeout=ZOMBIE_AFTER_S + HEARTBEAT_S + 60) == "CRASHED"
+        with api(server) as client:
+            assert "no heartbeat" in (client.read_flow_run(run_id).state.message or "")
 
-        new = [r for r in server.sqlite("select id, technique, status from runs") if r[0] not in before]
-        assert ("flow", "running") in {(t, s) for _, t, s in new}  # the train-dp flow was killed mid-grid
-        assert {s for _, t, s in new if t == "transformer"} <= {"finished", "running"}
-        lost = {i: (t, s) for i, t, s in server.sqlite("select id, technique, status from runs") if i not in before}
-        finished_points = {i for i, (t, s) in lost.items() if t == "transformer" and s == "finished"}
+    new = [r for r in server.sqlite("select id, technique, status from runs") if r[0] not in before]
+    assert ("flow", "running") in {(t, s) for _, t, s in new}  # the train-dp flow was killed mid-grid
+    assert {s for _, t, s in new if t == "transformer"} <= {"finished", "running"}
+    finished_points = {i for i, t, s in new if t == "transformer" and s == "finished"}
 
+    with worker(server):  # another host takes the retried run
         _retry(server, run_id)
         assert _final_state(server, run_id) == "COMPLETED"
 
@@ -264,3 +289,34 @@ def test_killed_flow_process_leaves_failed_runs_and_the_retry_reuses_completed_t
     assert "running" not in {s for _, s in after.values()}
     errors = server.sqlite("select error from runs where status = 'failed'")
     assert errors and all("restarted while this run was open" in e for (e,) in errors)
+
+
+def test_privbench_serve_runs_a_triggered_deployment_from_outside_the_checkout(server: Server) -> None:
+    """``privbench serve`` (the one-machine way) takes over the train-dp deployment and runs a triggered run in a
+    subprocess; the last test of the module, since serving replaces the registered deployment (re-registered at
+    the end)."""
+    before = {r[0] for r in server.sqlite("select id from runs")}
+    log_path = server.tmp / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(BIN / "privbench"), "serve", "--only", "train-dp", "--no-schedules"],
+                                env=server.env, cwd=server.tmp, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait(lambda: "being served" in log_path.read_text() or proc.poll() is not None, 120, "privbench serve")
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            with api(server) as client:
+                served = client.read_deployment_by_name("train-dp-profile/train-dp")
+            assert served.global_concurrency_limit.limit == 1
+            run_id = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=1"])
+            # no worker polls here: the run executes in a subprocess of `privbench serve`
+            _wait(lambda: _state(server, run_id) == "RUNNING", 120, "the served run to start")
+            assert psutil.Process(proc.pid).children(recursive=True)
+            assert _final_state(server, run_id) == "COMPLETED", log_path.read_text()[-3000:]
+        finally:
+            assert _stop(proc, signal.SIGINT, timeout=90) is not None
+            _settle(server)
+            subprocess.run([str(BIN / "privbench"), "deploy", "--only", "train-dp", "--zombie-after",
+                            str(ZOMBIE_AFTER_S)], env=server.env, cwd=server.tmp, check=True, capture_output=True)
+    new = [(st, t, s) for i, st, t, s in server.sqlite("select id, stage, technique, status from runs")
+           if i not in before]
+    assert {(t, s) for st, t, s in new if st == "train-dp"} == {("flow", "finished"), ("transformer", "finished")}
+    assert {s for _, _, s in new} == {"finished"}
