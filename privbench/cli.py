@@ -262,11 +262,11 @@ def deploy(
 
     try:
         url = d.require_server()
+        within = d.zombie_window(zombie_after)
         path = spec_file or d.DEFAULT_SPEC
         deps = d.select(d.load_spec(path), only or (), pool or ())
         created = d.ensure_work_pools(dep["work_pool"]["name"] for dep in deps)
         d.register(path, deps, repo=repo)
-        within = 3 * d.heartbeat_seconds() if zombie_after is None else zombie_after
         zombie = d.ensure_zombie_automation(within)
     except ConfigError as exc:
         _fail(str(exc), code=2)

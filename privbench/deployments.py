@@ -168,6 +168,19 @@ def heartbeat_seconds() -> int:
     return int(get_current_settings().flows.heartbeat_frequency or 180)
 
 
+def zombie_window(seconds: float | None) -> float:
+    """The zombie automation's window: ``seconds`` checked (0 disables it), or 3 heartbeat periods by default."""
+    if seconds is None:
+        return 3.0 * heartbeat_seconds()
+    if 0 < seconds < heartbeat_seconds():
+        raise ConfigError(f"--zombie-after {seconds:g} s is shorter than the heartbeat period "
+                          f"({heartbeat_seconds()} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY): healthy runs would be "
+                          f"crashed; use at least 2-3 heartbeats (e.g. {3 * heartbeat_seconds()}), or 0 to disable")
+    if seconds < 0:
+        raise ConfigError(f"--zombie-after {seconds:g} is negative: give seconds, or 0 to disable the automation")
+    return float(seconds)
+
+
 def ensure_zombie_automation(within_s: float) -> str:
     """Create or update the server automation that marks a flow run Crashed when neither a heartbeat nor a final
     state of it arrives within ``within_s`` seconds of its last heartbeat (Prefect's zombie-flow recipe).
@@ -195,10 +208,7 @@ def ensure_zombie_automation(within_s: float) -> str:
             return "absent"
         existing.disable()
         return "disabled"
-    if within_s < heartbeat_seconds():
-        raise ConfigError(f"--zombie-after {within_s:g} s is shorter than the heartbeat period "
-                          f"({heartbeat_seconds()} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY): healthy runs would be "
-                          f"crashed; use at least 2-3 heartbeats (e.g. {3 * heartbeat_seconds()})")
+    zombie_window(within_s)
     terminal = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
     spec = Automation(
         name=ZOMBIE_AUTOMATION,

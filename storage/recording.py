@@ -324,13 +324,13 @@ def _fail(db_url: str, ref: RunRef, exc: BaseException | str, tracker: Tracker |
             session.execute(update(Run).where(Run.id == ref.run_id, Run.status == "running").values(
                 status="failed", error=error[:20000], finished_at=finished,
                 duration_s=_seconds(started, finished)))
-    except Exception as store_exc:  # never mask the run's own error
+    except Exception as store_exc:  # noqa: BLE001 -- never mask the run's own error
         _note(exc, f"privbench: could not mark run {ref.run_id} failed in the store: {store_exc}")
     if tracker is not None and ref.mlflow_run_id is not None:
         try:
             tracker.set_tags(ref.mlflow_run_id, {"privbench.error": error[:5000]})
             tracker.end_run(ref.mlflow_run_id, "KILLED" if interrupted else "FAILED")
-        except Exception as ml_exc:
+        except Exception as ml_exc:  # noqa: BLE001 -- never mask the run's own error
             _note(exc, f"privbench: could not mark MLflow run {ref.mlflow_run_id} failed: {ml_exc}")
 
 

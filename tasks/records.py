@@ -107,7 +107,7 @@ def _figures(ref: RunRef, out_dir: Path) -> list[Path]:
 
     try:
         return render_figures(ref.stage, ref.run_id, out_dir)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- a figure never fails the measured run
         log.warning("could not draw the figures of %s run %s: %s: %s", ref.stage, ref.run_id, type(exc).__name__, exc)
         return []
 
@@ -183,7 +183,7 @@ def _chains(client: Any) -> list[tuple[str, list[Any]]]:
 def _root_flow_run_id() -> str | None:
     try:
         return _str_or_none(flow_run.get_root_flow_run_id())
-    except Exception:  # outside Prefect, or its API is unreachable: no resuming
+    except Exception:  # noqa: BLE001 -- outside Prefect, or its API is unreachable: no resuming
         return None
 
 
@@ -191,7 +191,7 @@ def retry_transient(state: Any) -> bool:
     """Retry only what may be transient (I/O, a busy database), never a bad config or bad data."""
     try:
         error = state.result(raise_on_failure=False)
-    except Exception:  # the result itself could not be read: treat as transient
+    except Exception:  # noqa: BLE001 -- the result itself could not be read: treat as transient
         return True
     return isinstance(error, BaseException) and not isinstance(error, PrivbenchError)
 

@@ -38,7 +38,7 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
     summary = flow(TINY.train_dp, TINY.prepare, profile="tiny")
     assert len(summary["runs"]) == 4
     repo = ResultsRepository()
-    cols, rows = repo.query(
+    _, rows = repo.query(
         "select r.technique, p.epsilon, p.target_epsilon, p.delta, p.noise_multiplier, p.sample_rate, p.steps, "
         "m.value from runs r join metrics m on m.run_id = r.id and m.name = 'test_ndcg_at_10' "
         "left join privacy_ledger p on p.run_id = r.id where r.stage = 'train-dp' and r.status = 'finished' "

@@ -61,11 +61,13 @@ def test_finished_run_has_everything_it_recorded(store_url: str) -> None:
 
 def test_task_that_raises_leaves_failed_row_and_no_metrics(store_url: str) -> None:
     before = counts(store_url)
-    with pytest.raises(RuntimeError, match="diverged"):
-        with record_run(flow="train-dp", stage="train-dp", technique="dpformer", config=CONFIG, track=False) as rec:
-            rec.metric("ndcg_at_10", 0.5)
-            rec.privacy(epsilon=1, delta=1e-6, noise_multiplier=1, sample_rate=0.1, steps=1, accountant="rdp")
-            raise RuntimeError("loss diverged at step 3")
+    with (
+        pytest.raises(RuntimeError, match="diverged"),
+        record_run(flow="train-dp", stage="train-dp", technique="dpformer", config=CONFIG, track=False) as rec,
+    ):
+        rec.metric("ndcg_at_10", 0.5)
+        rec.privacy(epsilon=1, delta=1e-6, noise_multiplier=1, sample_rate=0.1, steps=1, accountant="rdp")
+        raise RuntimeError("loss diverged at step 3")
     after = counts(store_url)
     assert after["runs"] == before["runs"] + 1
     assert after["metrics"] == before["metrics"] and after["privacy_ledger"] == before["privacy_ledger"]
@@ -74,9 +76,11 @@ def test_task_that_raises_leaves_failed_row_and_no_metrics(store_url: str) -> No
 
 
 def test_keyboard_interrupt_marks_run_failed_interrupted(store_url: str) -> None:
-    with pytest.raises(KeyboardInterrupt):
-        with record_run(flow="prepare", stage="data", technique="t", config={}, track=False):
-            raise KeyboardInterrupt
+    with (
+        pytest.raises(KeyboardInterrupt),
+        record_run(flow="prepare", stage="data", technique="t", config={}, track=False),
+    ):
+        raise KeyboardInterrupt
     (row,) = ResultsRepository().list_runs()
     assert row["status"] == "failed" and row["error"].startswith("interrupted")
 
@@ -91,16 +95,20 @@ def test_fail_open_runs_closes_what_this_process_left_running(store_url: str) ->
 
 
 def test_non_finite_metric_is_refused_and_run_fails(store_url: str) -> None:
-    with pytest.raises(ValueError, match="metric 'loss' has non-finite value nan"):
-        with record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec:
-            rec.metric("loss", float("nan"))
+    with (
+        pytest.raises(ValueError, match="metric 'loss' has non-finite value nan"),
+        record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec,
+    ):
+        rec.metric("loss", float("nan"))
     assert ResultsRepository().list_runs()[0]["status"] == "failed"
 
 
 def test_unknown_attack_field_is_refused(store_url: str) -> None:
-    with pytest.raises(ValueError, match="unknown attack-result fields \\['aucc'\\]"):
-        with record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec:
-            rec.attack(attack="lira", target="m", aucc=0.5)
+    with (
+        pytest.raises(ValueError, match="unknown attack-result fields \\['aucc'\\]"),
+        record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec,
+    ):
+        rec.attack(attack="lira", target="m", aucc=0.5)
 
 
 def test_query_is_read_only_and_answers_sql(store_url: str) -> None:
@@ -169,9 +177,11 @@ def test_sqlite_store_runs_in_wal_mode(home: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_metric_name_mlflow_cannot_store_is_refused_early(store_url: str) -> None:
-    with pytest.raises(ValueError, match="'ndcg_at_10' instead of 'ndcg@10'"):
-        with record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec:
-            rec.metric("ndcg@10", 0.1)
+    with (
+        pytest.raises(ValueError, match="'ndcg_at_10' instead of 'ndcg@10'"),
+        record_run(flow="f", stage="s", technique="t", config={}, track=False) as rec,
+    ):
+        rec.metric("ndcg@10", 0.1)
 
 
 def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
@@ -212,6 +222,8 @@ def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
 
 
 def test_seqrec_dataset_without_counts_is_refused(store_url: str) -> None:
-    with pytest.raises(ValueError, match="needs n_users, n_items and n_interactions"):
-        with record_run(flow="prepare", stage="data", technique="x", config={}, track=False) as rec:
-            rec.dataset(name="d", content_hash="c", cache_key="k", path="/p", source="s", stats={"n_users": 1})
+    with (
+        pytest.raises(ValueError, match="needs n_users, n_items and n_interactions"),
+        record_run(flow="prepare", stage="data", technique="x", config={}, track=False) as rec,
+    ):
+        rec.dataset(name="d", content_hash="c", cache_key="k", path="/p", source="s", stats={"n_users": 1})

@@ -49,10 +49,12 @@ def test_params_metrics_tags_and_nesting_round_trip(home: Path, mlflow_uri: str)
 
 
 def test_failed_run_is_failed_in_mlflow_with_no_metrics(home: Path, mlflow_uri: str) -> None:
-    with pytest.raises(ZeroDivisionError):
-        with record_run(flow="f", stage="attacks", technique="lira", config={}) as rec:
-            rec.metric("auc", 0.9)
-            _ = 1 / 0
+    with (
+        pytest.raises(ZeroDivisionError),
+        record_run(flow="f", stage="attacks", technique="lira", config={}) as rec,
+    ):
+        rec.metric("auc", 0.9)
+        _ = 1 / 0
     row = ResultsRepository().get_run(rec.run_id)
     found = search(mlflow_uri, row["mlflow_run_id"])
     assert found["status"] == "FAILED"

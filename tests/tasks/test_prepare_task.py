@@ -9,8 +9,8 @@ import pytest
 
 from core.errors import DataError
 from privbench.config import DatasetSpec
-from tasks.prepare import SourceRef, cache_key, load_prepared, materialize_source, prepare_dataset
 from storage.recording import record_run
+from tasks.prepare import SourceRef, cache_key, load_prepared, materialize_source, prepare_dataset
 
 
 def _source(path: Path, text: str) -> SourceRef:

@@ -323,7 +323,7 @@ def test_reattention_corrects_every_pre_ln_block_but_only_the_first_post_ln_bloc
     seen: list[bool] = []
     original = CausalSelfAttention.forward
 
-    def spy(self, x, key_valid, score_correction=None):  # noqa: ANN001, ANN202
+    def spy(self, x, key_valid, score_correction=None):
         seen.append(score_correction is not None)
         return original(self, x, key_valid, score_correction)
 
