@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = ["train_dp.datasets=[{name: ml-100k}]", "train_dp.methods=[transformer]", "train_dp.nonprivate=false",
         "train_dp.peers=[]", "train_dp.workers=1", "train_dp.max_len=20", "train_dp.d_model=32"]
-HEARTBEAT_S, ZOMBIE_AFTER_S = 30, 65  # Prefect's shortest heartbeat period; two missed heartbeats crash a run
+HEARTBEAT_S, ZOMBIE_AFTER_S = 30, 90  # Prefect's shortest heartbeat period; 3 missed heartbeats crash a run (its docs)
 
 
 @dataclass
