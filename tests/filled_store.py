@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from privbench.config import BenchmarkConfig, PrepareConfig, validate
+from privbench.config import BenchmarkConfig, validate
 from privbench.config_attacks import AttacksConfig
 
 
@@ -52,31 +51,15 @@ def _fill_train_dp() -> str:
 
 
 def _fill_tangent(scratch: Path, home: Path) -> str:
-    from transformers import Dinov2Config, Dinov2Model
-
     from flows.tangent import tangent_flow, tangent_runner
     from storage.recording import record_run
-    from tasks.prepare_images import prepare_image_dataset, write_prepared_model
-    from tests.flows.test_tangent_flow import _config, _write_idx
+    from tests.flows.test_tangent_flow import _config, prepare_tiny_inputs
 
-    gen = torch.Generator().manual_seed(0)
-    folder = scratch / "idx"
-    folder.mkdir(parents=True)
-    _write_idx(folder, "train", 48, gen)
-    _write_idx(folder, "t10k", 16, gen)
     cfg = _config()
     assert cfg.tangent is not None
     with record_run(flow="prepare", stage="data", technique="flow", config={}, profile="tiny",
                     track=False) as parent:
-        images = prepare_image_dataset.fn(cfg.prepare.images[0].model_copy(update={"path": str(folder)}),
-                                          parent.ref)
-    torch.manual_seed(0)
-    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                   image_size=28, patch_size=14)).eval()
-    model_dir = home / "models" / "tiny-vit"
-    write_prepared_model(vit, model_dir, name="tiny-vit", cache_key="k", source="test", source_sha256="s", spec={},
-                         stats={})
-    prepared = {"images": images.path, "model": str(model_dir)}
+        prepared = prepare_tiny_inputs(scratch / "idx", home, parent.ref)
     summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
         cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
     return summary["run_id"]
@@ -99,20 +82,10 @@ def _fill_stip() -> str:
 def _fill_attacks(scratch: Path) -> str:
     """FILM + SEB utility (the attacks flow test's config) and the membership audit, in one attacks flow run."""
     from flows.attacks import attacks_flow
-    from tests.core.data.test_text import write_mo
-    from tests.flows.test_attacks_flow import TINY, _sentences
+    from tests.flows.test_attacks_flow import TINY, write_texts
 
     scratch.mkdir(parents=True)
-    (scratch / "private.txt").write_text("\n".join(_sentences(80, 1)))
-    (scratch / "public.txt").write_text("\n".join(_sentences(80, 2)))
-    mo_dir = scratch / "LC_MESSAGES"
-    mo_dir.mkdir()
-    write_mo(mo_dir / "demo.mo", {f"Could not open the file number {i} for reading": f"Datei Nummer {i} nicht lesbar"
-                                  for i in range(40)})
-    prepare = PrepareConfig(texts=(
-        {"name": "private", "source": "text-file", "path": str(scratch / "private.txt"), "n_test": 10},
-        {"name": "public", "source": "text-file", "path": str(scratch / "public.txt"), "n_test": 10},
-        {"name": "de-en", "source": "gettext-de-en", "path": str(mo_dir), "n_test": 8}))
+    prepare = write_texts(scratch)
     audited = validate(BenchmarkConfig, {
         "profile": "tiny",
         "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",

@@ -34,6 +34,11 @@ def _sentences(n: int, seed: int) -> list[str]:
 
 @pytest.fixture
 def prepare(tmp_path: Path) -> PrepareConfig:
+    return write_texts(tmp_path)
+
+
+def write_texts(tmp_path: Path) -> PrepareConfig:
+    """Two English text files and a German-English gettext catalogue under ``tmp_path``, and their config."""
     (tmp_path / "private.txt").write_text("\n".join(_sentences(80, 1)))
     (tmp_path / "public.txt").write_text("\n".join(_sentences(80, 2)))
     mo_dir = tmp_path / "LC_MESSAGES"

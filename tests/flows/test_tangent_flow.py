@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,15 +45,20 @@ def _write_idx(folder: Path, prefix: str, n: int, gen: torch.Generator) -> None:
 
 @pytest.fixture
 def prepared(home: Path, tmp_path: Path) -> dict[str, str]:
-    gen = torch.Generator().manual_seed(0)
-    folder = tmp_path / "idx"
-    folder.mkdir()
-    _write_idx(folder, "train", 48, gen)
-    _write_idx(folder, "t10k", 16, gen)
     with record_run(flow="prepare", stage="data", technique="flow", config={}, track=False) as parent:
         pass
+    return prepare_tiny_inputs(tmp_path / "idx", home, parent.ref)
+
+
+def prepare_tiny_inputs(folder: Path, home: Path, parent_ref: Any) -> dict[str, str]:
+    """Tiny MNIST-format images prepared under ``parent_ref`` and a tiny ViT in ``home/models``: the
+    ``prepared`` mapping the tangent flow takes."""
+    gen = torch.Generator().manual_seed(0)
+    folder.mkdir(parents=True)
+    _write_idx(folder, "train", 48, gen)
+    _write_idx(folder, "t10k", 16, gen)
     cfg = _config()
-    images = prepare_image_dataset.fn(cfg.prepare.images[0].model_copy(update={"path": str(folder)}), parent.ref)
+    images = prepare_image_dataset.fn(cfg.prepare.images[0].model_copy(update={"path": str(folder)}), parent_ref)
     torch.manual_seed(0)
     vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                    image_size=28, patch_size=14)).eval()
