@@ -25,3 +25,12 @@ class PrivacyError(PrivbenchError):
 
 class StoreError(PrivbenchError):
     """The results store or tracking backend cannot be reached or is inconsistent."""
+
+
+class DivergedError(PrivbenchError, ValueError):
+    """Training diverged: the loss (or a gradient) became NaN/inf, or exploded far above its initial value.
+
+    Raised by :class:`core.divergence.DivergenceGuard` from every training loop. The message names the step, the
+    loss and the limit it crossed, and what to lower (the learning rate, for DP-SGD also the clip norm); a
+    ``ValueError`` because the cause is a hyper-parameter value, never retried as if transient.
+    """

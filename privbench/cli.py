@@ -1,31 +1,40 @@
-"""The ``privbench`` command line (Typer). Machine-readable output (``--json``) goes to stdout; progress,
-tables and hints go to stderr, so ``privbench results list --json | jq`` always works."""
+"""The ``privbench`` command line: run the benchmark's Prefect flows, record them in the results store and
+MLflow, and query the results. Machine-readable output (``--json``) goes to stdout; progress, tables and hints
+go to stderr, so ``privbench results list --json | jq`` always works.
+
+Everything shown is shown literally (user values are never read as Rich markup) and with the passwords of URLs
+redacted (``core.redact``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from core.errors import ConfigError, PrivbenchError
+from core.redact import redact_url
 from privbench.settings import get_settings
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0] if __doc__ else None,
+# the names of privbench.runner.FLOWS, kept here so that the command line starts without importing the configs
+FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
+PROFILE_HELP = "run profile (configs/<name>.yaml): quick (every stage in minutes, CI) or paper (paper scale)"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=" ".join(__doc__.split("\n\n")[0].split()),
                   pretty_exceptions_enable=False)
 results_app = typer.Typer(no_args_is_help=True, help="Query the results store.")
 app.add_typer(results_app, name="results")
 err = Console(stderr=True, soft_wrap=True)
 
-ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="run profile: quick (CI, minutes) or paper")]
+ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="a YAML config file instead of the profile")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override one value: key=value (repeatable)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
@@ -37,14 +46,14 @@ def main() -> None:
 
 @app.command()
 def run(
-    flow: Annotated[str, typer.Argument(help="which flow: prepare, train-dp, benchmark")],
+    flow: Annotated[str, typer.Argument(help=f"which flow: {', '.join(FLOW_NAMES)} (benchmark: the whole chain)")],
     profile: ProfileOpt = "quick",
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Run a stage flow (or the whole ``benchmark`` chain) and record it in the store and MLflow."""
     from privbench.config import load_config
-    from privbench.runner import FLOWS, run_flow
+    from privbench.runner import FLOWS
 
     if flow not in FLOWS:
         _fail(f"unknown flow {flow!r}; known flows: {', '.join(FLOWS)}", code=2)
@@ -52,23 +61,22 @@ def run(
         cfg = load_config(profile, config_file=config, overrides=tuple(set_ or ()))
     except ConfigError as exc:
         _fail(str(exc), code=2)
-    previous = _handle_interrupts()
+    from privbench.supervisor import FlowFailed, Interrupted, run_supervised
+
     try:
         with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
-            summary = run_flow(flow, cfg)
-    except BaseException as exc:
-        if _interrupted.is_set():
-            raise typer.Exit(130) from None
-        if os.environ.get("PRIVBENCH_DEBUG") or not isinstance(exc, Exception):
-            raise
-        kind = "" if isinstance(exc, PrivbenchError) else f"{type(exc).__name__}: "
-        _fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`; "
-              "set PRIVBENCH_DEBUG=1 for the traceback)")
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if _interrupted.is_set():
-        raise typer.Exit(130)
+            summary = run_supervised(flow, cfg, echo=lambda line: err.print(line, markup=False, highlight=False))
+    except Interrupted:
+        # everything is recorded; leave now rather than wait on library threads and finalizers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    except FlowFailed as exc:
+        kind = f"{exc.kind}: " if exc.kind else ""
+        hint = "" if os.environ.get("PRIVBENCH_DEBUG") else "; set PRIVBENCH_DEBUG=1 for the traceback"
+        _fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`{hint})")
+    except PrivbenchError as exc:  # the store is unreachable, a bad setting: before anything ran
+        _fail(str(exc))
     _print_summary(flow, summary)
 
 
@@ -90,7 +98,7 @@ def bench(
 
     if list_ or not name:
         for key, spec in BENCHMARKS.items():
-            err.print(f"[cyan]{key}[/]: {spec.description}")
+            err.print(f"[cyan]{_shown(key)}[/]: {_shown(spec.description)}")
         return
     if name not in BENCHMARKS:
         _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
@@ -113,9 +121,13 @@ def results_list(
     stage: Annotated[str | None, typer.Option(help="only this stage")] = None,
     flow: Annotated[str | None, typer.Option(help="only this flow")] = None,
     status: Annotated[str | None, typer.Option(help="running, finished or failed")] = None,
-    limit: Annotated[int, typer.Option(help="newest N runs (0 = all)")] = 50,
+    limit: Annotated[int, typer.Option(min=0, help="newest N runs (0 = all)")] = 50,
 ) -> None:
-    """Runs, newest first."""
+    """Runs, newest first. Filters that match nothing (an unknown stage or flow) list nothing."""
+    from storage.models import RUN_STATUSES
+
+    if status is not None and status not in RUN_STATUSES:
+        _fail(f"unknown --status {status!r}; use one of {', '.join(RUN_STATUSES)}", code=2)
     repo = _repo()
     rows = _store_call(lambda: repo.list_runs(stage=stage, flow=flow, status=status, limit=limit or None))
     if as_json:
@@ -124,9 +136,9 @@ def results_list(
     table = Table("id", "flow", "stage", "technique", "dataset", "status", "started", "secs", "mlflow run")
     for r in rows:
         colour = {"finished": "green", "failed": "red"}.get(r["status"], "yellow")
-        table.add_row(r["id"][:12], r["flow"], r["stage"], r["technique"], r["dataset"] or "",
-                      f"[{colour}]{r['status']}[/]", (r["started_at"] or "")[:19],
-                      f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "", r["mlflow_run_id"] or "")
+        table.add_row(_cell(r["id"][:12]), _cell(r["flow"]), _cell(r["stage"]), _cell(r["technique"]),
+                      _cell(r["dataset"]), Text(r["status"], style=colour), _cell((r["started_at"] or "")[:19]),
+                      _secs(r["duration_s"]), _cell(r["mlflow_run_id"]))
     Console().print(table)
 
 
@@ -139,10 +151,11 @@ def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique 
         print(json.dumps(data, indent=2))
         return
     out = Console()
-    out.print(f"[bold]{data['id']}[/]  {data['flow']}/{data['stage']}/{data['technique']}  "
-              f"dataset={data['dataset']}  status={data['status']}  mlflow={data['mlflow_run_id']}")
+    out.print(Text.assemble((data["id"], "bold"), _literal(
+        f"  {data['flow']}/{data['stage']}/{data['technique']}  dataset={data['dataset']}  "
+        f"status={data['status']}  mlflow={data['mlflow_run_id']}")))
     if data["error"]:
-        out.print(f"[red]error[/]: {data['error']}")
+        out.print(Text.assemble(("error", "red"), ": ", _literal(data["error"])))
     for section in ("metrics", "privacy_ledger", "mpc_costs", "attack_results", "datasets", "children"):
         rows = data[section]
         if section == "datasets":
@@ -178,7 +191,7 @@ def results_query(
         writer.writerow(columns)
         writer.writerows(["" if v is None else v for v in row] for row in rows)
     else:
-        table = Table(*columns)
+        table = Table(*(escape(str(c)) for c in columns))
         for row in rows:
             table.add_row(*(_cell(v) for v in row))
         Console().print(table)
@@ -193,8 +206,51 @@ def results_export(
     if fmt not in ("csv", "parquet"):
         _fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
     repo = _repo()
-    for path in _store_call(lambda: repo.export(out, fmt)):  # type: ignore[arg-type]
-        err.print(f"wrote {path}")
+    try:
+        written = _store_call(lambda: repo.export(out, fmt))  # type: ignore[arg-type]
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else out
+        _fail(f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
+              "create and write to (e.g. --out ./privbench-export)")
+    for path in written:
+        err.print(f"wrote {_shown(path)}")
+
+
+@results_app.command("reap")
+def results_reap(
+    older_than: Annotated[float | None, typer.Option(
+        "--older-than", metavar="SECONDS",
+        help="a run of another host (or of an unknown process) is stale after this long without a heartbeat; "
+             "default PRIVBENCH_STALE_AFTER_SECONDS or 600. A run whose process is gone from this host is stale "
+             "at once; one whose process still runs here never is")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark ``failed`` the runs left ``running`` by a killed process or a lost host (store and MLflow), with the
+    reason; their Prefect flow runs are set Crashed when PREFECT_API_URL names a server. Every flow start does
+    the same."""
+    from storage.recording import reap_stale_runs
+
+    if older_than is not None and older_than < 0:
+        _fail(f"--older-than must be >= 0 seconds, got {older_than:g}", code=2)
+    stale = _store_call(lambda: reap_stale_runs(older_than))
+    crashed = 0
+    flow_runs = {s.prefect_flow_run_id for s in stale if s.prefect_flow_run_id}
+    if flow_runs and os.environ.get("PREFECT_API_URL"):
+        from tasks.records import end_prefect_flow_runs
+
+        try:
+            crashed = end_prefect_flow_runs(flow_runs, "Crashed: reaped by `privbench results reap`")
+        except Exception as exc:  # noqa: BLE001 -- the store is already right; say what was left undone
+            err.print(Text(f"note: could not set the Prefect flow runs Crashed ({type(exc).__name__}: {exc})"))
+    rows = [{"run_id": s.run_id, "flow": s.flow, "stage": s.stage, "reason": s.reason,
+             "prefect_flow_run_id": s.prefect_flow_run_id} for s in stale]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            err.print(Text(f"reaped {r['run_id'][:12]} ({r['flow']}/{r['stage']}): {r['reason']}"))
+    err.print(Text(f"{len(rows)} stale run(s) marked failed"
+                   + (f"; {crashed} Prefect flow run(s) set Crashed" if crashed else "")))
 
 
 @app.command()
@@ -205,10 +261,11 @@ def ui(
 ) -> None:
     """Start the MLflow UI on the configured tracking store (or print the command with --print)."""
     cmd = mlflow_ui_command(port=port, host=host)
+    shown = redact_url(shlex.join(cmd))  # the real command keeps the tracking store's password
     if print_only:
-        print(shlex.join(cmd))
+        print(shown)
         return
-    err.print(f"MLflow UI on http://{host}:{port}  (Ctrl-C stops)\n  {shlex.join(cmd)}")
+    err.print(_literal(f"MLflow UI on http://{host}:{port}  (Ctrl-C stops)\n  {shown}"))
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     os.execvpe(cmd[0], cmd, env)
 
@@ -240,8 +297,9 @@ def serve(
         _fail(str(exc), code=2)
     for dep in deps:
         crons = ", ".join(s["cron"] for s in dep.get("schedules") or ()) if schedules else ""
-        err.print(f"serving [cyan]{dep['name']}[/] ({dep['entrypoint']}){'  cron ' + crons if crons else ''}")
-    d.serve(deps, schedules=schedules, echo=err.print)
+        err.print(f"serving [cyan]{_shown(dep['name'])}[/] ({_shown(dep['entrypoint'])})"
+                  f"{'  cron ' + _shown(crons) if crons else ''}")
+    d.serve(deps, schedules=schedules, echo=lambda message: err.print(_literal(message)))
 
 
 @app.command()
@@ -271,15 +329,16 @@ def deploy(
     except ConfigError as exc:
         _fail(str(exc), code=2)
     for name in created:
-        err.print(f"created work pool [cyan]{name}[/] (type process)")
+        err.print(f"created work pool [cyan]{_shown(name)}[/] (type process)")
     for dep in deps:
-        err.print(f"deployed [cyan]{dep['entrypoint'].rsplit(':', 1)[1].replace('_', '-')}/{dep['name']}[/] "
-                  f"-> pool {dep['work_pool']['name']}")
+        flow_name = dep["entrypoint"].rsplit(":", 1)[1].replace("_", "-")
+        err.print(f"deployed [cyan]{_shown(flow_name)}/{_shown(dep['name'])}[/] "
+                  f"-> pool {_shown(dep['work_pool']['name'])}")
     if zombie in {"created", "updated"}:
         err.print(f"{zombie} automation [cyan]{d.ZOMBIE_AUTOMATION}[/] (after {within:g} s without a heartbeat)")
     elif zombie == "disabled":
         err.print(f"disabled automation [cyan]{d.ZOMBIE_AUTOMATION}[/]")
-    err.print(f"registered {len(deps)} deployment(s) on {url}. Start workers from the repository root:\n"
+    err.print(f"registered {len(deps)} deployment(s) on {_shown(url)}. Start workers from the repository root:\n"
               "  prefect worker start --pool cpu --type process\n  prefect worker start --pool gpu --type process")
 
 
@@ -291,10 +350,11 @@ def dashboard(
 ) -> None:
     """Start the Streamlit dashboard over the results store (links go to the MLflow UI of ``privbench ui``)."""
     cmd = dashboard_command(port=port, host=host)
+    shown = redact_url(shlex.join(cmd))
     if print_only:
-        print(shlex.join(cmd))
+        print(shown)
         return
-    err.print(f"dashboard on http://{host}:{port}  (Ctrl-C stops)\n  {shlex.join(cmd)}")
+    err.print(_literal(f"dashboard on http://{host}:{port}  (Ctrl-C stops)\n  {shown}"))
     os.execvpe(cmd[0], cmd, os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
 
 
@@ -342,54 +402,45 @@ def _print_summary(flow: str, summary: dict[str, Any]) -> None:
         if r["id"] in ids or r["parent_id"] in ids:
             ids.add(r["id"])
             mine.append(r)
-    table = Table("run", "stage", "technique", "dataset", "status", "secs", title=f"flow {flow}")
+    table = Table("run", "stage", "technique", "dataset", "status", "secs", title=f"flow {_shown(flow)}")
     for r in mine:
-        table.add_row(r["id"][:12], r["stage"], r["technique"], r["dataset"] or "", r["status"],
-                      f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "")
+        table.add_row(*(_cell(v) for v in (r["id"][:12], r["stage"], r["technique"], r["dataset"], r["status"])),
+                      _secs(r["duration_s"]))
     err.print(table)
-    err.print(
-        f"[green]done[/]. Results store: {settings.db_url}\n"
+    err.print(Text.assemble(("done", "green"), _literal(
+        f". Results store: {settings.db_url}\n"
         f"  MLflow tracking: {settings.tracking_uri}\n"
         f"  list runs:      privbench results list\n"
         f"  this flow run:  privbench results show {summary['run_id'][:12]}\n"
         f"  query:          privbench results query \"select name, value from metrics limit 20\"\n"
         f"  MLflow UI:      privbench ui   (then open http://127.0.0.1:5000)"
-    )
+    )))
 
 
-_interrupted = threading.Event()
-
-
-def _handle_interrupts() -> dict[int, Any]:
-    """Ctrl-C or SIGTERM: mark every run this process holds open ``failed`` (interrupted) at once, then stop.
-
-    The runs are marked in the handler itself, so the contract holds even where a library swallows the
-    KeyboardInterrupt: work that later tries to finish an interrupted run is refused by the store. A
-    second signal exits immediately.
-    """
-
-    def handler(signum: int, frame: Any) -> None:
-        if _interrupted.is_set():
-            os._exit(130)
-        _interrupted.set()
-        from storage.recording import fail_open_runs
-
-        name = signal.Signals(signum).name
-        failed = fail_open_runs(f"interrupted ({name})")
-        err.print(f"[yellow]interrupted[/] ({name}): marked {len(failed)} open run(s) failed; stopping")
-        raise KeyboardInterrupt(name)
-
-    return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _cell(value: Any) -> str:
+def _cell(value: Any) -> Text:
+    """A table cell, shown literally."""
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return Text(f"{value:.6g}")
     if isinstance(value, dict | list):
-        return json.dumps(value)[:80]
-    return "" if value is None else str(value)
+        return _literal(json.dumps(value)[:80])
+    return _literal("" if value is None else str(value))
+
+
+def _secs(value: float | None) -> Text:
+    return Text("" if value is None else f"{value:.1f}")
+
+
+def _literal(text: str) -> Text:
+    """``text`` as it is (never read as Rich markup), with the passwords of any URLs in it redacted."""
+    return Text(redact_url(text))
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an f-string that is printed as Rich markup: redacted, then escaped to show literally."""
+    return escape(redact_url(str(value)))
 
 
 def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error[/]: {message}", highlight=False)
+    """Print ``message`` literally (redacted) as the error and exit with ``code``."""
+    err.print(Text.assemble(("error", "bold red"), ": ", _literal(message)), highlight=False)
     raise typer.Exit(code)

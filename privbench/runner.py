@@ -79,3 +79,11 @@ FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
 
 def run_flow(name: str, cfg: BenchmarkConfig) -> dict[str, Any]:
     return FLOWS[name](cfg)
+
+
+if __name__ == "__main__":  # the flow process of ``privbench run`` (see privbench.supervisor)
+    import sys
+
+    from privbench.supervisor import child_main
+
+    sys.exit(child_main(sys.argv[1:]))

@@ -54,6 +54,10 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(255))
     privbench_version: Mapped[str | None] = mapped_column(String(32))
+    # liveness of a ``running`` row: the process holding it (on ``host``) and its last heartbeat
+    pid: Mapped[int | None] = mapped_column(Integer)
+    pid_started: Mapped[float | None] = mapped_column(Float)  # the process's start time (epoch s): PID reuse
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     metrics: Mapped[list[Metric]] = relationship(back_populates="run", cascade="all, delete-orphan")
     mpc_costs: Mapped[list[MpcCost]] = relationship(back_populates="run", cascade="all, delete-orphan")

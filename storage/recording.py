@@ -37,14 +37,14 @@ import privbench
 from core.errors import StoreError
 from privbench.config import canonical_json, config_hash, flatten
 from privbench.settings import get_settings
-from storage import provenance
+from storage import liveness, provenance
 from storage.db import session_scope
 from storage.models import AttackResult, Dataset, Metric, MpcCost, PrivacyLedger, Run
 from storage.tracking import Tracker
 
 _ATTACK_FIELDS = frozenset(c.name for c in AttackResult.__table__.columns) - {"id", "run_id", "extra_json"}
 _METRIC_NAME = re.compile(r"[\w\-. :/]{1,250}")
-_open_runs: dict[str, RunRef] = {}
+_open_runs: dict[str, tuple[RunRef, str]] = {}  # run id -> (handle, store URL) of the rows this process holds
 _open_lock = threading.RLock()
 _trackers: dict[tuple[str, str | None], Tracker] = {}
 
@@ -180,6 +180,8 @@ def start_run(
         git_commit=provenance.git_commit(), host=provenance.host(), device=provenance.device(),
         privbench_version=privbench.__version__,
     )
+    row.pid, row.pid_started = liveness.this_process()
+    row.heartbeat_at = row.started_at
     with session_scope(settings.db_url) as session:
         session.add(row)
     ref = RunRef(run_id, None, flow, stage, profile, track)
@@ -197,8 +199,23 @@ def start_run(
         fail_run(ref, exc)
         raise
     with _open_lock:
-        _open_runs[run_id] = ref
+        _open_runs[run_id] = (ref, settings.db_url)
+    _heartbeat.ensure_started()
     return Recorder(ref=ref)
+
+
+def _held() -> dict[str, str]:
+    with _open_lock:
+        return {run_id: url for run_id, (_ref, url) in _open_runs.items()}
+
+
+def _release(run_ids: Any) -> None:
+    with _open_lock:
+        for run_id in run_ids:
+            _open_runs.pop(run_id, None)
+
+
+_heartbeat = liveness.Heartbeat(_held, _release)
 
 
 def finish_run(recorder: Recorder) -> None:
@@ -237,9 +254,35 @@ def fail_open_runs(reason: str) -> list[str]:
     with _open_lock:
         pending = dict(_open_runs)
         _open_runs.clear()
-    for ref in pending.values():
+    for ref, _url in pending.values():
         fail_run(ref, KeyboardInterrupt(reason))
     return list(pending)
+
+
+def fail_runs_of_processes(pids: set[int], reason: str, *, interrupted: bool = True) -> list[tuple[str, str | None]]:
+    """Mark ``failed`` the ``running`` rows held by these processes of this host, e.g. a stopped command's flow
+    process and its workers; ``interrupted``: stopped on purpose (MLflow ``KILLED``), else ``FAILED``. Returns
+    (run id, Prefect flow-run id) of each."""
+    if not pids:
+        return []
+    with session_scope(get_settings().db_url) as session:
+        rows = session.execute(select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile,
+                                      Run.prefect_flow_run_id).where(
+            Run.status == "running", Run.host == provenance.host(), Run.pid.in_(sorted(pids)))).all()
+    for run_id, mlflow_run_id, flow, stage, profile, _ in rows:
+        fail_run(RunRef(run_id, mlflow_run_id, flow, stage, profile, mlflow_run_id is not None),
+                 KeyboardInterrupt(reason) if interrupted else reason)
+    return [(r[0], r[5]) for r in rows]
+
+
+def reap_stale_runs(older_than: float | None = None) -> list[liveness.Stale]:
+    """Mark ``failed`` every stale ``running`` row of the store (its process gone, or no heartbeat for
+    ``older_than`` seconds; see ``storage.liveness``), store and MLflow (``FAILED``), with the reason."""
+    stale = liveness.find_stale(get_settings().db_url, older_than=older_than)
+    for s in stale:
+        fail_run(RunRef(s.run_id, s.mlflow_run_id, s.flow, s.stage, s.profile, s.mlflow_run_id is not None),
+                 s.reason)
+    return stale
 
 
 def running_prefect_flow_runs() -> list[str]:
@@ -249,7 +292,7 @@ def running_prefect_flow_runs() -> list[str]:
             Run.status == "running", Run.prefect_flow_run_id.is_not(None))))
 
 
-def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str) -> int:
+def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str | BaseException) -> int:
     """Mark still-running rows of a Prefect flow run failed, store and MLflow (flow on_failure/on_crashed hooks)."""
     with session_scope(get_settings().db_url) as session:
         rows = session.execute(select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile).where(
@@ -316,17 +359,22 @@ def _fail(db_url: str, ref: RunRef, exc: BaseException | str, tracker: Tracker |
     if isinstance(exc, str):
         error = exc
     else:
-        error = f"interrupted: {exc or type(exc).__name__}" if interrupted else f"{type(exc).__name__}: {exc}"
+        text = str(exc) or type(exc).__name__
+        error = (text if text.startswith("interrupted") else f"interrupted: {text}") if interrupted else \
+            f"{type(exc).__name__}: {exc}"
     finished = _now()
+    ended_elsewhere = False
     try:
         with session_scope(db_url) as session:
-            started = session.scalar(select(Run.started_at).where(Run.id == ref.run_id))
-            session.execute(update(Run).where(Run.id == ref.run_id, Run.status == "running").values(
+            started, status = session.execute(select(Run.started_at, Run.status).where(Run.id == ref.run_id)).one()
+            result = session.execute(update(Run).where(Run.id == ref.run_id, Run.status == "running").values(
                 status="failed", error=error[:20000], finished_at=finished,
                 duration_s=_seconds(started, finished)))
+            # already finished or failed (by a reaper, an interrupt, another process): its MLflow run is final
+            ended_elsewhere = result.rowcount == 0 and status != "running"
     except Exception as store_exc:  # noqa: BLE001 -- never mask the run's own error
         _note(exc, f"privbench: could not mark run {ref.run_id} failed in the store: {store_exc}")
-    if tracker is not None and ref.mlflow_run_id is not None:
+    if tracker is not None and ref.mlflow_run_id is not None and not ended_elsewhere:
         try:
             tracker.set_tags(ref.mlflow_run_id, {"privbench.error": error[:5000]})
             tracker.end_run(ref.mlflow_run_id, "KILLED" if interrupted else "FAILED")

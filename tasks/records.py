@@ -27,6 +27,7 @@ from storage.recording import (
     RunRef,
     fail_runs_of_prefect_flow,
     finish_run,
+    reap_stale_runs,
     record_run,
     running_prefect_flow_runs,
     start_run,
@@ -115,18 +116,25 @@ def _figures(ref: RunRef, out_dir: Path) -> list[Path]:
 def mark_flow_failed(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow ``on_failure``/``on_crashed``/``on_cancellation`` hook: no row of this flow run stays ``running``."""
     message = getattr(state, "message", None) or f"flow run ended {getattr(state, 'name', 'badly')}"
-    fail_runs_of_prefect_flow(str(flow_run.id), f"{getattr(state, 'name', 'Failed')}: {message}")
+    error: str | BaseException = f"{getattr(state, 'name', 'Failed')}: {message}"
+    if "aborted by an interrupt signal" in message or "aborted by a termination signal" in message:
+        error = KeyboardInterrupt(error)  # stopped, not broken: MLflow KILLED, as for an interrupted command
+    fail_runs_of_prefect_flow(str(flow_run.id), error)
 
 
 def reconcile_lost_runs() -> int:
-    """Mark failed the rows still ``running`` of flow runs lost with their worker (a killed process cannot run its
-    crash hooks): those whose Prefect flow run, or one of its ancestors, has ended. The flow runs that were left
-    Running are set Crashed. Flow runs that are still going, or that this Prefect API does not know, are left
-    alone. Returns the number of rows failed."""
+    """Mark failed the rows still ``running`` of runs lost with their process or worker (a killed process cannot
+    run its crash hooks): first the stale rows (their process gone from this host, or no heartbeat for the stale
+    window: ``storage.liveness``), then those whose Prefect flow run, or one of its ancestors, has ended. The
+    Prefect flow runs of both that were left Running are set Crashed. Flow runs that are still going, or that this
+    Prefect API does not know, are left alone. Returns the number of rows failed."""
     from prefect.states import Crashed
 
-    failed = 0
+    stale = reap_stale_runs()
+    failed = len(stale)
     with _client() as client:
+        for fr_id, reason in {s.prefect_flow_run_id: s.reason for s in stale if s.prefect_flow_run_id}.items():
+            crash_flow_run(client, fr_id, f"Crashed: {reason}")
         for fr_id, chain in _chains(client):
             ended = next((fr for fr in chain if fr.state is not None and fr.state.is_final()), None)
             if ended is None:
@@ -138,6 +146,30 @@ def reconcile_lost_runs() -> int:
     if failed:
         log.warning("marked %d run(s) of lost flow runs failed", failed)
     return failed
+
+
+def crash_flow_run(client: Any, flow_run_id: str, message: str, *, cancelled: bool = False) -> bool:
+    """Set a Prefect flow run that is not final Crashed (or Cancelled); False when it is final or unknown."""
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Cancelled, Crashed
+
+    try:
+        run = client.read_flow_run(flow_run_id)
+    except (ObjectNotFound, ValueError):
+        return False
+    if run.state is not None and run.state.is_final():
+        return False
+    state = Cancelled(message=message) if cancelled else Crashed(message=message)
+    client.set_flow_run_state(flow_run_id, state, force=True)
+    return True
+
+
+def end_prefect_flow_runs(flow_run_ids: set[str], message: str, *, cancelled: bool = False) -> int:
+    """``crash_flow_run`` for each id (an operator's reap, an interrupted command); returns how many changed."""
+    if not flow_run_ids:
+        return 0
+    with _client() as client:
+        return sum(crash_flow_run(client, fr_id, message, cancelled=cancelled) for fr_id in sorted(flow_run_ids))
 
 
 @task(name="reclaim-retried-runs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import torch
 from prefect import task
 
-from core.dp.trainer import EpochLog, TrainResult, method_config, train_seqrec
+from core.data.sequential import SequentialDataset
+from core.dp.trainer import DPTrainConfig, EpochLog, TrainResult, method_config, train_seqrec
+from core.errors import DivergedError
 from privbench.config import TrainDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare import load_prepared
@@ -19,6 +22,8 @@ from tasks.records import RESUMABLE, task_record
 CURVES = ("train_loss", "valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10", "epsilon_spent")
 _METRIC_NAMES = {"valid_ndcg10": "valid_ndcg_at_10", "valid_hit10": "valid_hit_at_10",
                  "test_ndcg10": "test_ndcg_at_10", "test_hit10": "test_hit_at_10"}
+
+logger = logging.getLogger("privbench.train_dp")
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,36 @@ def plan_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
 
 @task(name="train-dp-point", **RESUMABLE)
 def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[str, Any]:
-    """Train one grid point; record curves (step = epoch), best/final metrics, and the privacy ledger."""
+    """Train one grid point; record curves (step = epoch), best/final metrics, and the privacy ledger.
+
+    A point whose training diverges (:class:`~core.errors.DivergedError`, e.g. too large a learning rate) is
+    recorded ``failed`` with the reason and no metrics, and returned with ``status="failed"``: in a sweep a
+    diverging setting is an outcome, so the other points go on. Any other error fails the task (and the flow).
+    """
     torch.set_num_threads(cfg.threads_per_worker)
     data = load_prepared(point.dataset_path)
     train_cfg = method_config(point.method, **train_overrides(point, cfg))
-    with task_record(parent=parent, technique=point.method, config=_run_config(point, train_cfg),
-                     dataset=point.dataset, run_name=point.label) as rec:
-        result = train_seqrec(data, train_cfg, on_epoch=lambda log: _record_epoch(rec, log))
-        _record_result(rec, result, point)
-    return {"run_id": rec.run_id, "label": point.label, "method": point.method, "dataset": point.dataset,
-            "epsilon": point.epsilon, "seed": point.seed, "test_ndcg_at_10": result.test_ndcg10,
+    about = {"label": point.label, "method": point.method, "dataset": point.dataset, "epsilon": point.epsilon,
+             "seed": point.seed}
+    try:
+        with task_record(parent=parent, technique=point.method, config=_run_config(point, train_cfg),
+                         dataset=point.dataset, run_name=point.label) as rec:
+            result = _train(data, train_cfg, rec)
+            _record_result(rec, result, point)
+    except DivergedError as exc:  # raised by training, so ``rec`` is bound and its row is already failed
+        logger.warning("grid point %s diverged (run %s failed): %s", point.label, rec.run_id, exc)
+        return {"run_id": rec.run_id, **about, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    return {"run_id": rec.run_id, **about, "status": "finished", "test_ndcg_at_10": result.test_ndcg10,
             "test_hit_at_10": result.test_hit10, "wall_s": result.wall_s}
+
+
+def _train(data: SequentialDataset, train_cfg: DPTrainConfig, rec: Recorder) -> TrainResult:
+    """``train_seqrec`` with every evaluation recorded; a divergence also names the config keys to change."""
+    try:
+        return train_seqrec(data, train_cfg, on_epoch=lambda log: _record_epoch(rec, log))
+    except DivergedError as exc:
+        keys = "train_dp.lrs, train_dp.clip_norm" if train_cfg.private else "train_dp.lrs"
+        raise type(exc)(f"{exc}; config keys: {keys}") from exc
 
 
 def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.attacks.seb import install_seb
+from core.divergence import DivergenceGuard
 from core.errors import ConfigError, DataError
 
 EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
@@ -220,23 +221,24 @@ def _train_loop(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(seed)
+    guard = DivergenceGuard(hint=f"lower the learning rate (lr={lr:g})")
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         idx = torch.randint(ids.shape[0], (batch_size,), generator=gen)
         out = model(
             input_ids=ids[idx].to(device),
             attention_mask=mask[idx].to(device).long(),
             labels=labels[idx].to(device),
         )
+        losses.append(guard.check(out.loss, step=step))  # DivergedError: NaN/inf or exploding
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         if grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         sched.step()
-        losses.append(float(out.loss.detach()))
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     model.eval()

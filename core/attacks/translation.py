@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from core.attacks.lm import flush_denormals, lr_factor
 from core.attacks.seb import SEBEmbedding, SEBLMHead
+from core.divergence import DivergenceGuard
 from core.errors import ConfigError, DataError
 
 EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
@@ -173,24 +174,24 @@ def train_translation(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(seed)
+    guard = DivergenceGuard(hint=f"lower the learning rate (lr={lr:g})")
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
     with flush_denormals(flush_denormal):
-        for _ in range(steps):
-            losses.append(
-                _train_step(
-                    model,
-                    opt,
-                    sched,
-                    (src, tgt),
-                    gen,
-                    batch_size,
-                    (bos_id, eos_id, pad_id),
-                    label_smoothing,
-                    grad_clip,
-                )
+        for step in range(1, steps + 1):
+            loss = _train_step(
+                model,
+                opt,
+                sched,
+                (src, tgt),
+                gen,
+                batch_size,
+                (bos_id, eos_id, pad_id),
+                label_smoothing,
+                grad_clip,
             )
+            losses.append(guard.check(loss, step=step))  # DivergedError: NaN/inf or exploding
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
     model.eval()

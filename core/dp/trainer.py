@@ -39,7 +39,9 @@ positions), ordinary backward; same optimiser and schedule.
 The training loss and all metrics are diagnostics computed on private data: they are not covered by
 the guarantee (neither is hyper-parameter selection on them, footnote 9).
 
-A non-finite loss or gradient stops training with :class:`TrainingDivergedError` naming the step.
+**Divergence.** A non-finite loss or gradient, or a per-token training loss that explodes above
+``max(10 l_1, l_1 + 10)`` (``l_1``: the first step's; :class:`~core.divergence.DivergenceGuard`), stops
+training with :class:`TrainingDivergedError` naming the step, the loss and the learning rate to lower.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import Tensor, nn
 
 from core.data.sequential import SequentialDataset
+from core.divergence import DivergenceGuard
 from core.dp.accounting import (
     Accountant,
     PrivacyAccountant,
@@ -69,7 +72,7 @@ from core.dp.methods import METHODS, DPTrainConfig, build_reattention, method_co
 from core.dp.noise import privatize_grads_
 from core.dp.reattention import ReAttention
 from core.dp.sampling import poisson_batches, sample_rate_for
-from core.errors import ConfigError, DataError, PrivacyError
+from core.errors import ConfigError, DataError, DivergedError, PrivacyError
 from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
 from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, build_seqrec, sequence_loss
 from core.models.seqrec import Corrections
@@ -90,8 +93,12 @@ EVAL_BATCH_SIZE = 256
 TOP_K = 10
 
 
-class TrainingDivergedError(PrivacyError, ValueError):
-    """The loss or a gradient became NaN/inf; the message names the step (lower the learning rate)."""
+class TrainingDivergedError(DivergedError, PrivacyError):
+    """DP-SGD training diverged: NaN/inf or exploding loss, or a NaN/inf gradient (the message names the step).
+
+    Also a :class:`~core.errors.PrivacyError`: a non-finite gradient voids the clipping bound that the noise is
+    calibrated to, so no such step may be taken.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,6 +302,7 @@ class _Run:
                     clip_norm=cfg.clip_norm, expected_batch_size=plan.expected_batch,
                 )  # fmt: skip
         self.net: nn.Module = self.model if self.clipper is None else self.clipper.model
+        self.guard = DivergenceGuard(hint=_divergence_hint(cfg), error=TrainingDivergedError)
         self.step = 0
         self.loss_sum, self.loss_tokens = 0.0, 0
 
@@ -336,15 +344,17 @@ class _Run:
         correction = self._correction(ids)
         logits = self.net(ids) if correction is None else self.net(ids, score_correction=correction)
         loss = sequence_loss(logits, targets, reduction="none")  # (B,)
-        if not bool(torch.isfinite(loss).all()):
-            kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
-            raise TrainingDivergedError(
-                f"loss is {kind} at step {self.step} (of {self.plan.total_steps}); lower the learning rate "
-                f"(lr={self.cfg.lr!r}) or check the data"
-            )
-        self.loss_sum += float(loss.detach().sum())
-        self.loss_tokens += int((targets != PADDING_ID).sum())
+        total, tokens = float(loss.detach().sum()), int((targets != PADDING_ID).sum())
+        if tokens or not math.isfinite(total):  # the per-token loss; a batch without targets has none
+            self.guard.check(total / max(tokens, 1), step=self.step, epoch=self.epoch)
+        self.loss_sum += total
+        self.loss_tokens += tokens
         return loss
+
+    @property
+    def epoch(self) -> int:
+        """The (1-based) epoch of the current step."""
+        return -(-self.step // self.plan.steps_per_epoch)
 
     def train_step(self, users: Tensor) -> None:
         self.step += 1
@@ -363,8 +373,10 @@ class _Run:
                 )  # fmt: skip
         except TrainingDivergedError:
             raise
-        except PrivacyError as err:
-            raise TrainingDivergedError(f"step {self.step}: {err}") from err
+        except PrivacyError as err:  # privatize_grads_ refuses a non-finite gradient
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step} (epoch {self.epoch}): {err}; {self.guard.hint}"
+            ) from err
         self.optimizer.step()
         self.scheduler.step()
         if self.accountant is not None:
@@ -374,7 +386,8 @@ class _Run:
         norms = torch.stack([p.grad.norm() for p in self.params if p.grad is not None])
         if not bool(torch.isfinite(norms).all()):
             raise TrainingDivergedError(
-                f"gradient is not finite at step {self.step}; lower the learning rate (lr={self.cfg.lr!r})"
+                f"training diverged: gradient is not finite at step {self.step} (epoch {self.epoch}); "
+                f"{self.guard.hint}"
             )
 
     # ---------------------------------------------------------------------------- evaluation
@@ -411,6 +424,13 @@ class _Run:
             self.clipper.close()
 
 
+def _divergence_hint(cfg: DPTrainConfig) -> str:
+    """What to change when ``cfg``'s training diverges."""
+    if cfg.private:
+        return f"lower the learning rate (lr={cfg.lr:g}) or the clip norm (clip_norm={cfg.clip_norm:g})"
+    return f"lower the learning rate (lr={cfg.lr:g})"
+
+
 def _check_call(data: SequentialDataset, cfg: DPTrainConfig) -> None:
     if not isinstance(cfg, DPTrainConfig):
         raise ConfigError(f"cfg must be a DPTrainConfig (see method_config), got {type(cfg).__name__}")
@@ -442,7 +462,7 @@ def train_seqrec(
     Raises:
         ConfigError: bad config, ``batch_size > N``, an explicit ``delta >= 1/N``, unreachable epsilon.
         DataError: no training targets (every sequence fully held out).
-        TrainingDivergedError: NaN/inf loss or gradient (names the step).
+        TrainingDivergedError: NaN/inf or exploding loss, NaN/inf gradient (names the step; module docstring).
         PrivacyError: the spent epsilon exceeds the target (accounting bug).
     """
     _check_call(data, cfg)
@@ -488,7 +508,7 @@ def _train(run: _Run, started: float, on_epoch: Callable[[EpochLog], None] | Non
     per_epoch, total = run.plan.steps_per_epoch, run.plan.total_steps
     for users in run.batches():
         run.train_step(users)
-        epoch, at_epoch_end = -(-run.step // per_epoch), run.step % per_epoch == 0
+        epoch, at_epoch_end = run.epoch, run.step % per_epoch == 0
         if (at_epoch_end and epoch % run.cfg.eval_every == 0) or run.step == total:
             log = run.evaluate(epoch, started)
             history.append(log)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.divergence import DivergenceGuard
 from core.errors import ConfigError
 from core.mpc.merge_spec import activation
 
@@ -228,8 +229,12 @@ def distill(teacher: nn.Module, student: ApproxGPT2, batches: Sequence | Iterabl
     opt = torch.optim.AdamW(student.parameters(), lr=lr)
     student.train()
     n_layerwise = round(layerwise_fraction * steps)
+    hint = f"lower the distillation learning rate (lr={lr:g})"
+    guard = DivergenceGuard(hint=hint)
     losses = []
     for step in range(steps):
+        if step == n_layerwise:  # the logits stage is judged against its own start, not the layer-wise loss's
+            guard = DivergenceGuard(hint=hint)
         ids, mask = _unpack(batches[step % len(batches)])
         with torch.no_grad():
             t_out = teacher_fwd(ids)
@@ -238,8 +243,8 @@ def distill(teacher: nn.Module, student: ApproxGPT2, batches: Sequence | Iterabl
             loss = layerwise_loss(s_out, t_out, mask)
         else:
             loss = logits_kd_loss(s_out.logits, t_out.logits, mask, temperature)
+        losses.append(guard.check(loss, step=step + 1))  # DivergedError: NaN/inf or exploding
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
     return losses

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.divergence import DivergenceGuard
 from core.errors import ConfigError
 from core.mpc.approx import ApproxGPT2, logits_kd_loss
 from core.mpc.merge_spec import (
@@ -168,11 +169,13 @@ def train_er(model: nn.Module, batches: Sequence | Iterable, steps: int, lr: flo
     _check_training(steps, lr, batches)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    guard = DivergenceGuard(hint=f"lower the ER learning rate (lr={lr:g})")
     model.train()
     history = []
     for step in range(steps):
         ids, mask = _unpack(batches[step % len(batches)])
         loss = er_loss(model, ids, mask, cfg=cfg, generator=gen)
+        guard.check(loss.total, step=step + 1)  # DivergedError: NaN/inf or exploding
         opt.zero_grad()
         loss.total.backward()
         opt.step()
@@ -348,15 +351,16 @@ def train_mm(student: MergeModel, teacher: nn.Module, batches: Sequence | Iterab
     _check_training(steps, lr, batches)
     teacher.eval()
     opt = torch.optim.AdamW(student.parameters(), lr=lr)
+    guard = DivergenceGuard(hint=f"lower the merge-module learning rate (lr={lr:g})")
     student.train()
     losses = []
     for step in range(steps):
         ids, mask = _unpack(batches[step % len(batches)])
         loss = mm_loss(student, teacher, ids, mask, cfg=cfg)
+        losses.append(guard.check(loss, step=step + 1))  # DivergedError: NaN/inf or exploding
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
     return losses
 
 

@@ -26,6 +26,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
+from core.divergence import DivergenceGuard
 from core.dp.accounting import (
     PrivacyAccountant,
     PrivacyLedger,
@@ -202,7 +203,8 @@ def fit(
     Each step minimises ``objective(forward(h_B), y_B) + ridge * penalty()`` over ``params``
     (``penalty`` defaults to ``||params||^2``), then projects ``params`` onto the ball of radius
     ``cfg.ball_radius`` if set. The minibatch order is ``randperm(n)`` from ``cfg.seed`` per epoch;
-    it depends only on ``n`` and the seed, never on the data.
+    it depends only on ``n`` and the seed, never on the data. A NaN/inf or exploding objective raises
+    :class:`~core.errors.DivergedError` (:class:`~core.divergence.DivergenceGuard`).
     """
     check_data(cached, labels)
     params = list(params)
@@ -215,6 +217,7 @@ def fit(
     labels = labels.long().to(cached.device)
     n = cached.shape[0]
     gen = torch.Generator().manual_seed(cfg.seed)
+    guard = DivergenceGuard(hint=f"lower the learning rate (lr={cfg.lr:g})")
     stats: list[EpochStats] = []
     steps, start = 0, time.perf_counter()
     for epoch in range(cfg.epochs):
@@ -227,16 +230,13 @@ def fit(
             loss = objective(forward(cached[idx]), labels[idx], cfg)
             if cfg.ridge > 0:
                 loss = loss + cfg.ridge * penalty()
-            if not torch.isfinite(loss):
-                raise DataError(
-                    f"training diverged: non-finite loss {float(loss)} at epoch {epoch}, step {steps}; lower lr={lr}"
-                )
+            value = guard.check(loss, step=steps + 1, epoch=epoch + 1)  # DivergedError: NaN/inf or exploding
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if cfg.ball_radius is not None:
                 project_to_ball_(params, cfg.ball_radius)
-            total, count, steps = total + float(loss.detach()), count + 1, steps + 1
+            total, count, steps = total + value, count + 1, steps + 1
         with torch.no_grad():
             norm = float(l2_penalty([p.detach().double() for p in params]).sqrt())
         es = EpochStats(epoch, total / count, norm, lr, time.perf_counter() - t0)
@@ -454,6 +454,9 @@ def dp_sgd(
     centers = None if center is None else [center[nm].to(p) for nm, p in zip(names, params, strict=True)]
     opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)(params, lr=cfg.lr)
     labels = labels.long()
+    guard = DivergenceGuard(
+        hint=f"lower the learning rate (lr={cfg.lr:g}) or the clip norm (clip_norm={clip_norm:g})"
+    )
     stats: list[EpochStats] = []
     was_training = module.training
     module.eval()
@@ -466,14 +469,15 @@ def dp_sgd(
             for p in params:
                 p.grad = None
             if idx.numel():
+                with torch.no_grad():
+                    loss = objective(module.forward_from_cache(cached[idx]), labels[idx], cfg)
+                total += guard.check(loss, step=t + 1, epoch=epoch + 1)  # DivergedError: NaN/inf or exploding
+                count += 1
                 g = clipped_grad_sum(
                     module, names, cached[idx], labels[idx], cfg, clip_norm, chunk=max_physical_batch
                 )
                 for nm, p in zip(names, params, strict=True):
                     p.grad = g[nm].to(p.dtype)
-                with torch.no_grad():
-                    total += float(objective(module.forward_from_cache(cached[idx]), labels[idx], cfg))
-                    count += 1
             privatize_grads_(
                 params, noise_multiplier=sigma, clip_norm=clip_norm, expected_batch_size=q * n, generator=gen
             )

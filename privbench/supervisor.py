@@ -1,0 +1,325 @@
+"""``privbench run`` as a supervisor: the flow runs in a child process, this process owns its lifetime.
+
+Why a supervisor: inside a Prefect flow the engine replaces the SIGTERM handler, a KeyboardInterrupt lands in
+whichever task-runner thread is waiting, and the process-pool workers each wait on the API; a Ctrl-C handled in
+the flow's own process could hang for minutes. Here the parent runs no flow, so its signal handlers stay its own:
+
+1. it checks that the results store is reachable before anything starts (seconds, not Prefect's start-up);
+2. without ``PREFECT_API_URL`` it starts one temporary Prefect API server, in its own session (a Ctrl-C to the
+   terminal's process group does not reach it) and bound to this process's life, and gives its URL to the flow
+   process, whose workers inherit it: one server per command, not one per worker;
+3. it starts the flow process with SIGINT ignored (inherited by every worker it spawns), so that one Ctrl-C is
+   handled once, here, and tracks the flow process's descendants while it runs;
+4. on the first SIGINT or SIGTERM it marks ``failed`` ("interrupted (SIGINT)", MLflow ``KILLED``) every row held
+   by the flow process tree, kills the tree, marks again (a row opened in between), sets the Prefect flow runs
+   Cancelled, stops the API server and exits 130, within seconds; a second signal exits at once;
+5. when the flow process dies by itself (OOM killer, SIGKILL), its rows and orphaned workers are handled the same
+   way, marked ``failed`` with the signal that killed it (MLflow ``FAILED``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from core.errors import PrivbenchError, StoreError
+from privbench.config import BenchmarkConfig
+
+CHILD_MODULE = "privbench.runner"
+GRACE_S = 20.0  # the most an interrupted command spends cleaning up before it exits anyway
+DEBUG_ENV = "PRIVBENCH_DEBUG"
+
+
+class FlowFailed(PrivbenchError):
+    """The flow process ended with an error (its message, as the flow process reported it)."""
+
+    def __init__(self, message: str, *, kind: str | None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Interrupted(Exception):
+    """The command was stopped by a signal and cleaned up; exit 130."""
+
+    def __init__(self, signame: str, failed: int) -> None:
+        super().__init__(signame)
+        self.signame = signame
+        self.failed = failed
+
+
+def check_store() -> None:
+    """Open (and migrate) the results store now: an unreachable database is reported before anything starts."""
+    from privbench.settings import get_settings
+    from storage.db import get_engine
+
+    get_engine(get_settings().db_url)
+
+
+def quiet_env(debug: bool) -> dict[str, str]:
+    """Environment for the flow process: Prefect's console tracebacks of a failed task or flow only when debugging
+    (the command prints one clean message; the Prefect API still gets the full log)."""
+    if debug:
+        return {}
+    return {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "CRITICAL"}
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[Any]:
+    """The Prefect API for this command: ``PREFECT_API_URL`` when set (yields None), else one temporary server
+    (yielded; stopped after)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield None
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class _OwnSessionServer(SubprocessASGIServer):
+        """The temporary server, out of the terminal's process group and killed if this process dies."""
+
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            real_popen = subprocess.Popen
+
+            def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+                return real_popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+
+            subprocess.Popen = popen  # type: ignore[misc]
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = real_popen  # type: ignore[misc]
+
+        def stop(self) -> None:
+            """Terminate, and kill after 2 s (its SQLite database survives that), not Prefect's 5 s wait."""
+            proc = self.server_process
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            super().stop()
+
+    server = _OwnSessionServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when this process dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Tree:
+    """The flow process and every process it started, remembered after they are orphaned or gone."""
+
+    def __init__(self, root: subprocess.Popen[bytes], exclude: set[int]) -> None:
+        import psutil
+
+        self.root = psutil.Process(root.pid)
+        self.exclude = exclude
+        self.seen: dict[int, Any] = {root.pid: self.root}
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        import psutil
+
+        found = []
+        for proc in list(self.seen.values()):
+            try:
+                found.extend(proc.children(recursive=True))
+            except psutil.Error:
+                continue
+        with self._lock:
+            for proc in found:
+                if proc.pid not in self.exclude:
+                    self.seen.setdefault(proc.pid, proc)
+
+    @property
+    def pids(self) -> set[int]:
+        with self._lock:
+            return set(self.seen)
+
+    def kill(self) -> None:
+        """SIGKILL every remembered process that is still the same process (psutil checks its start time)."""
+        import psutil
+
+        self.refresh()
+        alive = []
+        for proc in list(self.seen.values()):
+            try:
+                proc.kill()
+                alive.append(proc)
+            except psutil.Error:
+                continue
+        psutil.wait_procs(alive, timeout=5)
+
+
+def run_supervised(flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Run ``flow`` on ``cfg`` in a child process; its summary, or ``FlowFailed`` / ``Interrupted``."""
+    check_store()
+    # what an interrupt needs, imported while the flow starts (importing MLflow takes seconds)
+    threading.Thread(target=_warm_imports, name="privbench-warm-imports", daemon=True).start()
+    debug = bool(os.environ.get(DEBUG_ENV))
+    signals: list[int] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if signals:
+            os._exit(130)  # a second Ctrl-C: no more waiting
+        signals.append(signum)
+        wake.set()
+
+    with tempfile.TemporaryDirectory(prefix="privbench-run-") as tmp, prefect_api() as server:
+        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+        env = os.environ | quiet_env(debug) | ({"PREFECT_API_URL": server.api_url} if server else {})
+        server_pid = server.server_process.pid if server and server.server_process else None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # the child and all it spawns inherit SIGINT ignored: one Ctrl-C, handled here only
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, flow, str(cfg_path), str(out_path)],
+                                     env=env, preexec_fn=_die_with_parent)
+        finally:
+            for s in previous:
+                signal.signal(s, on_signal)
+        try:
+            tree = _Tree(child, exclude={server_pid} if server_pid else set())
+            while child.poll() is None and not wake.wait(0.5):
+                tree.refresh()
+            if signals:
+                raise _stop(tree, signals[0], echo)
+            return _outcome(child, tree, out_path, echo)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _warm_imports() -> None:
+    with contextlib.suppress(Exception):
+        import tasks.records  # noqa: F401
+        from storage.recording import get_tracker
+
+        get_tracker()  # opening the MLflow store checks its schema: seconds
+
+
+def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, echo: Callable[[str], None]) -> dict[str, Any]:
+    result = json.loads(out_path.read_text()) if out_path.exists() and out_path.stat().st_size else None
+    if child.returncode == 0 and result is not None and result.get("ok"):
+        return result["summary"]
+    if result is not None and not result.get("ok"):
+        raise FlowFailed(result["error"], kind=result.get("kind"))
+    # killed from outside (OOM killer, SIGKILL): nothing reported; its workers may live on as orphans
+    code = child.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    tree.kill()
+    from storage.recording import fail_runs_of_processes
+
+    failed = fail_runs_of_processes(tree.pids, f"the flow process was {how}", interrupted=False)
+    _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process was {how}", cancelled=False)
+    raise FlowFailed(f"the flow process was {how} before it reported a result; {len(failed)} run(s) it held "
+                     "were marked failed", kind=None)
+
+
+def _stop(tree: _Tree, signum: int, echo: Callable[[str], None]) -> Interrupted:
+    """Mark the tree's rows failed, kill the tree, mark again, cancel the Prefect flow runs; within GRACE_S."""
+    from storage.recording import fail_runs_of_processes
+
+    name = signal.Signals(signum).name
+    watchdog = threading.Timer(GRACE_S, lambda: os._exit(130))
+    watchdog.daemon = True
+    watchdog.start()
+    echo(f"interrupted ({name}): stopping the flow and its workers ...")
+    tree.refresh()
+    reason = f"interrupted ({name})"
+    failed = fail_runs_of_processes(tree.pids, reason)
+    tree.kill()
+    failed += fail_runs_of_processes(tree.pids, reason)
+    flow_runs = {fr for _, fr in failed if fr} | _flow_runs_of(tree.pids)
+    cancelled = _end_prefect_runs(flow_runs, reason, cancelled=True)
+    echo(f"interrupted ({name}): marked {len(failed)} run(s) failed, cancelled {cancelled} Prefect flow run(s)")
+    return Interrupted(name, len(failed))
+
+
+def _flow_runs_of(pids: set[int]) -> set[str]:
+    """The Prefect flow runs of every row the tree opened (any status): a killed flow process leaves them Running."""
+    from sqlalchemy import select
+
+    from privbench.settings import get_settings
+    from storage import provenance
+    from storage.db import session_scope
+    from storage.models import Run
+
+    if not pids:
+        return set()
+    with session_scope(get_settings().db_url) as session:
+        ids = session.scalars(select(Run.prefect_flow_run_id).distinct().where(
+            Run.host == provenance.host(), Run.pid.in_(sorted(pids)), Run.prefect_flow_run_id.is_not(None)))
+        return set(ids)
+
+
+def _end_prefect_runs(flow_runs: set[str], reason: str, *, cancelled: bool) -> int:
+    """Cancel (or crash) the flow runs in Prefect, giving up after a few seconds (the API may be gone)."""
+    if not flow_runs:
+        return 0
+    from tasks.records import end_prefect_flow_runs
+
+    done: list[int] = []
+
+    def work() -> None:
+        with contextlib.suppress(Exception):
+            done.append(end_prefect_flow_runs(flow_runs, reason, cancelled=cancelled))
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout=8)
+    return done[0] if done else 0
+
+
+def child_main(argv: list[str]) -> int:
+    """The flow process: run the flow, write ``{"ok": true, "summary": ...}`` or the error to the result file."""
+    flow, cfg_path, out_path = argv
+    from privbench.config import validate
+    from privbench.runner import run_flow
+
+    out = Path(out_path)
+    try:
+        cfg = validate(BenchmarkConfig, json.loads(Path(cfg_path).read_text()), origin=cfg_path)
+        summary = run_flow(flow, cfg)
+    except Exception as exc:  # noqa: BLE001 -- reported to the supervisor, which prints one clean message
+        if os.environ.get(DEBUG_ENV):
+            import traceback
+
+            traceback.print_exc()
+        kind = None if isinstance(exc, PrivbenchError) else type(exc).__name__
+        _write(out, {"ok": False, "error": str(exc), "kind": kind})
+        return 1
+    _write(out, {"ok": True, "summary": summary})
+    return 0
+
+
+def _write(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, default=str))
+    tmp.replace(path)
+
+
+__all__ = ["FlowFailed", "Interrupted", "StoreError", "check_store", "child_main", "run_supervised"]

@@ -1,0 +1,58 @@
+"""A learning-rate sweep with one diverging point (train-dp flow, tiny grid, real process pool).
+
+At lr=1e12 the GRU's loss explodes from ~5 to ~1e25 while staying finite: that point's run must end ``failed`` with
+the reason and no metrics, while the sweep's healthy point trains and is recorded ``finished`` as usual.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.train_dp import train_dp_flow, train_dp_runner
+from privbench.config import BenchmarkConfig, validate
+from storage.repository import ResultsRepository
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+SWEEP = validate(BenchmarkConfig, {
+    "profile": "tiny",
+    "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
+                              "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}]},
+    "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["gru"], "epsilons": [8], "nonprivate": False,
+                 "peers": [], "epochs": 1, "lrs": [0.005, 1e12], "batch_sizes": [64], "max_len": 16,
+                 "d_model": 16, "eval_every": 1, "workers": 2},
+}, origin="test")
+
+
+def _runs_by_lr(repo: ResultsRepository) -> dict[float, dict[str, Any]]:
+    runs = [repo.get_run(r["id"]) for r in repo.list_runs(stage="train-dp", technique="gru", limit=None)]
+    return {run["config"]["point"]["lr"]: run for run in runs}
+
+
+def test_diverged_grid_point_is_failed_with_the_reason_and_no_metrics(home: Path) -> None:
+    assert SWEEP.train_dp is not None
+    flow = train_dp_flow.with_options(task_runner=train_dp_runner(SWEEP.train_dp))
+    summary = flow(SWEEP.train_dp, SWEEP.prepare, profile="tiny")
+
+    repo = ResultsRepository()
+    runs = _runs_by_lr(repo)
+    assert sorted(runs) == [0.005, 1e12]
+    diverged, healthy = runs[1e12], runs[0.005]
+    assert diverged["status"] == "failed", diverged["status"]
+    error = diverged["error"]
+    assert error.startswith("TrainingDivergedError: training diverged at step 2 (epoch 1): loss=")
+    assert "lower the learning rate (lr=1e+12)" in error and "config keys: train_dp.lrs" in error
+    assert diverged["metrics"] == [] and diverged["privacy_ledger"] == []
+    _, rows = repo.query("select count(*) from metrics where run_id = :id", {"id": diverged["id"]})
+    assert rows == [(0,)]
+
+    # the sweep goes on: the healthy point is recorded as usual, and the flow run finishes
+    assert healthy["status"] == "finished" and healthy["privacy_ledger"]
+    assert any(m["name"] == "test_ndcg_at_10" for m in healthy["metrics"])
+    by_run = {r["run_id"]: r for r in summary["runs"]}
+    assert by_run[diverged["id"]]["status"] == "failed" and by_run[diverged["id"]]["error"] == error
+    assert by_run[healthy["id"]]["status"] == "finished"
+    assert repo.get_run(summary["run_id"])["status"] == "finished"

@@ -1,0 +1,53 @@
+"""Several processes starting at once on a fresh MLflow tracking store: MLflow's own schema migration and
+default experiment must be created once, by one of them, and every process must get its run."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+import pytest
+
+PROCESSES = 6
+
+
+def _first_use(uri: str, artifact_root: str, barrier, index: int) -> str:
+    """Create a Tracker on ``uri`` after every process reached ``barrier``; returns "" or the error."""
+    from storage.tracking import Tracker
+
+    try:
+        barrier.wait(timeout=120)
+        tracker = Tracker(uri, Path(artifact_root))
+        _exp_id, run_id = tracker.start_run(stage="prepare", run_name=f"race-{index}", params={"i": str(index)},
+                                            tags={"privbench.race": "1"})
+        tracker.end_run(run_id, "FINISHED")
+        return ""
+    except BaseException:  # noqa: BLE001 -- report every failure of the child to the test
+        return traceback.format_exc()
+
+
+def _run_all(uri: str, artifact_root: Path) -> list[str]:
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(PROCESSES) as pool:
+        barrier = manager.Barrier(PROCESSES)
+        args = [(uri, str(artifact_root), barrier, i) for i in range(PROCESSES)]
+        return pool.starmap(_first_use, args, chunksize=1)
+
+
+@pytest.mark.timeout(600)
+def test_concurrent_first_use_of_a_fresh_tracking_store(tmp_path: Path) -> None:
+    """Every process gets its experiment and run, and they all land in the one experiment."""
+    from mlflow.tracking import MlflowClient
+
+    from storage.tracking import experiment_name
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    errors = [e for e in _run_all(uri, tmp_path / "mlartifacts") if e]
+    assert not errors, f"{len(errors)} of {PROCESSES} processes failed on a fresh store:\n" + "\n".join(errors)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(experiment_name("prepare"))
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    assert sorted(r.data.params["i"] for r in runs) == [str(i) for i in range(PROCESSES)]
+    assert all(r.info.status == "FINISHED" for r in runs)
