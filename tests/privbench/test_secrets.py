@@ -86,13 +86,11 @@ def test_a_real_run_leaks_no_password(tmp_path: Path) -> None:
     env = _env(tmp_path, store)
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
-    done = subprocess.run([sys.executable, "-m", "privbench", "run", "prepare", "--config", str(config)], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    done = _privbench(["run", "prepare", "--config", str(config)], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert SECRET not in done.stdout + done.stderr
     assert "Results store: postgresql+psycopg://postgres:***@127.0.0.1" in done.stderr
-    listed = subprocess.run([sys.executable, "-m", "privbench", "results", "list", "--json"], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    listed = _privbench(["results", "list", "--json"], env, tmp_path)
     runs = json.loads(listed.stdout)
     assert runs and all(r["status"] == "finished" for r in runs)
     assert SECRET not in listed.stderr
@@ -112,8 +110,7 @@ def test_an_unreachable_store_error_shows_no_password(tmp_path: Path) -> None:
     store = f"postgresql+psycopg://privbench:{SECRET}@127.0.0.1:{port}/privbench"
     env = _env(tmp_path, store)
     for args in (["results", "list"], ["run", "prepare"]):
-        done = subprocess.run([sys.executable, "-m", "privbench", *args], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+        done = _privbench(args, env, tmp_path)
         assert done.returncode == 1, done.stderr[-3000:]
         assert SECRET not in done.stdout + done.stderr
         assert "error: " in done.stderr
@@ -128,6 +125,12 @@ def test_a_malformed_store_url_error_shows_no_password(home: Path, monkeypatch: 
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _privbench(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """A real ``privbench`` process (its own Prefect server and logging), output captured."""
+    return subprocess.run([sys.executable, "-m", "privbench", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=540, check=False)
 
 
 def _with_password(url: str) -> str:
