@@ -66,11 +66,11 @@ def run(
     try:
         with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
             summary = run_supervised(flow, cfg, echo=lambda line: err.print(line, markup=False, highlight=False))
-    except Interrupted:
+    except Interrupted as exc:
         # everything is recorded; leave now rather than wait on library threads and finalizers
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(143 if exc.signame == "SIGTERM" else 130)
     except FlowFailed as exc:
         kind = f"{exc.kind}: " if exc.kind else ""
         hint = "" if os.environ.get("PRIVBENCH_DEBUG") else "; set PRIVBENCH_DEBUG=1 for the traceback"

@@ -1,0 +1,62 @@
+"""``privbench run`` as a user sees it: one clean message for a data error (the traceback only when debugging),
+and an unreachable store reported before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PRIVBENCH_"))}
+    base |= {"PRIVBENCH_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect"),
+             "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "privbench", *args], cwd=ROOT, env=base | env,
+                          capture_output=True, text=True, timeout=900, check=False)
+
+
+@pytest.fixture
+def bad_data_config(tmp_path: Path) -> Path:
+    data = tmp_path / "ratings.dat"
+    data.write_text("1::2::5::978300760\n1::3::4::978300761\nthis is not a rating line\n")
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"profile: tiny\nprepare:\n  datasets:\n"
+                   f"    - {{name: bad, source: file, format: ml-1m, path: '{data}'}}\n")
+    return cfg
+
+
+def test_a_data_error_is_one_clean_message(tmp_path: Path, bad_data_config: Path) -> None:
+    out = run_cli(tmp_path, "run", "prepare", "-c", str(bad_data_config))
+    assert out.returncode == 1
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "Finished in state" not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines == [
+        f"error: flow prepare failed: {tmp_path / 'ratings.dat'}:3: expected 4 fields "
+        "'UserID::MovieID::Rating::Timestamp', got 'this is not a rating line'",
+        "(failed runs: `privbench results list --status failed`; set PRIVBENCH_DEBUG=1 for the traceback)",
+    ], text
+
+
+def test_debugging_shows_the_traceback(tmp_path: Path, bad_data_config: Path) -> None:
+    out = run_cli(tmp_path, "run", "prepare", "-c", str(bad_data_config), PRIVBENCH_DEBUG="1")
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr and "DataError" in out.stderr
+
+
+def test_an_unreachable_store_is_reported_before_anything_starts(tmp_path: Path) -> None:
+    # nothing listens on port 1; the URL carries a password that must not be shown
+    out = run_cli(tmp_path, "run", "prepare", PRIVBENCH_DB_URL="postgresql+psycopg://bob:hunter2@127.0.0.1:1/privbench")
+    assert out.returncode == 1
+    assert "cannot reach the results store at postgresql+psycopg://bob:***@127.0.0.1:1/privbench" in out.stderr
+    assert "hunter2" not in out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    # no Prefect API was started (it would have created its database) and no flow ran
+    assert not (tmp_path / "prefect" / "prefect.db").exists()
+    assert not (tmp_path / "home" / "mlflow.db").exists()
