@@ -65,7 +65,7 @@ def run(
 
     try:
         with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
-            summary = run_supervised(flow, cfg, echo=lambda line: err.print(line, markup=False, highlight=False))
+            summary = run_supervised(flow, cfg, echo=lambda line: err.print(_literal(line), highlight=False))
     except Interrupted as exc:
         # everything is recorded; leave now rather than wait on library threads and finalizers
         sys.stdout.flush()

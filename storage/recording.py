@@ -35,6 +35,7 @@ from sqlalchemy import select, update
 
 import privbench
 from core.errors import StoreError
+from core.redact import redact_url
 from privbench.config import canonical_json, config_hash, flatten
 from privbench.settings import get_settings
 from storage import liveness, provenance
@@ -362,6 +363,7 @@ def _fail(db_url: str, ref: RunRef, exc: BaseException | str, tracker: Tracker |
         text = str(exc) or type(exc).__name__
         error = (text if text.startswith("interrupted") else f"interrupted: {text}") if interrupted else \
             f"{type(exc).__name__}: {exc}"
+    error = redact_url(error)  # e.g. an MLflow client error quotes its server's URL, password and all
     finished = _now()
     ended_elsewhere = False
     try:

@@ -399,9 +399,8 @@ def _query_postgres(engine: Engine, statement: str,
     compiled = text(statement).compile(dialect=engine.dialect)  # :name -> the driver's placeholders
     values = compiled.construct_params(params)
     raw = engine.raw_connection()
-    conn = raw.driver_connection
-    raw.detach()  # never back to the pool: closed below
     try:
+        conn = raw.driver_connection
         conn.rollback()
         cursor = conn.cursor()
         cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
@@ -419,6 +418,7 @@ def _query_postgres(engine: Engine, statement: str,
         conn.rollback()
         return columns, rows
     finally:
+        raw.invalidate()  # closed, never back to the pool, whatever state the statement left it in
         raw.close()
 
 

@@ -3,17 +3,23 @@
 
 By default tracking goes to ``sqlite:///.privbench/mlflow.db`` with artifacts under
 ``.privbench/mlartifacts``; ``MLFLOW_TRACKING_URI`` (a file, database or ``http://`` server) wins.
+
+MLflow creates its schema the first time a client opens a fresh SQLite file, with no guard against another
+process doing the same; so that first open happens under a file lock next to the file (``mlflow.db.init.lock``),
+the way ``storage.db`` serialises the results store's migrations.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,10 +51,12 @@ class Tracker:
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root
         self._is_sqlite = tracking_uri.startswith("sqlite:")
-        if self._is_sqlite:
-            Path(tracking_uri.split(":///", 1)[1]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        db_file = _sqlite_file(tracking_uri)
+        if db_file is not None:
+            db_file.parent.mkdir(parents=True, exist_ok=True)
         self._lock = _sqlite_locks.setdefault(tracking_uri, threading.RLock()) if self._is_sqlite else None
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        with _first_init_lock(db_file):  # MlflowClient creates (migrates) the store's schema right here
+            self.client = MlflowClient(tracking_uri=tracking_uri)
         self._experiments: dict[str, str] = {}
 
     # ---------------------------------------------------------------------------------------- runs
@@ -157,6 +165,55 @@ class Tracker:
                     raise
                 time.sleep(0.25 * 2**attempt)
         raise AssertionError("unreachable")
+
+
+def _sqlite_file(tracking_uri: str) -> Path | None:
+    """The file of a ``sqlite:///path`` tracking URI; None for anything else (servers, in-memory)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri.split(":///", 1)[1].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path).expanduser()
+
+
+def _initialised(db_file: Path) -> bool:
+    """Whether MLflow has finished creating the store in ``db_file``: its last step is the default experiment."""
+    if not db_file.is_file() or db_file.stat().st_size == 0:
+        return False
+    try:
+        conn = sqlite3.connect(f"{db_file.absolute().as_uri()}?mode=ro", uri=True, timeout=60)
+        try:
+            return conn.execute("SELECT 1 FROM experiments WHERE experiment_id = 0").fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+
+
+@contextmanager
+def _first_init_lock(db_file: Path | None) -> Iterator[None]:
+    """Hold ``<db_file>.init.lock`` exclusively (across processes) while the block runs, unless the store is
+    already initialised (the usual case: no lock, no lock file).
+
+    On a read-only home the lock is opened read-only when it exists (flock needs no write access), and
+    skipped when it cannot be created: nobody can create a store there, so there is nothing to serialise."""
+    if db_file is None or _initialised(db_file):
+        yield
+        return
+    lock_path = db_file.with_name(db_file.name + ".init.lock")
+    try:
+        handle = open(lock_path, "a")  # noqa: SIM115 -- closed by the with below
+    except OSError:
+        try:
+            handle = open(lock_path)  # noqa: SIM115
+        except OSError:
+            yield
+            return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _clip(value: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PROCESSES = 6
+PROCESSES = 4
 
 
 def _first_use(uri: str, artifact_root: str, barrier, index: int) -> str:
@@ -51,3 +51,24 @@ def test_concurrent_first_use_of_a_fresh_tracking_store(tmp_path: Path) -> None:
     runs = client.search_runs([experiment.experiment_id], max_results=100)
     assert sorted(r.data.params["i"] for r in runs) == [str(i) for i in range(PROCESSES)]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_initialised_store_is_opened_without_the_lock(mlflow_uri: str) -> None:
+    """The usual case, and a read-only home: an initialised store needs no lock and no lock file."""
+    from storage.tracking import Tracker
+
+    Tracker(mlflow_uri)  # initialises the session's store if no test did yet
+    lock = Path(mlflow_uri.split(":///", 1)[1] + ".init.lock")
+    lock.unlink(missing_ok=True)
+    Tracker(mlflow_uri).experiment_id("prepare")
+    assert not lock.exists()
+
+
+def test_lock_is_skipped_where_it_cannot_be_created() -> None:
+    """Where not even the lock file can be created nobody can create a store either: nothing to serialise."""
+    from storage.tracking import _first_init_lock
+
+    entered = []
+    with _first_init_lock(Path("/proc/no-such-dir/mlflow.db")):
+        entered.append(True)
+    assert entered == [True]

@@ -57,11 +57,11 @@ def test_a_run_records_its_process_and_heartbeats(store_url: str, monkeypatch: p
     assert first.pid == os.getpid() and first.host == provenance.host()
     assert first.pid_started == pytest.approx(liveness.process_started(os.getpid()), abs=0.01)
     liveness_now = first.heartbeat_at
-    for _ in range(50):
+    for _ in range(300):
         time.sleep(0.1)
         if row(store_url, rec.run_id).heartbeat_at != liveness_now:
             break
-    assert row(store_url, rec.run_id).heartbeat_at > liveness_now, "no heartbeat within 5 s at a 0.2 s period"
+    assert row(store_url, rec.run_id).heartbeat_at > liveness_now, "no heartbeat within 30 s at a 0.2 s period"
     assert rec.run_id in recording._held()
     finish_run(rec)
     assert rec.run_id not in recording._held()  # a finished run is no longer beaten for
