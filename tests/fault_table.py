@@ -13,6 +13,7 @@ the table shows them, then what a rerun (a flow start, which reaps) leaves. Prin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -100,8 +101,13 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="privbench-faults-"))
     backends = [None, args.pg] if args.pg else [None]
     jobs = [(s, t, pg) for pg in backends for s in SIGNALS for t in TARGETS]
+    def one(ij: tuple[int, tuple]) -> dict:
+        result = cell(base, *ij[1], index=ij[0])
+        print(json.dumps(result, default=str), file=sys.stderr, flush=True)
+        return result
+
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda ij: cell(base, *ij[1], index=ij[0]), enumerate(jobs)))
+        results = list(pool.map(one, enumerate(jobs)))
     print("| signal | target | backend | exit | s to exit | rows left running | after rerun | partial metrics "
           "| MLflow (failed runs) | Prefect flow run | processes left |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

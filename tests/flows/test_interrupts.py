@@ -60,6 +60,20 @@ class Command:
     exit_s: float | None = None
 
     def rows(self) -> list[dict]:
+        """The store's runs, read around privbench (SQLite file, or the PostgreSQL of ``PRIVBENCH_DB_URL``)."""
+        url = self.env.get("PRIVBENCH_DB_URL")
+        if url:
+            from sqlalchemy import create_engine, text
+            from sqlalchemy.exc import ProgrammingError
+
+            engine = create_engine(url)
+            try:
+                with engine.connect() as conn:
+                    return [dict(r._mapping) for r in conn.execute(text("select * from runs order by started_at"))]
+            except ProgrammingError:  # not migrated yet
+                return []
+            finally:
+                engine.dispose()
         db = self.home / "results.db"
         if not db.exists():
             return []
