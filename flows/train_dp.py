@@ -7,6 +7,7 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.task_runners import ProcessPoolTaskRunner
 
+from core.errors import DivergedError
 from flows.prepare import prepare_flow
 from privbench.config import PrepareConfig, TrainDPConfig
 from storage.recording import RunRef
@@ -28,8 +29,11 @@ def train_dp_flow(config: TrainDPConfig, prepare: PrepareConfig, profile: str = 
     run = open_flow_record(flow="train-dp", stage=STAGE, config=config, profile=profile, parent=parent)
     points = plan_grid(config, prepared)
     results = train_point.with_options(name="train-dp-point").map(points, unmapped(config), unmapped(run)).result()
+    diverged = [r for r in results if r.get("status") == "failed"]
+    if results and len(diverged) == len(results):  # a sweep may lose some points; losing all of them is a failure
+        raise DivergedError(f"every grid point diverged ({len(diverged)}): " + "; ".join(r["error"] for r in diverged))
     summary = {"run_id": run.run_id, "runs": results}
-    close_flow_record(run, metrics={"n_runs": len(results)}, summary=summary)
+    close_flow_record(run, metrics={"n_runs": len(results), "n_diverged": len(diverged)}, summary=summary)
     return summary
 
 

@@ -14,7 +14,10 @@ the flow's own process could hang for minutes. Here the parent runs no flow, so 
    by the flow process tree, kills the tree, marks again (a row opened in between), sets the Prefect flow runs
    Cancelled, stops the API server and exits 130, within seconds; a second signal exits at once;
 5. when the flow process dies by itself (OOM killer, SIGKILL), its rows and orphaned workers are handled the same
-   way, marked ``failed`` with the signal that killed it (MLflow ``FAILED``).
+   way, marked ``failed`` with the signal that killed it (MLflow ``FAILED``);
+6. when this process is SIGKILLed, the API server gets SIGTERM (Linux parent-death signal) and the flow process,
+   which watches its parent, kills its workers and exits: nothing runs on unsupervised, and the rows left
+   ``running`` are reaped by the next flow start or ``privbench results reap``.
 """
 
 from __future__ import annotations
@@ -196,8 +199,8 @@ def run_supervised(flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], Non
         # the child and all it spawns inherit SIGINT ignored: one Ctrl-C, handled here only
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, flow, str(cfg_path), str(out_path)],
-                                     env=env, preexec_fn=_die_with_parent)
+            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, flow, str(cfg_path), str(out_path),
+                                      str(os.getpid())], env=env)
         finally:
             for s in previous:
                 signal.signal(s, on_signal)
@@ -294,9 +297,26 @@ def _end_prefect_runs(flow_runs: set[str], reason: str, *, cancelled: bool) -> i
     return done[0] if done else 0
 
 
+def _orphan_watchdog(supervisor_pid: int) -> None:
+    """In the flow process: when the supervisor is gone (SIGKILLed), kill this process's workers and exit, so that
+    nothing runs on unsupervised; the rows left ``running`` are reaped by the next flow start (their PIDs gone)."""
+    import psutil
+
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != supervisor_pid:
+            with contextlib.suppress(psutil.Error):
+                for proc in psutil.Process().children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+            os._exit(137)
+
+
 def child_main(argv: list[str]) -> int:
     """The flow process: run the flow, write ``{"ok": true, "summary": ...}`` or the error to the result file."""
-    flow, cfg_path, out_path = argv
+    flow, cfg_path, out_path, supervisor = argv
+    threading.Thread(target=_orphan_watchdog, args=(int(supervisor),), name="privbench-orphan-watchdog",
+                     daemon=True).start()
     from privbench.config import validate
     from privbench.runner import run_flow
 

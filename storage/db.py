@@ -64,10 +64,11 @@ def get_engine(url: str) -> Engine:
         return engine
 
 
-def open_sqlite_read_only(url: str, *, autocommit: bool = True) -> sqlite3.Connection | None:
-    """A new read-only connection (``mode=ro``) to the SQLite file of ``url``; None for an in-memory store."""
+def open_sqlite_read_only(url: str) -> sqlite3.Connection | None:
+    """A new read-only (``mode=ro``), autocommit connection to the SQLite file of ``url``; None for an
+    in-memory store or a ``file:`` URI."""
     path = _sqlite_file(make_url(normalize_url(url)))
-    return None if path is None else _connect_read_only(path, autocommit=autocommit)
+    return None if path is None else _connect_read_only(path, autocommit=True)
 
 
 def dispose_engines() -> None:
@@ -166,7 +167,7 @@ def _create_sqlite(url: str) -> Engine:
 def _sqlite_file(parsed: URL) -> Path | None:
     """The file of a ``sqlite:///path`` URL; None for in-memory stores and ``file:`` URIs."""
     database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" or parsed.query.get("uri"):
+    if parsed.get_backend_name() != "sqlite" or database in (None, "", ":memory:") or parsed.query.get("uri"):
         return None
     return Path(database).expanduser().absolute()
 
@@ -185,8 +186,9 @@ def _sqlite_read_only_reason(path: Path) -> str | None:
 
 
 def _connect_read_only(path: Path, *, autocommit: bool) -> sqlite3.Connection:
-    """``mode=ro``, plus ``immutable=1`` where the folder is not writable and no WAL is pending: SQLite cannot
-    create the -shm file a WAL database needs there, and with no -wal file the main file holds every commit."""
+    """``mode=ro``, plus ``immutable=1`` where the folder is not writable and no WAL is pending: SQLite
+    cannot create the -shm file a WAL database needs there, and without a -wal file the main file holds
+    every commit."""
     uri = f"{path.as_uri()}?mode=ro"
     wal, shm = path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
     if (not os.access(path.parent, os.W_OK) and not shm.exists()
@@ -203,7 +205,8 @@ def _alembic_config() -> Config:
 
 
 def _migrate(engine: Engine, url: str) -> None:
-    """Upgrade to head under a cross-process lock (a file lock for SQLite, an advisory lock for PostgreSQL)."""
+    """Upgrade to head, if behind, under a cross-process lock (a file lock for SQLite, an advisory lock for
+    PostgreSQL); a store at head is neither locked nor written."""
     cfg = _alembic_config()
     read_only = _read_only.get((os.getpid(), url))
     try:
@@ -212,8 +215,8 @@ def _migrate(engine: Engine, url: str) -> None:
             return
         if read_only is not None:
             raise StoreError(
-                f"the results store {_sqlite_file(make_url(url))} is read-only ({read_only}) and needs migrating "
-                f"to this privbench's schema (revision {', '.join(sorted(current)) or 'none'} -> "
+                f"the results store {_sqlite_file(make_url(url))} is read-only ({read_only}) and needs "
+                f"migrating to this privbench's schema (revision {', '.join(sorted(current)) or 'none'} -> "
                 f"{', '.join(sorted(heads))}); open it once with write access, or copy it somewhere writable "
                 "and set PRIVBENCH_HOME to the copy"
             )
@@ -224,7 +227,8 @@ def _migrate(engine: Engine, url: str) -> None:
         if read_only is not None:
             raise StoreError(
                 f"cannot open the read-only results store {_sqlite_file(make_url(url))} ({read_only}): "
-                f"{exc.orig}; copy it (with any -wal file next to it) somewhere writable and set PRIVBENCH_HOME"
+                f"{exc.orig}; copy it (with any -wal file next to it) somewhere writable and set "
+                "PRIVBENCH_HOME to the copy"
             ) from None
         raise StoreError(
             f"cannot reach the results store at {redact(url)}: {exc.orig}. Check that the server is up and "

@@ -167,13 +167,13 @@ def _jsonable(value: Any) -> Any:
 
 QUERY_TIMEOUT_S = 300  # PostgreSQL's statement_timeout for `privbench results query`
 _QUERY_RULE = "only one read-only statement (SELECT, WITH ... SELECT, VALUES or EXPLAIN) is allowed"
-_READ_STARTS = frozenset({"select", "with", "values", "table", "explain"})  # TABLE t: PostgreSQL's SELECT * FROM t
-# words that make a SELECT write, lock or run something else: data-modifying CTEs, SELECT INTO, EXPLAIN ANALYZE
+_READ_STARTS = frozenset({"select", "with", "values", "table", "explain"})  # TABLE t: SELECT * FROM t (PG)
+# words that make a SELECT write or run something else: data-modifying CTEs, SELECT INTO, EXPLAIN ANALYZE
 _WRITE_WORDS = frozenset({"insert", "update", "delete", "merge", "into", "analyze", "analyse"})
 _ROW_LOCKS = frozenset({"update", "share", "key", "no"})  # FOR UPDATE / SHARE / KEY SHARE / NO KEY UPDATE
 _EXPLAIN_OPTIONS = frozenset({"query", "plan", "verbose", "costs", "settings", "buffers", "wal", "timing",
-                              "summary", "format", "text", "xml", "json", "yaml", "generic_plan", "true", "false",
-                              "on", "off"})
+                              "summary", "format", "text", "xml", "json", "yaml", "generic_plan", "true",
+                              "false", "on", "off"})
 # functions that act on the server, other sessions, files or settings rather than read the store
 _REFUSED_FUNCTIONS = frozenset({
     "set_config", "pg_terminate_backend", "pg_cancel_backend", "pg_reload_conf", "pg_rotate_logfile",
@@ -238,10 +238,11 @@ def _check_reads_only(sql: str, body: list[_Token]) -> None:
         _check_explained(sql, body[body.index(first) + 1:])
     for i, token in enumerate(body):
         after = body[i + 1] if i + 1 < len(body) else None
+        after_kind = after.kind if after else None
         if token.kind == "word" and token.text in _WRITE_WORDS:
             raise _refused(sql, f"{token.text.upper()} is not allowed in a query (it writes, or runs the "
                                 "statement it explains)")
-        if token.kind == "word" and token.text == "for" and after and after.kind == "word" and after.text in _ROW_LOCKS:
+        if token.text == "for" and token.kind == after_kind == "word" and after.text in _ROW_LOCKS:
             raise _refused(sql, "SELECT ... FOR UPDATE/SHARE takes row locks")
         if token.kind in ("word", "name") and _is_open(after) and _refused_function(token.text):
             raise _refused(sql, f"the function {token.text}() acts on the server, not on the results")
@@ -321,9 +322,8 @@ def _quote_end(sql: str, start: int, quote: str, *, backslash: bool) -> int:
     """The index just past the quote closing the one at ``start`` (a doubled quote is part of the text)."""
     i = start + 1
     while i < len(sql):
-        if backslash and sql[i] == "\\":
-            i += 2
-        elif sql[i] == quote and quote != "]" and sql.startswith(quote, i + 1):
+        doubled = sql[i] == quote and quote != "]" and sql.startswith(quote, i + 1)
+        if doubled or (backslash and sql[i] == "\\"):
             i += 2
         elif sql[i] == quote:
             return i + 1

@@ -5,8 +5,8 @@ By default tracking goes to ``sqlite:///.privbench/mlflow.db`` with artifacts un
 ``.privbench/mlartifacts``; ``MLFLOW_TRACKING_URI`` (a file, database or ``http://`` server) wins.
 
 MLflow creates its schema the first time a client opens a fresh SQLite file, with no guard against another
-process doing the same; so that first open happens under a file lock next to the file (``mlflow.db.init.lock``),
-the way ``storage.db`` serialises the results store's migrations.
+process doing the same; so that first open happens under a file lock next to the file
+(``mlflow.db.init.lock``), the way ``storage.db`` serialises the results store's migrations.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _sqlite_file(tracking_uri: str) -> Path | None:
 
 
 def _initialised(db_file: Path) -> bool:
-    """Whether MLflow has finished creating the store in ``db_file``: its last step is the default experiment."""
+    """Whether MLflow has finished creating the store in ``db_file`` (its last step: experiment 0)."""
     if not db_file.is_file() or db_file.stat().st_size == 0:
         return False
     try:

@@ -46,8 +46,12 @@ def rows(url: str) -> list[dict]:
         engine.dispose()
 
 
+def cell_name(signum: int, target: str, pg: str | None) -> str:
+    return f"{signal.Signals(signum).name.lower()}-{target}-{'pg' if pg else 'sqlite'}"
+
+
 def cell(base: Path, signum: int, target: str, pg: str | None, index: int) -> dict:
-    name = f"{signal.Signals(signum).name.lower()}-{target}-{'pg' if pg else 'sqlite'}"
+    name = cell_name(signum, target, pg)
     home = base / name
     url = f"sqlite:///{home / 'results.db'}"
     if pg:
@@ -97,10 +101,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pg", help="a PostgreSQL URL whose server may create databases (optional)")
     parser.add_argument("--parallel", type=int, default=3)
+    parser.add_argument("--only", action="append", default=[],
+                        help="only cells whose name (e.g. sigkill-main-sqlite) contains this (repeatable)")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="privbench-faults-"))
     backends = [None, args.pg] if args.pg else [None]
-    jobs = [(s, t, pg) for pg in backends for s in SIGNALS for t in TARGETS]
+    jobs = [(s, t, pg) for pg in backends for s in SIGNALS for t in TARGETS
+            if not args.only or any(o in cell_name(s, t, pg) for o in args.only)]
     def one(ij: tuple[int, tuple]) -> dict:
         result = cell(base, *ij[1], index=ij[0])
         print(json.dumps(result, default=str), file=sys.stderr, flush=True)

@@ -56,3 +56,18 @@ def test_diverged_grid_point_is_failed_with_the_reason_and_no_metrics(home: Path
     assert by_run[diverged["id"]]["status"] == "failed" and by_run[diverged["id"]]["error"] == error
     assert by_run[healthy["id"]]["status"] == "finished"
     assert repo.get_run(summary["run_id"])["status"] == "finished"
+
+
+def test_a_run_whose_every_point_diverged_fails(home: Path) -> None:
+    """The user's case, ``train_dp.lrs=[1e12]``: nothing trained, so the flow run itself ends ``failed``."""
+    from core.errors import DivergedError
+
+    assert SWEEP.train_dp is not None
+    only = SWEEP.train_dp.model_copy(update={"lrs": (1e12,), "workers": 1})
+    with pytest.raises(DivergedError, match=r"every grid point diverged \(1\): TrainingDivergedError: training "
+                                            r"diverged at step 2"):
+        train_dp_flow.with_options(task_runner=train_dp_runner(only))(only, SWEEP.prepare, profile="tiny")
+    repo = ResultsRepository()
+    flows = repo.list_runs(stage="train-dp", technique="flow", limit=None)
+    assert [r["status"] for r in flows] == ["failed"] and "every grid point diverged" in flows[0]["error"]
+    assert [r["status"] for r in repo.list_runs(stage="train-dp", technique="gru", limit=None)] == ["failed"]

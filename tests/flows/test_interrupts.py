@@ -9,6 +9,7 @@ the command's tree survives."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -157,7 +158,8 @@ def start(name: str, base: Path, config: str = CONFIG, home: Path | None = None,
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("signals")
-    started = {name: start(name, base) for name in ("group-sigint", "main-sigint", "group-sigterm", "group-sigkill")}
+    started = {name: start(name, base) for name in ("group-sigint", "main-sigint", "group-sigterm", "group-sigkill",
+                                                    "main-sigkill")}
     yield started
     for c in started.values():
         if c.proc.poll() is None:
@@ -231,3 +233,20 @@ def test_sigkill_of_the_process_group_is_reaped_by_the_next_flow_start(commands:
             assert c.mlflow_status(done["mlflow_run_id"]) == "FAILED"
     states = c.prefect_states()
     assert "RUNNING" not in states.values(), states
+
+
+def test_sigkill_of_the_main_process_takes_its_tree_down_and_results_reap_closes_the_rows(
+        commands: dict[str, Command]) -> None:
+    """Only the supervisor is killed: the flow process notices, kills its workers and exits; nothing trains on
+    unsupervised, and ``privbench results reap`` marks the rows they held."""
+    c = commands["main-sigkill"]
+    c.wait_until_training()
+    assert c.signal_and_wait(signal.SIGKILL, group=False) == -signal.SIGKILL
+    assert not c.survivors(within=30), f"processes outlived their supervisor: {c.survivors()}"
+    left = [r for r in c.rows() if r["status"] == "running"]
+    assert left
+    out = subprocess.run([sys.executable, "-m", "privbench", "results", "reap", "--json"], cwd=ROOT, env=c.env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert {r["run_id"] for r in json.loads(out.stdout)} == {r["id"] for r in left}
+    assert not [r for r in c.rows() if r["status"] == "running"]

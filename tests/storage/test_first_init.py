@@ -19,8 +19,8 @@ def _first_use(uri: str, artifact_root: str, barrier, index: int) -> str:
     try:
         barrier.wait(timeout=120)
         tracker = Tracker(uri, Path(artifact_root))
-        _exp_id, run_id = tracker.start_run(stage="prepare", run_name=f"race-{index}", params={"i": str(index)},
-                                            tags={"privbench.race": "1"})
+        _exp_id, run_id = tracker.start_run(stage="prepare", run_name=f"race-{index}",
+                                            params={"i": str(index)}, tags={"privbench.race": "1"})
         tracker.end_run(run_id, "FINISHED")
         return ""
     except BaseException:  # noqa: BLE001 -- report every failure of the child to the test
@@ -44,7 +44,7 @@ def test_concurrent_first_use_of_a_fresh_tracking_store(tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     errors = [e for e in _run_all(uri, tmp_path / "mlartifacts") if e]
-    assert not errors, f"{len(errors)} of {PROCESSES} processes failed on a fresh store:\n" + "\n".join(errors)
+    assert not errors, f"{len(errors)} of {PROCESSES} failed on a fresh store:\n" + "\n".join(errors)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(experiment_name("prepare"))
     assert experiment is not None

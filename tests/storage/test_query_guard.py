@@ -1,4 +1,5 @@
-"""``privbench results query``: exactly one read-only statement, refused by the parser and again by the database.
+"""``privbench results query``: exactly one read-only statement, checked before it is sent and again by the
+database.
 
 Every refused string runs against a store holding one full run, on SQLite and PostgreSQL; the store's tables,
 their row counts and a hash of all their rows must be the same afterwards, and no file may appear where an
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-import storage.repository as repository
 from core.errors import StoreError
+from storage import repository
 from storage.db import get_engine
 from storage.recording import record_run
 from storage.repository import ResultsRepository, read_only_statement
@@ -95,8 +96,8 @@ ALLOWED = [
     ('select "status" from runs', [("finished",)]),
     ("/* leading */ select 1 as x -- trailing", [(1,)]),
     ("values (1), (2)", [(1,), (2,)]),
-    ("with m as (select run_id, count(*) as n from metrics group by run_id) "
-     "select r.technique, m.n from runs r join m on m.run_id = r.id", [("dpformer", 4)]),
+    (("with m as (select run_id, count(*) as n from metrics group by run_id) "
+      "select r.technique, m.n from runs r join m on m.run_id = r.id"), [("dpformer", 4)]),
     ("select r.status, count(*) from runs r join metrics m on m.run_id = r.id group by r.status",
      [("finished", 4)]),
     ("select name from metrics where name like 'loss%' order by step limit 1", [("loss",)]),
@@ -111,7 +112,8 @@ def full_run() -> str:
         rec.metrics({"ndcg_at_10": 0.031, "hit_at_10": 0.062})
         rec.metric("loss", 2.5, step=0)
         rec.metric("loss", 2.0, step=1)
-        rec.privacy(epsilon=7.98, delta=1e-6, noise_multiplier=1.2, sample_rate=0.01, steps=500, accountant="rdp")
+        rec.privacy(epsilon=7.98, delta=1e-6, noise_multiplier=1.2, sample_rate=0.01, steps=500,
+                    accountant="rdp")
     return rec.run_id
 
 
@@ -209,6 +211,18 @@ def test_query_error_names_a_write_inside_a_select(filled: str) -> None:
         ResultsRepository(filled).query("with d as (delete from metrics returning *) select * from d")
 
 
+def test_query_explains_and_describes_the_schema(filled: str) -> None:
+    repo = ResultsRepository(filled)
+    assert repo.query("explain select * from runs")[1]
+    if filled.startswith("sqlite"):
+        assert repo.query("explain query plan select * from runs")[1]
+        rows = repo.query("select name from pragma_table_info('runs') where name = 'status'")[1]
+    else:
+        rows = repo.query("select column_name from information_schema.columns "
+                          "where table_name = 'runs' and column_name = 'status'")[1]
+    assert rows == [("status",)]
+
+
 def test_query_with_postgres_dollar_quotes(store_url: str) -> None:
     if not store_url.startswith("postgres"):
         pytest.skip("dollar quoting is PostgreSQL syntax")
@@ -245,5 +259,6 @@ def test_read_only_statement_lexes_like_the_database(sql: str, dialect: str) -> 
 
 
 def test_nested_comment_hides_nothing_on_postgres() -> None:
-    assert read_only_statement("select 1 /* /* */ ; delete */", "postgresql") == "select 1 /* /* */ ; delete */"
+    nested = "select 1 /* /* */ ; delete */"
+    assert read_only_statement(nested, "postgresql") == nested
     assert read_only_statement("select [a;b] from t", "sqlite") == "select [a;b] from t"
