@@ -232,13 +232,13 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, echo: 
         raise FlowFailed(result["error"], kind=result.get("kind"))
     # killed from outside (OOM killer, SIGKILL): nothing reported; its workers may live on as orphans
     code = child.returncode
-    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tree.kill()
     from storage.recording import fail_runs_of_processes
 
-    failed = fail_runs_of_processes(tree.pids, f"the flow process was {how}", interrupted=False)
-    _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process was {how}", cancelled=False)
-    raise FlowFailed(f"the flow process was {how} before it reported a result; {len(failed)} run(s) it held "
+    failed = fail_runs_of_processes(tree.pids, f"the flow process {how}", interrupted=False)
+    _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process {how}", cancelled=False)
+    raise FlowFailed(f"the flow process {how} before it reported a result; {len(failed)} run(s) it held "
                      "were marked failed", kind=None)
 
 

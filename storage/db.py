@@ -120,7 +120,7 @@ def _create(url: str) -> Engine:
     except ArgumentError:
         raise StoreError(
             f"PRIVBENCH_DB_URL={redact(url)!r} is not a database URL; use e.g. sqlite:///.privbench/results.db "
-            "or postgresql+psycopg://user:pass@127.0.0.1:5432/privbench"
+            "or postgresql+psycopg://USER@127.0.0.1:5432/privbench (with the password in PGPASSWORD or ~/.pgpass)"
         ) from None
     if parsed.get_backend_name() == "sqlite":
         return _create_sqlite(url)

@@ -17,10 +17,13 @@ hostname but not a PID namespace must not share a store without distinct hostnam
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
@@ -29,6 +32,8 @@ from core.errors import ConfigError
 from storage import provenance
 from storage.db import session_scope
 from storage.models import Run
+
+log = logging.getLogger("privbench.liveness")
 
 HEARTBEAT_ENV = "PRIVBENCH_HEARTBEAT_SECONDS"
 STALE_ENV = "PRIVBENCH_STALE_AFTER_SECONDS"
@@ -96,7 +101,7 @@ def process_gone(pid: int, started: float | None) -> bool:
     now_started = process_started(pid)
     if now_started is None:
         return True
-    if started is None or now_started != now_started:  # unknown start (NaN): trust the PID
+    if started is None or math.isnan(now_started):  # unknown start: trust the PID
         return False
     return now_started > started + _PID_START_SLACK_S  # the PID was reused by a newer process
 
@@ -121,7 +126,7 @@ def find_stale(db_url: str, *, older_than: float | None = None, now: datetime | 
     return stale
 
 
-def _stale_reason(r, *, here: str, window: float, now: datetime) -> str | None:  # noqa: ANN001 -- a Row
+def _stale_reason(r: Any, *, here: str, window: float, now: datetime) -> str | None:  # r: a result Row
     if r.host == here and r.pid is not None:
         if process_gone(r.pid, r.pid_started):
             return f"stale: its process {r.pid} on {here} is gone"
@@ -182,5 +187,5 @@ class Heartbeat:
                 return
             try:
                 self.beat()
-            except Exception:  # noqa: BLE001 -- a missed beat is retried; the run itself must not fail for it
-                continue
+            except Exception as exc:  # noqa: BLE001 -- a missed beat is retried; the run itself must not fail for it
+                log.debug("missed a heartbeat: %s: %s", type(exc).__name__, exc)

@@ -29,6 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from core.errors import StoreError
+from core.redact import redact_url
 
 EXPERIMENT_PREFIX = "privbench"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -136,7 +137,8 @@ class Tracker:
         except MlflowException as exc:  # created concurrently by another process
             found = self.client.get_experiment_by_name(name)
             if found is None:
-                raise StoreError(f"cannot create MLflow experiment {name!r} at {self.tracking_uri}: {exc}") from exc
+                raise StoreError(f"cannot create MLflow experiment {name!r} at {redact_url(self.tracking_uri)}: "
+                                 f"{redact_url(str(exc))}") from None
             return found.experiment_id
         self._enable_wal()
         return exp_id

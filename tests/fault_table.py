@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from tests.flows.test_interrupts import HANG_S, PREPARE_ONLY, Command, start
+from tests.flows.test_interrupts import HANG_S, PREPARE_ONLY, start
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 TARGETS = ("group", "main")

@@ -29,7 +29,8 @@ if connection is not None:
     _run(connection)
 else:
     from privbench.settings import get_settings
+    from storage.db import normalize_url
 
-    engine = create_engine(get_settings().db_url)
+    engine = create_engine(normalize_url(get_settings().db_url))
     with engine.connect() as conn:
         _run(conn)

@@ -116,7 +116,7 @@ class Command:
         return code
 
     def survivors(self, within: float = 15.0) -> list[str]:
-        gone, alive = psutil.wait_procs(self.tree, timeout=within)
+        _gone, alive = psutil.wait_procs(self.tree, timeout=within)
         return [" ".join(p.cmdline()[:4]) for p in alive if p.is_running()]
 
     def output(self) -> str:

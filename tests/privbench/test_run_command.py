@@ -38,8 +38,8 @@ def test_a_data_error_is_one_clean_message(tmp_path: Path, bad_data_config: Path
     assert "Traceback" not in text and "Finished in state" not in text, text
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines == [
-        f"error: flow prepare failed: {tmp_path / 'ratings.dat'}:3: expected 4 fields "
-        "'UserID::MovieID::Rating::Timestamp', got 'this is not a rating line'",
+        (f"error: flow prepare failed: {tmp_path / 'ratings.dat'}:3: expected 4 fields "
+         "'UserID::MovieID::Rating::Timestamp', got 'this is not a rating line'"),
         "(failed runs: `privbench results list --status failed`; set PRIVBENCH_DEBUG=1 for the traceback)",
     ], text
 
