@@ -23,8 +23,8 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import select, update
 
