@@ -51,6 +51,10 @@ class FlowFailed(PrivbenchError):
         self.kind = kind
 
 
+class PrefectUnavailable(PrivbenchError):
+    """No Prefect API: the temporary server would not start."""
+
+
 class Interrupted(Exception):
     """The command was stopped by a signal and cleaned up; exit 130."""
 
@@ -112,7 +116,13 @@ def prefect_api() -> Iterator[Any]:
             super().stop()
 
     server = _OwnSessionServer()
-    server.start()
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001 -- any start-up failure is reported the same way
+        server.stop()
+        raise PrefectUnavailable(
+            f"could not start a temporary Prefect API server: {type(exc).__name__}: {exc}; start one "
+            "(`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api") from None
     try:
         yield server
     finally:
