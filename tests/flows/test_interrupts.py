@@ -188,6 +188,9 @@ def check_interrupted(c: Command, signame: str) -> list[dict]:
 def test_one_ctrl_c_to_the_process_group_stops_everything_and_exits_130(commands: dict[str, Command]) -> None:
     c = commands["group-sigint"]
     c.wait_until_training()
+    # one temporary Prefect API server for the command, shared by the flow process and its workers
+    servers = [p for p in c.tree if "prefect.server.api.server:create_app" in " ".join(p.cmdline())]
+    assert len(servers) == 1, [" ".join(p.cmdline()[:6]) for p in servers]
     assert c.signal_and_wait(signal.SIGINT, group=True) == 130, c.output()
     check_interrupted(c, "SIGINT")
     assert "interrupted (SIGINT): marked" in c.output()
