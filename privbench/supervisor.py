@@ -90,7 +90,13 @@ def prefect_api() -> Iterator[Any]:
     from prefect.server.api.server import SubprocessASGIServer
 
     class _OwnSessionServer(SubprocessASGIServer):
-        """The temporary server, out of the terminal's process group and killed if this process dies."""
+        """The temporary server, out of the terminal's process group and killed if this process dies.
+
+        Always a new instance, never registered in Prefect's per-port instance table: Prefect's own servers in this
+        process (a test harness, say) are neither reused nor stopped by this command."""
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> _OwnSessionServer:
+            return object.__new__(cls)
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             real_popen = subprocess.Popen
@@ -113,7 +119,9 @@ def prefect_api() -> Iterator[Any]:
                     proc.wait(timeout=2)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            super().stop()
+                    proc.wait()
+            self.server_process = None
+            self.running = False
 
     server = _OwnSessionServer()
     try:

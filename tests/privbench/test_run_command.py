@@ -60,3 +60,24 @@ def test_an_unreachable_store_is_reported_before_anything_starts(tmp_path: Path)
     # no Prefect API was started (it would have created its database) and no flow ran
     assert not (tmp_path / "prefect" / "prefect.db").exists()
     assert not (tmp_path / "home" / "mlflow.db").exists()
+
+
+def test_the_temporary_api_server_leaves_other_prefect_servers_of_the_process_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefect keeps one server per port in a class-level table; a command run in-process (a notebook, a test
+    under ``prefect_test_harness``) must neither reuse nor stop the server that table already holds."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from privbench.supervisor import prefect_api
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    outer = SubprocessASGIServer()
+    outer.start()
+    try:
+        with prefect_api() as mine:
+            assert mine is not outer and mine.server_process.pid != outer.server_process.pid
+        assert mine.server_process is None  # stopped
+        assert outer.server_process is not None and outer.server_process.poll() is None  # still serving
+        assert SubprocessASGIServer() is outer
+    finally:
+        outer.stop()
