@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from core.errors import PrivbenchError, StoreError
 from privbench.config import BenchmarkConfig
@@ -95,7 +95,7 @@ def prefect_api() -> Iterator[Any]:
         Always a new instance, never registered in Prefect's per-port instance table: Prefect's own servers in this
         process (a test harness, say) are neither reused nor stopped by this command."""
 
-        def __new__(cls, *args: Any, **kwargs: Any) -> _OwnSessionServer:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Self:
             return object.__new__(cls)
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
@@ -119,9 +119,8 @@ def prefect_api() -> Iterator[Any]:
                     proc.wait(timeout=2)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
-            self.server_process = None
-            self.running = False
+            self._instance_key = object()  # never the key of a server in Prefect's table: leave that entry alone
+            super().stop()
 
     server = _OwnSessionServer()
     try:
