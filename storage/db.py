@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from alembic import command
 from alembic.config import Config
@@ -244,6 +245,17 @@ def _revisions(engine: Engine, cfg: Config) -> tuple[set[str], set[str]]:
 
 
 @contextmanager
+def held(handle: IO[str]) -> Iterator[None]:
+    """An exclusive ``flock`` on the open lock file ``handle`` for the block; the file is closed after."""
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
 def _migration_lock(engine: Engine, url: str) -> Iterator[None]:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
@@ -253,12 +265,8 @@ def _migration_lock(engine: Engine, url: str) -> Iterator[None]:
         except OSError as exc:
             raise StoreError(f"cannot create {lock_path} to migrate the results store ({exc.strerror}); make "
                              "its folder writable, or set PRIVBENCH_HOME to a writable folder") from None
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with held(handle):
+            yield
     elif parsed.get_backend_name() == "postgresql":
         with engine.connect() as conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _ADVISORY_LOCK_ID})

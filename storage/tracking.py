@@ -11,7 +11,6 @@ process doing the same; so that first open happens under a file lock next to the
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import sqlite3
@@ -30,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from core.errors import StoreError
 from core.redact import redact_url
+from storage.db import held
 
 EXPERIMENT_PREFIX = "privbench"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -210,12 +210,8 @@ def _first_init_lock(db_file: Path | None) -> Iterator[None]:
         except OSError:
             yield
             return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with held(handle):
+        yield
 
 
 def _clip(value: str) -> str:
