@@ -101,8 +101,11 @@ def prefect_api() -> Iterator[Any]:
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             real_popen = subprocess.Popen
 
+            # its output is not the command's: a server that outlived the command must not hold its pipes open
+            quiet = {} if os.environ.get(DEBUG_ENV) else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+
             def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
-                return real_popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+                return real_popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **quiet, **kwargs)
 
             subprocess.Popen = popen  # type: ignore[misc]
             try:
@@ -210,7 +213,8 @@ def run_supervised(flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="privbench-run-") as tmp, prefect_api() as server:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
-        env = os.environ | quiet_env(debug) | ({"PREFECT_API_URL": server.api_url} if server else {})
+        api_url = server.api_url if server else os.environ["PREFECT_API_URL"]
+        env = os.environ | quiet_env(debug) | {"PREFECT_API_URL": api_url}
         server_pid = server.server_process.pid if server and server.server_process else None
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         # the child and all it spawns inherit SIGINT ignored: one Ctrl-C, handled here only
@@ -226,8 +230,8 @@ def run_supervised(flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], Non
             while child.poll() is None and not wake.wait(0.5):
                 tree.refresh()
             if signals:
-                raise _stop(tree, signals[0], echo)
-            return _outcome(child, tree, out_path, echo)
+                raise _stop(tree, signals[0], api_url, echo)
+            return _outcome(child, tree, out_path, api_url)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -241,7 +245,7 @@ def _warm_imports() -> None:
         get_tracker()  # opening the MLflow store checks its schema: seconds
 
 
-def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, echo: Callable[[str], None]) -> dict[str, Any]:
+def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_url: str) -> dict[str, Any]:
     result = json.loads(out_path.read_text()) if out_path.exists() and out_path.stat().st_size else None
     if child.returncode == 0 and result is not None and result.get("ok"):
         return result["summary"]
@@ -254,12 +258,12 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, echo: 
     from storage.recording import fail_runs_of_processes
 
     failed = fail_runs_of_processes(tree.pids, f"the flow process {how}", interrupted=False)
-    _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process {how}", cancelled=False)
+    _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process {how}", api_url, cancelled=False)
     raise FlowFailed(f"the flow process {how} before it reported a result; {len(failed)} run(s) it held "
                      "were marked failed", kind=None)
 
 
-def _stop(tree: _Tree, signum: int, echo: Callable[[str], None]) -> Interrupted:
+def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -> Interrupted:
     """Mark the tree's rows failed, kill the tree, mark again, cancel the Prefect flow runs; within GRACE_S."""
     from storage.recording import fail_runs_of_processes
 
@@ -274,7 +278,7 @@ def _stop(tree: _Tree, signum: int, echo: Callable[[str], None]) -> Interrupted:
     tree.kill()
     failed += fail_runs_of_processes(tree.pids, reason)
     flow_runs = {fr for _, fr in failed if fr} | _flow_runs_of(tree.pids)
-    cancelled = _end_prefect_runs(flow_runs, reason, cancelled=True)
+    cancelled = _end_prefect_runs(flow_runs, reason, api_url, cancelled=True)
     echo(f"interrupted ({name}): marked {len(failed)} run(s) failed, cancelled {cancelled} Prefect flow run(s)")
     return Interrupted(name, len(failed))
 
@@ -296,8 +300,9 @@ def _flow_runs_of(pids: set[int]) -> set[str]:
         return set(ids)
 
 
-def _end_prefect_runs(flow_runs: set[str], reason: str, *, cancelled: bool) -> int:
-    """Cancel (or crash) the flow runs in Prefect, giving up after a few seconds (the API may be gone)."""
+def _end_prefect_runs(flow_runs: set[str], reason: str, api_url: str, *, cancelled: bool) -> int:
+    """Cancel (or crash) the flow runs in Prefect at ``api_url`` (this command's API, never an ephemeral server
+    started for the call: that one would outlive an ``os._exit``), giving up after a few seconds."""
     if not flow_runs:
         return 0
     from tasks.records import end_prefect_flow_runs
@@ -306,7 +311,7 @@ def _end_prefect_runs(flow_runs: set[str], reason: str, *, cancelled: bool) -> i
 
     def work() -> None:
         with contextlib.suppress(Exception):
-            done.append(end_prefect_flow_runs(flow_runs, reason, cancelled=cancelled))
+            done.append(end_prefect_flow_runs(flow_runs, reason, cancelled=cancelled, api_url=api_url))
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()

@@ -164,11 +164,15 @@ def crash_flow_run(client: Any, flow_run_id: str, message: str, *, cancelled: bo
     return True
 
 
-def end_prefect_flow_runs(flow_run_ids: set[str], message: str, *, cancelled: bool = False) -> int:
-    """``crash_flow_run`` for each id (an operator's reap, an interrupted command); returns how many changed."""
+def end_prefect_flow_runs(flow_run_ids: set[str], message: str, *, cancelled: bool = False,
+                          api_url: str | None = None) -> int:
+    """``crash_flow_run`` for each id (an operator's reap, an interrupted command); returns how many changed.
+
+    ``api_url``: the Prefect API to use (a supervisor's temporary server) instead of ``PREFECT_API_URL``; without
+    either, Prefect would start an ephemeral server of its own for this call."""
     if not flow_run_ids:
         return 0
-    with _client() as client:
+    with _client(api_url) as client:
         return sum(crash_flow_run(client, fr_id, message, cancelled=cancelled) for fr_id in sorted(flow_run_ids))
 
 
@@ -189,10 +193,10 @@ def reclaim_retried_runs() -> int:
     return failed
 
 
-def _client() -> Any:
-    from prefect.client.orchestration import get_client
+def _client(api_url: str | None = None) -> Any:
+    from prefect.client.orchestration import SyncPrefectClient, get_client
 
-    return get_client(sync_client=True)
+    return SyncPrefectClient(api_url) if api_url else get_client(sync_client=True)
 
 
 def _chains(client: Any) -> list[tuple[str, list[Any]]]:
