@@ -78,7 +78,7 @@ test-all: setup
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check core tasks flows storage privbench tests
+	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check core pbconfig tasks flows storage privbench dashboards tests && $(BIN)/ruff format --check core pbconfig tasks flows storage privbench dashboards tests
 
 clean:
 	rm -rf $(VENV) .privbench

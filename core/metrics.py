@@ -72,8 +72,7 @@ def _check_k(k: int) -> None:
 def _check_scores_targets(scores: torch.Tensor, targets: torch.Tensor, *, exclude_padding: bool) -> None:
     if scores.dim() != 2 or not scores.is_floating_point():
         raise DataError(
-            "scores must be a floating (B, M+1) tensor, "
-            f"got shape {tuple(scores.shape)}, dtype {scores.dtype}"
+            f"scores must be a floating (B, M+1) tensor, got shape {tuple(scores.shape)}, dtype {scores.dtype}"
         )
     if targets.dim() != 1 or targets.shape[0] != scores.shape[0] or targets.dtype != torch.long:
         raise DataError(
@@ -89,8 +88,7 @@ def _check_scores_targets(scores: torch.Tensor, targets: torch.Tensor, *, exclud
         raise DataError(f"targets must be item ids in [0, {num_items - 1}], got min={low}, max={high}")
     if exclude_padding and low == PADDING_IDX:
         raise DataError(
-            f"a target is the padding item {PADDING_IDX}; "
-            "drop sequences without a held-out item before scoring"
+            f"a target is the padding item {PADDING_IDX}; drop sequences without a held-out item before scoring"
         )
     if bool(torch.isnan(scores).any()):
         raise DataError("scores contain NaN; ranks would be meaningless -- check the model's output")

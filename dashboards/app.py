@@ -1,9 +1,11 @@
-"""privbench dashboard (Streamlit): the results store's result groups as tables and Plotly charts.
+"""privbench dashboard (Streamlit): which method wins per stage, then the results store's result groups as
+tables and Plotly charts.
 
 Run it with ``privbench dashboard`` (or ``streamlit run dashboards/app.py``). It reads the store configured by
-``PRIVBENCH_DB_URL`` / ``PRIVBENCH_HOME`` only through ``storage.views``; queries are cached for ``TTL_S``
-seconds per (view, store, filters). Run links open the MLflow UI at ``PRIVBENCH_MLFLOW_UI_URL`` (default
-``http://127.0.0.1:5000``, where ``privbench ui`` serves it).
+``PRIVBENCH_DB_URL`` / ``PRIVBENCH_HOME`` only through ``storage.views`` and ``storage.leaderboard``; queries are
+cached for ``TTL_S`` seconds per (view, store, filters). The overview leads with a leaderboard per stage (mean
+over seeds with a 95% t-interval, the best method marked); run links and compare links open the MLflow UI at
+``PRIVBENCH_MLFLOW_UI_URL`` (default ``http://127.0.0.1:5000``, where ``privbench ui`` serves it).
 """
 
 from __future__ import annotations
@@ -11,20 +13,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import UTC, date, datetime, time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import streamlit as st
 
 from core.errors import PrivbenchError
-from dashboards import plots
-from privbench.settings import get_settings
+from dashboards import plots, tables
+from pbconfig.settings import get_settings
+from storage import leaderboard as ranking
 from storage import views
-from storage.db import redact
 
 TTL_S = 30
 MLFLOW_UI_ENV = "PRIVBENCH_MLFLOW_UI_URL"
-DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+DEFAULT_MLFLOW_UI = tables.DEFAULT_MLFLOW_UI
+PROJECT_DIR = Path(__file__).resolve().parents[1]
 ALL = "(all)"
 
 Filters = tuple[tuple[str, Any], ...]
@@ -37,15 +41,18 @@ def load(view: str, db_url: str, filters: Filters) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
+def load_leaderboard(db_url: str, filters: Filters) -> pd.DataFrame:
+    """``storage.leaderboard.leaderboard`` for ``db_url`` and ``filters`` (cached, keyed on both)."""
+    return ranking.leaderboard(db_url, **dict(filters))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def options(db_url: str) -> dict[str, Any]:
     return views.filter_options(db_url)
 
 
-def mlflow_link(base: str, experiment_id: str | None, run_id: str | None) -> str | None:
-    """The MLflow UI address of a run, or None when the run was not tracked."""
-    if not experiment_id or not run_id:
-        return None
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+def mlflow_ui() -> str:
+    return os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI
 
 
 def sidebar(opts: dict[str, Any]) -> Filters:
@@ -58,8 +65,9 @@ def sidebar(opts: dict[str, Any]) -> Filters:
     profile = st.sidebar.selectbox("profile", [ALL, *opts["profiles"]], key="profile")
     if profile != ALL:
         chosen["profile"] = profile
-    commit = st.sidebar.selectbox("git commit", [ALL, *opts["commits"]], key="commit",
-                                  format_func=lambda c: c if c == ALL else c[:12])
+    commit = st.sidebar.selectbox(
+        "git commit", [ALL, *opts["commits"]], key="commit", format_func=lambda c: c if c == ALL else c[:12]
+    )
     if commit != ALL:
         chosen["commit"] = commit
     if opts["first"] is not None:
@@ -71,8 +79,9 @@ def sidebar(opts: dict[str, Any]) -> Filters:
             chosen["since"] = datetime.combine(days[0], time.min, tzinfo=UTC)
         if len(days) > 1 and days[-1] < last:
             chosen["until"] = datetime.combine(days[-1], time.max, tzinfo=UTC)
-    root = st.sidebar.text_input("run subtree (run id)", key="root",
-                                 help="only this run and the runs below it (parent_id)").strip()
+    root = st.sidebar.text_input(
+        "run subtree (run id)", key="root", help="only this run and the runs below it (parent_id)"
+    ).strip()
     if root:
         chosen["root"] = root
     return tuple(sorted(chosen.items()))
@@ -92,8 +101,9 @@ def empty(message: str, filters: Filters) -> None:
     st.info(message + ("  (Or widen the filters in the sidebar.)" if filters else ""))
 
 
-def section(title: str, frame: pd.DataFrame, message: str, filters: Filters,
-            draw: Callable[[pd.DataFrame], None]) -> None:
+def section(
+    title: str, frame: pd.DataFrame, message: str, filters: Filters, draw: Callable[[pd.DataFrame], None]
+) -> None:
     st.subheader(title)
     if frame.empty:
         empty(message, filters)
@@ -101,26 +111,102 @@ def section(title: str, frame: pd.DataFrame, message: str, filters: Filters,
         draw(frame)
 
 
+def leaderboards(db_url: str, filters: Filters) -> None:
+    """Per stage, the methods ranked on the stage's key metric (a radio picks another of its metrics)."""
+    st.subheader("Which method wins")
+    st.caption(
+        "Mean over seeds and its 95% Student-t interval (n = seeds; a seed run again counts once, the "
+        "newest run). ★ marks the best mean of a setting, higher or lower as the metric wants; "
+        "*clear win*: its interval clears every other method's. The MLflow links open the runs side "
+        "by side in MLflow's compare view."
+    )
+    frame = load_leaderboard(db_url, filters)
+    base = mlflow_ui()
+    missing = []
+    for board in ranking.BOARDS:
+        rows = frame[frame["board"] == board.name]
+        if rows.empty:
+            missing.append(f"{board.title} ({board.empty})")
+            continue
+        labels = {
+            m.name: f"{m.label} ({'higher' if m.higher_is_better else 'lower'} is better)"
+            for m in board.metrics
+            if m.name in set(rows["metric"])
+        }
+        st.markdown(f"**{board.title}**")
+        metric = st.radio(
+            f"{board.title}: metric",
+            list(labels),
+            format_func=labels.__getitem__,
+            horizontal=True,
+            key=f"leaderboard_{board.name}",
+            label_visibility="collapsed",
+        )
+        shown = tables.leaderboard_table(rows[rows["metric"] == metric], base)
+        st.dataframe(
+            shown,
+            hide_index=True,
+            width="stretch",
+            height=35 * (len(shown) + 1) + 3,
+            column_config={
+                "mlflow": st.column_config.LinkColumn("MLflow", display_text="compare"),
+                "n": st.column_config.NumberColumn("n", help="seeds"),
+                "mean ± 95% CI": st.column_config.TextColumn(labels[metric]),
+            },
+        )
+        links = tables.context_compare_links(rows[rows["metric"] == metric], base)
+        if links:
+            st.caption("All methods side by side in MLflow: " + " · ".join(f"[{c}]({u})" for c, u in links))
+    if missing:
+        st.caption(
+            "Not ranked yet (no results" + (" with these filters" if filters else "") + "): " + "; ".join(missing)
+        )
+
+
 def overview(db_url: str, filters: Filters) -> None:
     frame = load("runs", db_url, filters)
     if frame.empty:
         empty("No runs yet: run `privbench run benchmark --profile quick`", filters)
         return
+    leaderboards(db_url, filters)
+    st.subheader("Recent runs")
     counts = frame["status"].value_counts()
     cols = st.columns(4)
     cols[0].metric("runs shown", len(frame))
     for col, status in zip(cols[1:], ("finished", "failed", "running"), strict=True):
         col.metric(status, int(counts.get(status, 0)))
-    base = os.environ.get(MLFLOW_UI_ENV, DEFAULT_MLFLOW_UI)
-    shown = table(frame).assign(mlflow=[mlflow_link(base, e, r) for e, r in
-                                        zip(frame["mlflow_experiment_id"], frame["mlflow_run_id"], strict=True)])
+    base = mlflow_ui()
+    shown = table(frame).assign(
+        mlflow=[
+            tables.mlflow_link(base, e, r)
+            for e, r in zip(frame["mlflow_experiment_id"], frame["mlflow_run_id"], strict=True)
+        ]
+    )
     st.dataframe(
-        shown[["started_at", "status", "flow", "stage", "technique", "dataset", "profile", "duration_s", "git_commit",
-               "error", "mlflow", "id"]],
-        hide_index=True, width="stretch",
-        column_config={"mlflow": st.column_config.LinkColumn("MLflow run", display_text="open"),
-                       "duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f"),
-                       "started_at": st.column_config.DatetimeColumn("started (UTC)")})
+        shown[
+            [
+                "started_at",
+                "status",
+                "flow",
+                "stage",
+                "technique",
+                "dataset",
+                "profile",
+                "duration_s",
+                "git_commit",
+                "error",
+                "mlflow",
+                "id",
+            ]
+        ],
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "mlflow": st.column_config.LinkColumn("MLflow run", display_text="open"),
+            "duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f"),
+            "started_at": st.column_config.DatetimeColumn("started (UTC)"),
+        },
+    )
 
 
 def training(db_url: str, filters: Filters) -> None:
@@ -128,25 +214,44 @@ def training(db_url: str, filters: Filters) -> None:
 
     def draw_pu(frame: pd.DataFrame) -> None:
         for dataset, group in frame.groupby("dataset", sort=True):
-            st.plotly_chart(plots.privacy_utility(group).update_layout(title=f"NDCG@10 vs epsilon: {dataset}"),
-                            width="stretch")
+            fig = plots.privacy_utility(group).update_layout(
+                title=f"NDCG@10 vs epsilon: {dataset} (mean over seeds, 95% interval)"
+            )
+            st.plotly_chart(fig, width="stretch")
         st.plotly_chart(plots.train_time(frame), width="stretch")
         st.dataframe(table(frame), hide_index=True, width="stretch")
 
-    section("Privacy-utility (DPFormer)", pu,
-            "No private-training runs yet: run `privbench run train-dp --profile quick`", filters, draw_pu)
-    section("Clipping speed and memory", load("clipping_bench", db_url, filters),
-            "No clipping benchmark yet: run `privbench bench dp-clipping`", filters,
-            lambda f: st.plotly_chart(plots.clipping_speed_memory(f), width="stretch"))
+    section(
+        "Privacy-utility (DPFormer)",
+        pu,
+        "No private-training runs yet: run `privbench run train-dp --profile quick`",
+        filters,
+        draw_pu,
+    )
+    section(
+        "Clipping speed and memory",
+        load("clipping_bench", db_url, filters),
+        "No clipping benchmark yet: run `privbench bench dp-clipping`",
+        filters,
+        lambda f: st.plotly_chart(plots.clipping_speed_memory(f), width="stretch"),
+    )
 
 
 def tangent(db_url: str, filters: Filters) -> None:
-    section("Accuracy vs number of shards", load("tangent_accuracy", db_url, filters),
-            "No tangent runs yet: run `privbench run tangent --profile quick`", filters,
-            lambda f: st.plotly_chart(plots.tangent_accuracy(f), width="stretch"))
-    section("Unlearning (forgetting shards)", load("unlearning", db_url, filters),
-            "No unlearning curves yet: run `privbench run tangent --profile quick`", filters,
-            lambda f: st.plotly_chart(plots.unlearning(f), width="stretch"))
+    section(
+        "Accuracy vs number of shards",
+        load("tangent_accuracy", db_url, filters),
+        "No tangent runs yet: run `privbench run tangent --profile quick`",
+        filters,
+        lambda f: st.plotly_chart(plots.tangent_accuracy(f), width="stretch"),
+    )
+    section(
+        "Unlearning (forgetting shards)",
+        load("unlearning", db_url, filters),
+        "No unlearning curves yet: run `privbench run tangent --profile quick`",
+        filters,
+        lambda f: st.plotly_chart(plots.unlearning(f), width="stretch"),
+    )
 
 
 def secure_inference(db_url: str, filters: Filters) -> None:
@@ -154,17 +259,30 @@ def secure_inference(db_url: str, filters: Filters) -> None:
         st.plotly_chart(plots.mpc_costs(frame), width="stretch")
         st.dataframe(table(frame), hide_index=True, width="stretch")
 
-    section("MPC cost per operation", load("mpc_costs", db_url, filters),
-            "No secure-inference runs yet: run `privbench run secure-inference --profile quick`", filters, draw)
+    section(
+        "MPC cost per operation",
+        load("mpc_costs", db_url, filters),
+        "No secure-inference runs yet: run `privbench run secure-inference --profile quick`",
+        filters,
+        draw,
+    )
 
 
 def stip(db_url: str, filters: Filters) -> None:
-    section("Protocol overhead", load("stip_overhead", db_url, filters),
-            "No STIP runs yet: run `privbench run stip --profile quick`", filters,
-            lambda f: st.plotly_chart(plots.stip_overhead(f), width="stretch"))
-    section("Permutation-recovery attacks", load("stip_attacks", db_url, filters),
-            "No STIP attack results yet: run `privbench run stip --profile quick`", filters,
-            lambda f: st.plotly_chart(plots.stip_attacks(f), width="stretch"))
+    section(
+        "Protocol overhead",
+        load("stip_overhead", db_url, filters),
+        "No STIP runs yet: run `privbench run stip --profile quick`",
+        filters,
+        lambda f: st.plotly_chart(plots.stip_overhead(f), width="stretch"),
+    )
+    section(
+        "Permutation-recovery attacks",
+        load("stip_attacks", db_url, filters),
+        "No STIP attack results yet: run `privbench run stip --profile quick`",
+        filters,
+        lambda f: st.plotly_chart(plots.stip_attacks(f), width="stretch"),
+    )
 
 
 def attacks(db_url: str, filters: Filters) -> None:
@@ -172,14 +290,21 @@ def attacks(db_url: str, filters: Filters) -> None:
         metric = st.radio("metric", ["rougeL", "rouge1", "rouge2", "recall"], horizontal=True, key="film_metric")
         st.plotly_chart(plots.film(frame, metric), width="stretch")
 
-    section("FILM text recovery vs SEB", load("film", db_url, filters),
-            "No FILM attack runs yet: run `privbench run attacks --profile quick`", filters, draw_film)
+    section(
+        "FILM text recovery vs SEB",
+        load("film", db_url, filters),
+        "No FILM attack runs yet: run `privbench run attacks --profile quick`",
+        filters,
+        draw_film,
+    )
 
     def draw_mia(frame: pd.DataFrame) -> None:
         roc = load("membership_roc", db_url, filters)
         if roc.empty:
-            st.caption("No ROC points found (they are the MLflow artifacts `roc.json` of the audit runs, read from "
-                       "the local artifact root or MLFLOW_TRACKING_URI); showing AUC and TPR at low FPR instead.")
+            st.caption(
+                "No ROC points found (they are the MLflow artifacts `roc.json` of the audit runs, read from "
+                "the local artifact root or MLFLOW_TRACKING_URI); showing AUC and TPR at low FPR instead."
+            )
             st.plotly_chart(plots.membership_auc(frame), width="stretch")
         else:
             st.plotly_chart(plots.membership_roc(roc), width="stretch")
@@ -187,14 +312,23 @@ def attacks(db_url: str, filters: Filters) -> None:
             st.plotly_chart(plots.membership_epsilon(frame), width="stretch")
         st.dataframe(table(frame), hide_index=True, width="stretch")
 
-    section("Membership-inference audit", load("membership", db_url, filters),
-            "No membership-inference audits yet: run `privbench run attacks --profile quick` "
-            "(with an `attacks.audit` section)", filters, draw_mia)
+    section(
+        "Membership-inference audit",
+        load("membership", db_url, filters),
+        "No membership-inference audits yet: run `privbench run attacks --profile quick` "
+        "(with an `attacks.audit` section)",
+        filters,
+        draw_mia,
+    )
 
 
 TABS: dict[str, Callable[[str, Filters], None]] = {
-    "Overview": overview, "Private training": training, "Tangent": tangent, "Secure inference": secure_inference,
-    "STIP": stip, "Attacks": attacks,
+    "Overview": overview,
+    "Private training": training,
+    "Tangent": tangent,
+    "Secure inference": secure_inference,
+    "STIP": stip,
+    "Attacks": attacks,
 }
 
 
@@ -208,7 +342,7 @@ def main() -> None:
         st.error(f"Cannot read the results store: {exc}")
         st.stop()
     filters = sidebar(opts)
-    st.sidebar.caption(f"store: {redact(db_url)}  \ncached for {TTL_S} s")
+    st.sidebar.caption(f"store: `{tables.store_label(db_url, (PROJECT_DIR,))}`  \ncached for {TTL_S} s")
     for tab, render in zip(st.tabs(list(TABS)), TABS.values(), strict=True):
         with tab:
             render(db_url, filters)

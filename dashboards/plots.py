@@ -12,6 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from storage.leaderboard import seed_interval
+
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 50, "r": 20, "t": 50, "b": 40}, "legend_title_text": ""}
 
 
@@ -22,20 +24,43 @@ def _figure(title: str, x: str, y: str) -> go.Figure:
 
 
 def privacy_utility(frame: pd.DataFrame, metric: str = "ndcg_at_10") -> go.Figure:
-    """``metric`` (``ndcg_at_10`` or ``hit_at_10``) against the target epsilon, one line per method and dataset;
-    the non-private runs are dashed horizontal references in their method's colour."""
+    """``metric`` (``ndcg_at_10`` or ``hit_at_10``) against the target epsilon, one line per method and dataset
+    through the mean over the runs (seeds) at each epsilon, with their 95% t-interval as error bars (none for a
+    single run); the non-private runs are dashed horizontal references (their mean)."""
     label = {"ndcg_at_10": "NDCG@10", "hit_at_10": "HIT@10"}.get(metric, metric)
-    fig = _figure(f"Privacy-utility: test {label} vs epsilon", "target epsilon", f"test {label}")
+    fig = _figure(
+        f"Privacy-utility: test {label} vs epsilon (mean over seeds, 95% interval)", "target epsilon", f"test {label}"
+    )
     private = frame[frame["private"]].sort_values("epsilon")
     many = frame["dataset"].nunique() > 1
     for (method, dataset), group in private.groupby(["method", "dataset"], sort=True):
         name = f"{method} ({dataset})" if many else str(method)
-        fig.add_trace(go.Scatter(x=group["epsilon"], y=group[metric], mode="lines+markers", name=name,
-                                 legendgroup=name))
+        points = [(eps, seed_interval(at[metric])) for eps, at in group.groupby("epsilon", sort=True)]
+        fig.add_trace(
+            go.Scatter(
+                x=[eps for eps, _ in points],
+                y=[ci.mean for _, ci in points],
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                customdata=[ci.n for _, ci in points],
+                hovertemplate="epsilon %{x}: %{y:.4g} (n = %{customdata})",
+                error_y={
+                    "type": "data",
+                    "array": [0.0 if math.isnan(ci.half_width) else ci.half_width for _, ci in points],
+                    "visible": True,
+                },
+            )
+        )
     for (method, dataset), group in frame[~frame["private"]].groupby(["method", "dataset"], sort=True):
         name = f"{method} ({dataset}) non-private" if many else f"{method} non-private"
-        fig.add_hline(y=float(group[metric].mean()), line_dash="dash", opacity=0.6,
-                      annotation_text=name, annotation_position="top left")
+        fig.add_hline(
+            y=float(group[metric].mean()),
+            line_dash="dash",
+            opacity=0.6,
+            annotation_text=name,
+            annotation_position="top left",
+        )
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"dash": "dash"}, name=name))
     return fig
 
@@ -47,8 +72,7 @@ def clipping_speed_memory(frame: pd.DataFrame) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=("time per step (ms)", "peak memory (MB)"))
     fig.add_trace(go.Bar(x=latest["method"], y=latest["step_s"] * 1e3, name="step time (ms)"), row=1, col=1)
     fig.add_trace(go.Bar(x=latest["method"], y=latest["peak_mem_mb"], name="peak memory (MB)"), row=1, col=2)
-    fig.update_layout(title="DP clipping: speed and memory (privbench bench dp-clipping)", showlegend=False,
-                      **_LAYOUT)
+    fig.update_layout(title="DP clipping: speed and memory (privbench bench dp-clipping)", showlegend=False, **_LAYOUT)
     return fig
 
 
@@ -65,24 +89,29 @@ def tangent_accuracy(frame: pd.DataFrame) -> go.Figure:
     fig = _figure("Tangent: test accuracy vs number of shards", "shards", "test accuracy")
     mean = frame.groupby(["method", "n_shards"], as_index=False)["test_accuracy"].mean()
     for method, group in mean.groupby("method", sort=True):
-        fig.add_trace(go.Scatter(x=group["n_shards"], y=group["test_accuracy"], mode="lines+markers",
-                                 name=str(method)))
+        fig.add_trace(go.Scatter(x=group["n_shards"], y=group["test_accuracy"], mode="lines+markers", name=str(method)))
     fig.update_xaxes(type="log" if mean["n_shards"].max(skipna=True) > 10 else "linear", dtick=1)
     return fig
 
 
 def unlearning(frame: pd.DataFrame) -> go.Figure:
     """Accuracy against the fraction of shards forgotten (TAFT by subtraction vs SISA), newest run."""
-    fig = _figure("Unlearning: accuracy vs fraction of shards removed", "fraction of shards removed",
-                  "test accuracy")
+    fig = _figure("Unlearning: accuracy vs fraction of shards removed", "fraction of shards removed", "test accuracy")
     if frame.empty:
         return fig
     newest = frame[frame["run_id"] == frame.sort_values("started_at")["run_id"].iloc[-1]]
     for method, group in newest.groupby("method", sort=True):
         group = group.sort_values("fraction_removed")
-        fig.add_trace(go.Scatter(x=group["fraction_removed"], y=group["accuracy"], mode="lines+markers",
-                                 name=str(method), customdata=group["shards_removed"],
-                                 hovertemplate="%{customdata} shards removed: %{y:.3f}"))
+        fig.add_trace(
+            go.Scatter(
+                x=group["fraction_removed"],
+                y=group["accuracy"],
+                mode="lines+markers",
+                name=str(method),
+                customdata=group["shards_removed"],
+                hovertemplate="%{customdata} shards removed: %{y:.3f}",
+            )
+        )
     return fig
 
 
@@ -95,13 +124,19 @@ def mpc_costs(frame: pd.DataFrame) -> go.Figure:
     for op, group in latest.groupby("op_category", sort=True):
         group = group.set_index("method").reindex(methods)
         fig.add_trace(go.Bar(x=methods, y=group["seconds"], name=str(op), legendgroup=str(op)), row=1, col=1)
-        fig.add_trace(go.Bar(x=methods, y=group["bytes"] / 1e6, name=str(op), legendgroup=str(op), showlegend=False),
-                      row=1, col=2)
+        fig.add_trace(
+            go.Bar(x=methods, y=group["bytes"] / 1e6, name=str(op), legendgroup=str(op), showlegend=False), row=1, col=2
+        )
     runs = latest.groupby("method").last().reindex(methods)
-    for column, label, symbol in (("lan_projected_s", "LAN projection", "diamond"),
-                                  ("wan_projected_s", "WAN projection", "x")):
-        fig.add_trace(go.Scatter(x=methods, y=runs[column], mode="markers", name=label,
-                                 marker={"symbol": symbol, "size": 11}), row=1, col=1)
+    for column, label, symbol in (
+        ("lan_projected_s", "LAN projection", "diamond"),
+        ("wan_projected_s", "WAN projection", "x"),
+    ):
+        fig.add_trace(
+            go.Scatter(x=methods, y=runs[column], mode="markers", name=label, marker={"symbol": symbol, "size": 11}),
+            row=1,
+            col=1,
+        )
     fig.update_layout(barmode="stack", title="Secure inference: per-operation cost (slower party)", **_LAYOUT)
     fig.update_yaxes(type="log", row=1, col=1)
     return fig
@@ -112,8 +147,7 @@ def stip_overhead(frame: pd.DataFrame) -> go.Figure:
     generated token up and down (right, log scale)."""
     labels = frame["model"] + " / " + frame["design"]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("time ratios", "bytes per token"))
-    fig.add_trace(go.Bar(x=labels, y=frame["server_over_plaintext_time"], name="server / plaintext time"),
-                  row=1, col=1)
+    fig.add_trace(go.Bar(x=labels, y=frame["server_over_plaintext_time"], name="server / plaintext time"), row=1, col=1)
     fig.add_trace(go.Bar(x=labels, y=frame["user_overhead_fraction"], name="user share of time"), row=1, col=1)
     fig.add_trace(go.Bar(x=labels, y=frame["bytes_up_per_token"], name="bytes up / token"), row=1, col=2)
     fig.add_trace(go.Bar(x=labels, y=frame["bytes_down_per_token"], name="bytes down / token"), row=1, col=2)
@@ -137,8 +171,9 @@ def film(frame: pd.DataFrame, metric: str = "rougeL") -> go.Figure:
     fig = _figure(f"FILM text recovery: {metric} vs batch size", "batch size", metric)
     mean = frame.groupby(["embedding", "attacker", "batch_size"], as_index=False)[metric].mean()
     for (embedding, attacker), group in mean.groupby(["embedding", "attacker"], sort=True):
-        fig.add_trace(go.Scatter(x=group["batch_size"], y=group[metric], mode="lines+markers",
-                                 name=f"{embedding} / {attacker}"))
+        fig.add_trace(
+            go.Scatter(x=group["batch_size"], y=group[metric], mode="lines+markers", name=f"{embedding} / {attacker}")
+        )
     fig.update_xaxes(type="log", dtick=math.log10(2))
     return fig
 
@@ -149,8 +184,9 @@ def membership_roc(frame: pd.DataFrame) -> go.Figure:
     fig = _figure("Membership inference: ROC", "false positive rate", "true positive rate")
     for (method, setting, attack), group in frame.groupby(["method", "setting", "attack"], sort=True):
         fig.add_trace(go.Scatter(x=group["fpr"], y=group["tpr"], mode="lines", name=f"{method} {setting} {attack}"))
-    fig.add_trace(go.Scatter(x=[1e-3, 1], y=[1e-3, 1], mode="lines", line={"dash": "dot", "color": "grey"},
-                             name="chance"))
+    fig.add_trace(
+        go.Scatter(x=[1e-3, 1], y=[1e-3, 1], mode="lines", line={"dash": "dot", "color": "grey"}, name="chance")
+    )
     fig.update_xaxes(type="log", range=[-3, 0])
     fig.update_yaxes(type="log", range=[-3, 0])
     return fig
@@ -165,12 +201,29 @@ def membership_epsilon(frame: pd.DataFrame) -> go.Figure:
     finite_top = pd.concat([dp["empirical_epsilon_hi"], dp["accountant_epsilon"]]).replace(math.inf, math.nan).max()
     top = (finite_top if pd.notna(finite_top) else 1.0) * 1.2 + 0.1
     hi = dp["empirical_epsilon_hi"].clip(upper=top)
-    fig.add_trace(go.Scatter(
-        x=labels, y=dp["empirical_epsilon"], mode="markers", name="empirical epsilon",
-        error_y={"type": "data", "symmetric": False, "array": (hi - dp["empirical_epsilon"]).fillna(0),
-                 "arrayminus": (dp["empirical_epsilon"] - dp["empirical_epsilon_lo"]).fillna(0)}))
-    fig.add_trace(go.Scatter(x=labels, y=dp["accountant_epsilon"], mode="markers", name="accountant epsilon",
-                             marker={"symbol": "line-ew-open", "size": 18, "line": {"width": 3}}))
+    fig.add_trace(
+        go.Scatter(
+            x=labels,
+            y=dp["empirical_epsilon"],
+            mode="markers",
+            name="empirical epsilon",
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": (hi - dp["empirical_epsilon"]).fillna(0),
+                "arrayminus": (dp["empirical_epsilon"] - dp["empirical_epsilon_lo"]).fillna(0),
+            },
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=labels,
+            y=dp["accountant_epsilon"],
+            mode="markers",
+            name="accountant epsilon",
+            marker={"symbol": "line-ew-open", "size": 18, "line": {"width": 3}},
+        )
+    )
     fig.update_yaxes(range=[0, top])
     return fig
 
@@ -179,8 +232,7 @@ def membership_auc(frame: pd.DataFrame) -> go.Figure:
     """AUC and TPR at 1% / 0.1% FPR per audited target and attack (the summary when no ROC points exist)."""
     labels = frame["method"] + " " + frame["setting"].str.split(",").str[0] + " / " + frame["attack"]
     fig = _figure("Membership inference: AUC and TPR at low FPR", "target / attack", "value")
-    for column, name in (("auc", "AUC"), ("tpr_at_1pct_fpr", "TPR @ 1% FPR"),
-                         ("tpr_at_0_1pct_fpr", "TPR @ 0.1% FPR")):
+    for column, name in (("auc", "AUC"), ("tpr_at_1pct_fpr", "TPR @ 1% FPR"), ("tpr_at_0_1pct_fpr", "TPR @ 0.1% FPR")):
         fig.add_trace(go.Bar(x=labels, y=frame[column], name=name))
     fig.update_layout(barmode="group")
     return fig

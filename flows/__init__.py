@@ -1,3 +1,3 @@
 """Prefect flows: they only sequence tasks. One flow per stage plus ``benchmark``, the whole chain."""
 
-import privbench  # noqa: F401  - sets offline Prefect/MLflow defaults before prefect is imported
+import pbconfig  # noqa: F401  - sets offline Prefect/MLflow defaults before prefect is imported

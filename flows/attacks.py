@@ -7,12 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, unmapped
-from prefect.task_runners import ProcessPoolTaskRunner
 
 from core.errors import ConfigError
 from flows.prepare import prepare_flow
-from privbench.config import PrepareConfig, TangentConfig, TrainDPConfig
-from privbench.config_attacks import AttacksConfig
+from flows.runners import task_runner
+from pbconfig.attacks import AttacksConfig
+from pbconfig.data import PrepareConfig
+from pbconfig.tangent import TangentConfig
+from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
@@ -22,12 +24,18 @@ from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 STAGE = "attacks"
 
 
-@flow(name="attacks", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed])
-def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "quick",
-                 parent: RunRef | None = None, prepared: dict[str, str] | None = None,
-                 train_dp: TrainDPConfig | None = None, seqrec: dict[str, str] | None = None,
-                 tangent: TangentConfig | None = None, vision: dict[str, str] | None = None) -> dict[str, Any]:
+@flow(name="attacks", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+def attacks_flow(
+    config: AttacksConfig,
+    prepare: PrepareConfig,
+    profile: str = "quick",
+    parent: RunRef | None = None,
+    prepared: dict[str, str] | None = None,
+    train_dp: TrainDPConfig | None = None,
+    seqrec: dict[str, str] | None = None,
+    tangent: TangentConfig | None = None,
+    vision: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``prepared`` maps text-dataset names to prepared folders, ``seqrec`` the audited sequential datasets'
     names to theirs, ``vision`` holds the tangent stage's prepared ``images`` and ``model`` folders (all prepared
     here when not given); ``train_dp`` and ``tangent`` hold the audited models' hyperparameters."""
@@ -38,10 +46,12 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
     if unlearning and tangent is None:
         raise ConfigError("attacks.audit.unlearning needs the tangent section; add it or set unlearning: false")
     if prepared is None or (a is not None and seqrec is None) or (unlearning and vision is None):
-        wanted = PrepareConfig(texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()),
-                               datasets=tuple(prepare.dataset(n) for n in (a.datasets if a else ())),
-                               images=(prepare.image_dataset(tangent.dataset),) if unlearning else (),
-                               models=(prepare.model(tangent.model),) if unlearning else ())
+        wanted = PrepareConfig(
+            texts=tuple(prepare.text_dataset(n) for n in config.text_datasets()),
+            datasets=tuple(prepare.dataset(n) for n in (a.datasets if a else ())),
+            images=(prepare.image_dataset(tangent.dataset),) if unlearning else (),
+            models=(prepare.model(tangent.model),) if unlearning else (),
+        )
         done = prepare_flow(wanted, profile=profile, parent=parent)
         prepared = {n: d["path"] for n, d in done["texts"].items()}
         seqrec = {n: d["path"] for n, d in done["datasets"].items()}
@@ -55,26 +65,51 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
         prior = train_prior.submit(f, public, run, threads=config.threads_per_worker)
         cov = seb_coverage.submit(config, run)
     targets = audit_targets(a) if a is not None else []
-    audits = audit_seqrec.map([t[0] for t in targets], [t[1] for t in targets], [t[2] for t in targets],
-                              unmapped(a), unmapped(train_dp), [seqrec[t[0]] for t in targets], unmapped(run),
-                              threads=unmapped(config.threads_per_worker))
+    audits = audit_seqrec.map(
+        [t[0] for t in targets],
+        [t[1] for t in targets],
+        [t[2] for t in targets],
+        unmapped(a),
+        unmapped(train_dp),
+        [seqrec[t[0]] for t in targets],
+        unmapped(run),
+        threads=unmapped(config.threads_per_worker),
+    )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
     lm_jobs = [(d, e) for d in u.lm_datasets for e in u.embeddings] if u else []
-    lm = utility_lm.map([j[0] for j in lm_jobs], [j[1] for j in lm_jobs], unmapped(config),
-                        [prepared[j[0]] for j in lm_jobs], unmapped(run))
+    lm = utility_lm.map(
+        [j[0] for j in lm_jobs],
+        [j[1] for j in lm_jobs],
+        unmapped(config),
+        [prepared[j[0]] for j in lm_jobs],
+        unmapped(run),
+    )
     mt_emb = list(u.mt_embeddings) if u and u.translation else []
-    mt = utility_translation.map(mt_emb, unmapped(config), unmapped(prepared[u.translation] if mt_emb else ""),
-                                 unmapped(run))
+    mt = utility_translation.map(
+        mt_emb, unmapped(config), unmapped(prepared[u.translation] if mt_emb else ""), unmapped(run)
+    )
     film_runs: list[dict[str, Any]] = []
     if f is not None:
         prior_dir = prior.result()
         private = {n: prepared[n] for n in f.private}
         jobs = [(v, b) for v in f.victims for b in f.batch_sizes]
-        film_runs = film_attack.map([j[0] for j in jobs], [j[1] for j in jobs], unmapped(config), unmapped(private),
-                                    unmapped(prior_dir), unmapped(run)).result()
+        film_runs = film_attack.map(
+            [j[0] for j in jobs],
+            [j[1] for j in jobs],
+            unmapped(config),
+            unmapped(private),
+            unmapped(prior_dir),
+            unmapped(run),
+        ).result()
     coverage = cov.result() if cov is not None else None
-    summary = attacks_summary(film=film_runs, coverage=coverage, lm=lm.result(), mt=mt.result(),
-                              audit=audits.result(), unlearning=forget.result() if forget is not None else None)
+    summary = attacks_summary(
+        film=film_runs,
+        coverage=coverage,
+        lm=lm.result(),
+        mt=mt.result(),
+        audit=audits.result(),
+        unlearning=forget.result() if forget is not None else None,
+    )
     summary["run_id"] = run.run_id
     close_flow_record(run, metrics=summary.pop("metrics"), summary=summary)
     return summary
@@ -83,11 +118,4 @@ def attacks_flow(config: AttacksConfig, prepare: PrepareConfig, profile: str = "
 def attacks_runner(config: AttacksConfig) -> Any:
     """Attack runs execute in parallel processes; on the Dask cluster of ``PRIVBENCH_DASK_ADDRESS`` when it is
     set (several machines)."""
-    from privbench.settings import get_settings
-
-    address = get_settings().dask_address
-    if address:
-        from prefect_dask import DaskTaskRunner
-
-        return DaskTaskRunner(address=address)
-    return ProcessPoolTaskRunner(max_workers=config.workers)
+    return task_runner(config.workers)

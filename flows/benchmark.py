@@ -15,12 +15,13 @@ from flows.secure_inference import secure_inference_flow
 from flows.stip import stip_flow
 from flows.tangent import tangent_flow, tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
-from privbench.config import BenchmarkConfig
+from pbconfig.benchmark import BenchmarkConfig
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
 
-@flow(name="benchmark", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed])
+@flow(
+    name="benchmark", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed]
+)
 def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
     run = open_flow_record(flow="benchmark", stage="benchmark", config=config, profile=config.profile)
     prepared = prepare_flow(config.prepare, profile=config.profile, parent=run)
@@ -28,12 +29,14 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
     if config.train_dp is not None:
         paths = {name: d["path"] for name, d in prepared["datasets"].items()}
         stages["train-dp"] = train_dp_flow.with_options(task_runner=train_dp_runner(config.train_dp))(
-            config.train_dp, config.prepare, profile=config.profile, parent=run, prepared=paths)
+            config.train_dp, config.prepare, profile=config.profile, parent=run, prepared=paths
+        )
     if config.tangent is not None:
         t = config.tangent
         done = {"images": prepared["images"][t.dataset]["path"], "model": prepared["models"][t.model]["path"]}
         stages["tangent"] = tangent_flow.with_options(task_runner=tangent_runner(t))(
-            t, config.prepare, profile=config.profile, parent=run, prepared=done)
+            t, config.prepare, profile=config.profile, parent=run, prepared=done
+        )
     if config.secure_inference is not None:
         stages["secure-inference"] = secure_inference_flow(config.secure_inference, profile=config.profile, parent=run)
     if config.stip is not None:
@@ -42,10 +45,21 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
         texts = {name: d["path"] for name, d in prepared.get("texts", {}).items()}
         seqrec = {name: d["path"] for name, d in prepared["datasets"].items()}
         stages["attacks"] = attacks_flow.with_options(task_runner=attacks_runner(config.attacks))(
-            config.attacks, config.prepare, profile=config.profile, parent=run, prepared=texts,
-            train_dp=config.train_dp, seqrec=seqrec, tangent=config.tangent,
-            vision={"images": prepared["images"][config.tangent.dataset]["path"],
-                    "model": prepared["models"][config.tangent.model]["path"]} if config.tangent else None)
+            config.attacks,
+            config.prepare,
+            profile=config.profile,
+            parent=run,
+            prepared=texts,
+            train_dp=config.train_dp,
+            seqrec=seqrec,
+            tangent=config.tangent,
+            vision={
+                "images": prepared["images"][config.tangent.dataset]["path"],
+                "model": prepared["models"][config.tangent.model]["path"],
+            }
+            if config.tangent
+            else None,
+        )
     summary = {"run_id": run.run_id, "stages": stages}
     close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
     return summary

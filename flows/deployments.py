@@ -2,7 +2,8 @@
 ``--set``-style overrides (what a Prefect deployment, a schedule or the Prefect UI can pass). Each loads and
 validates the config, then runs the stage's flow exactly as ``privbench run <stage>`` does (same task runners),
 as a subflow. A retried flow run (``prefect flow-run retry ID`` after a lost worker) first marks the rows its dead
-attempt left ``running`` failed, then reuses the tasks that attempt completed (``tasks.records.RESUMABLE``). ``deploy/prefect.yaml`` points its deployments here; ``privbench serve`` serves them locally.
+attempt left ``running`` failed, then reuses the tasks that attempt completed (``tasks.records.RESUMABLE``).
+``deploy/prefect.yaml`` points its deployments here; ``privbench serve`` serves them locally.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 from prefect import flow
 
-from privbench.config import load_config
-from privbench.runner import run_flow
+from flows.registry import run_flow
+from pbconfig.benchmark import load_config
 from tasks.records import reclaim_retried_runs
 
 

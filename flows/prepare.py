@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, unmapped
 
-from privbench.config import PrepareConfig
+from pbconfig.data import PrepareConfig
 from storage.recording import RunRef
 from tasks.prepare import materialize_source, prepare_dataset
 from tasks.prepare_images import prepare_image_dataset, prepare_pretrained
@@ -17,8 +17,13 @@ from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 STAGE = "data"
 
 
-@flow(name="prepare", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed], log_prints=True)
+@flow(
+    name="prepare",
+    on_failure=[mark_flow_failed],
+    on_crashed=[mark_flow_failed],
+    on_cancellation=[mark_flow_failed],
+    log_prints=True,
+)
 def prepare_flow(config: PrepareConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     """Materialise each dataset's source, then parse, filter, split and save it, once per content; split,
     resize and save each image dataset; filter, split and save each text dataset; convert and check each
@@ -34,12 +39,23 @@ def prepare_flow(config: PrepareConfig, profile: str = "quick", parent: RunRef |
     def entry(p: Any) -> dict[str, Any]:
         return {"path": p.path, "content_hash": p.content_hash, "cached": p.cached, "stats": p.stats}
 
-    summary = {"run_id": run.run_id, "datasets": {p.name: entry(p) for p in prepared},
-               "images": {p.name: entry(p) for p in images}, "texts": {p.name: entry(p) for p in texts},
-               "models": {p.name: entry(p) for p in models}}
+    summary = {
+        "run_id": run.run_id,
+        "datasets": {p.name: entry(p) for p in prepared},
+        "images": {p.name: entry(p) for p in images},
+        "texts": {p.name: entry(p) for p in texts},
+        "models": {p.name: entry(p) for p in models},
+    }
     everything = [*prepared, *images, *texts, *models]
-    close_flow_record(run, metrics={"n_datasets": len(prepared), "n_image_datasets": len(images),
-                                    "n_text_datasets": len(texts), "n_models": len(models),
-                                    "n_cached": sum(p.cached for p in everything)},
-                      summary=summary)
+    close_flow_record(
+        run,
+        metrics={
+            "n_datasets": len(prepared),
+            "n_image_datasets": len(images),
+            "n_text_datasets": len(texts),
+            "n_models": len(models),
+            "n_cached": sum(p.cached for p in everything),
+        },
+        summary=summary,
+    )
     return summary

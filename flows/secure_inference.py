@@ -1,5 +1,6 @@
-"""Stage 4 flow: train the models, then run every method's encrypted generation (two parties, one process each)
-one after the other (each run uses both parties' cores), then the scaling sweep; recorded under one parent run."""
+"""Stage 4 flow: train the models (one task each, teachers first, reused when already trained), then run every
+method's encrypted generation (two parties, one process each) one after the other (each run uses both parties'
+cores), then the scaling sweep; recorded under one parent run."""
 
 from __future__ import annotations
 
@@ -8,23 +9,42 @@ from typing import Any
 
 from prefect import flow
 
-from privbench.config import SecureInferenceConfig
+from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
-from tasks.secure_inference import mpc_generation, scaling_point, si_summary, train_models, workdir_of
+from tasks.secure_inference import (
+    ModelRef,
+    collect_models,
+    models_needed,
+    mpc_generation,
+    scaling_point,
+    si_summary,
+    teacher_of,
+    train_model,
+    workdir_of,
+)
 
 STAGE = "secure-inference"
 
 
-@flow(name="secure-inference", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed])
-def secure_inference_flow(config: SecureInferenceConfig, profile: str = "quick",
-                          parent: RunRef | None = None) -> dict[str, Any]:
+@flow(
+    name="secure-inference",
+    on_failure=[mark_flow_failed],
+    on_crashed=[mark_flow_failed],
+    on_cancellation=[mark_flow_failed],
+)
+def secure_inference_flow(
+    config: SecureInferenceConfig, profile: str = "quick", parent: RunRef | None = None
+) -> dict[str, Any]:
     """Tables 1-2 analogues (per-op time and communication per method), quality of the decrypted text, and
     time/bytes vs generated length and model size."""
     run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
     try:
-        models = train_models(config, run)
+        trained: dict[str, ModelRef] = {}
+        for name in models_needed(config):  # each after its teacher
+            teacher = teacher_of(name)
+            trained[name] = train_model(name, config, run, teacher=trained[teacher] if teacher else None)
+        models = collect_models(config, trained, run)
         results = [mpc_generation(m, config, models, run) for m in config.methods]
         points = [(m, n, None) for m in config.scaling_methods if m in models.payloads for n in config.scaling_gen_lens]
         points += [(m, config.gen_len, s) for m in config.scaling_methods for s in config.scaling_sizes]

@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow
 
-from privbench.config import StipConfig
+from pbconfig.stip import StipConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.stip import attack, protocol
@@ -22,8 +22,14 @@ def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None 
     found = [attack(m, a, config, run) for m in config.models for a in config.attacks]
     metrics: dict[str, float] = {}
     for r in runs:
-        for k in ("max_abs_err", "server_over_plaintext_time", "user_overhead_fraction", "bytes_up_per_token",
-                  "bytes_down_per_token", "tokens_match"):
+        for k in (
+            "max_abs_err",
+            "server_over_plaintext_time",
+            "user_overhead_fraction",
+            "bytes_up_per_token",
+            "bytes_down_per_token",
+            "tokens_match",
+        ):
             metrics[f"{r['model']}.{r['design']}.{k}"] = r[k]
     for a in found:
         metrics[f"{a['model']}.{a['attack']}.recovery_rate"] = a["recovery_rate"]

@@ -8,11 +8,11 @@ import shutil
 from typing import Any
 
 from prefect import flow, unmapped
-from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
-from core.errors import ConfigError
 from flows.prepare import prepare_flow
-from privbench.config import PrepareConfig, TangentConfig
+from flows.runners import task_runner
+from pbconfig.data import PrepareConfig
+from pbconfig.tangent import TangentConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.tangent import (
@@ -33,10 +33,14 @@ from tasks.tangent_report import tangent_summary
 STAGE = "tangent"
 
 
-@flow(name="tangent", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed])
-def tangent_flow(config: TangentConfig, prepare: PrepareConfig, profile: str = "quick",
-                 parent: RunRef | None = None, prepared: dict[str, str] | None = None) -> dict[str, Any]:
+@flow(name="tangent", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+def tangent_flow(
+    config: TangentConfig,
+    prepare: PrepareConfig,
+    profile: str = "quick",
+    parent: RunRef | None = None,
+    prepared: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run the four result groups on ``config.dataset`` with ``config.model`` (prepared here when not given:
     ``prepared = {"images": path, "model": path}``)."""
     if prepared is None:
@@ -50,22 +54,36 @@ def tangent_flow(config: TangentConfig, prepare: PrepareConfig, profile: str = "
         table1 = train_full.map(["taft", "nlft", "fc"], unmapped(config), unmapped(inputs), unmapped(run))
         jobs = [ShardJob(kind, n, j) for n in config.shards for kind in ("taft", "nlft") for j in range(n)]
         shards = train_shard.map(jobs, unmapped(config), unmapped(inputs), unmapped(run))
-        points = [(r, t, e) for r in (config.dp.regimes if config.dp else ()) for t in (True, False)
-                  for e in (config.dp.epsilons if config.dp else ())]
-        table3 = train_dp_regime.map([p[0] for p in points], [p[1] for p in points], [p[2] for p in points],
-                                     unmapped(config), unmapped(inputs), unmapped(run))
+        points = [
+            (r, t, e)
+            for r in (config.dp.regimes if config.dp else ())
+            for t in (True, False)
+            for e in (config.dp.epsilons if config.dp else ())
+        ]
+        table3 = train_dp_regime.map(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            [p[2] for p in points],
+            unmapped(config),
+            unmapped(inputs),
+            unmapped(run),
+        )
         done_shards = shards.result()
         by_n = [[s for s in done_shards if s["n_shards"] == n] for n in config.shards]
         table2 = compose_shards.map(list(config.shards), by_n, unmapped(config), unmapped(inputs), unmapped(run))
         n1 = config.fig1_n_shards
         fig1a = forget_by_subtraction_curve.submit(n1, config, inputs, run)
         fig1c = forget_one_by_retraining.submit(n1, config, inputs, run)
-        fig1f = forget_fraction.map(unmapped(n1), list(config.forget_fractions), unmapped(config), unmapped(inputs),
-                                    unmapped(run))
-        summary = tangent_summary(config, table1=table1.result(), table2=table2.result(),
-                                  fig1={"subtraction": fig1a.result(), "retrain_one": fig1c.result(),
-                                        "fractions": fig1f.result()},
-                                  table3=table3.result())
+        fig1f = forget_fraction.map(
+            unmapped(n1), list(config.forget_fractions), unmapped(config), unmapped(inputs), unmapped(run)
+        )
+        summary = tangent_summary(
+            config,
+            table1=table1.result(),
+            table2=table2.result(),
+            fig1={"subtraction": fig1a.result(), "retrain_one": fig1c.result(), "fractions": fig1f.result()},
+            table3=table3.result(),
+        )
     finally:
         shutil.rmtree(parent_workdir(run), ignore_errors=True)
     summary["run_id"] = run.run_id
@@ -74,25 +92,12 @@ def tangent_flow(config: TangentConfig, prepare: PrepareConfig, profile: str = "
 
 
 def tangent_runner(config: TangentConfig) -> Any:
-    """The task runner of ``config.task_runner``: processes (default: true parallelism on one machine),
-    threads, or Dask (``dask_address`` of a running cluster for several machines; a local cluster otherwise).
-
-    ``PRIVBENCH_DASK_ADDRESS`` applies where the config does not say otherwise: the default ``process``
-    runner, and ``dask`` without a ``dask_address``, use that cluster; ``thread`` and an explicit
-    ``dask_address`` win over it."""
-    from privbench.settings import get_settings
-
-    env_address = get_settings().dask_address
-    if config.task_runner == "thread":
-        return ThreadPoolTaskRunner(max_workers=config.workers)
-    if config.task_runner == "process" and not env_address:
-        return ProcessPoolTaskRunner(max_workers=config.workers)
-    try:
-        from prefect_dask import DaskTaskRunner
-    except ImportError as exc:  # pragma: no cover - prefect-dask is a dependency
-        raise ConfigError("task_runner='dask' needs prefect-dask; pip install prefect-dask") from exc
-    address = config.dask_address or env_address
-    if address:
-        return DaskTaskRunner(address=address)
-    return DaskTaskRunner(cluster_kwargs={"n_workers": config.workers, "threads_per_worker": config.threads_per_worker,
-                                         "processes": True, "dashboard_address": None})
+    """The task runner of ``config.task_runner`` (:func:`flows.runners.task_runner`): processes (default: true
+    parallelism on one machine), threads, or Dask (``dask_address`` of a running cluster for several machines; a
+    local cluster otherwise). ``PRIVBENCH_DASK_ADDRESS`` applies where the config does not say otherwise."""
+    return task_runner(
+        config.workers,
+        config.task_runner,
+        dask_address=config.dask_address,
+        threads_per_worker=config.threads_per_worker,
+    )

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, unmapped
-from prefect.task_runners import ProcessPoolTaskRunner
 
 from core.errors import DivergedError
 from flows.prepare import prepare_flow
-from privbench.config import PrepareConfig, TrainDPConfig
+from flows.runners import task_runner
+from pbconfig.data import PrepareConfig
+from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.train_dp import plan_grid, train_point
@@ -17,10 +18,14 @@ from tasks.train_dp import plan_grid, train_point
 STAGE = "train-dp"
 
 
-@flow(name="train-dp", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed],
-      on_cancellation=[mark_flow_failed])
-def train_dp_flow(config: TrainDPConfig, prepare: PrepareConfig, profile: str = "quick",
-                  parent: RunRef | None = None, prepared: dict[str, str] | None = None) -> dict[str, Any]:
+@flow(name="train-dp", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+def train_dp_flow(
+    config: TrainDPConfig,
+    prepare: PrepareConfig,
+    profile: str = "quick",
+    parent: RunRef | None = None,
+    prepared: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Train every grid point of ``config`` on the prepared datasets (prepared here first when not given)."""
     if prepared is None:
         wanted = PrepareConfig(datasets=tuple(prepare.dataset(d.name) for d in config.datasets))
@@ -40,11 +45,4 @@ def train_dp_flow(config: TrainDPConfig, prepare: PrepareConfig, profile: str = 
 def train_dp_runner(config: TrainDPConfig) -> Any:
     """Grid points train in parallel processes (true parallelism, per-process RNG seeding); on the Dask cluster
     of ``PRIVBENCH_DASK_ADDRESS`` when it is set (several machines)."""
-    from privbench.settings import get_settings
-
-    address = get_settings().dask_address
-    if address:
-        from prefect_dask import DaskTaskRunner
-
-        return DaskTaskRunner(address=address)
-    return ProcessPoolTaskRunner(max_workers=config.workers)
+    return task_runner(config.workers)

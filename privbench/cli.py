@@ -22,14 +22,18 @@ from rich.text import Text
 
 from core.errors import ConfigError, PrivbenchError
 from core.redact import redact_url
-from privbench.settings import get_settings
+from pbconfig.settings import get_settings
 
-# the names of privbench.runner.FLOWS, kept here so that the command line starts without importing the configs
+# the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
 FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
 PROFILE_HELP = "run profile (configs/<name>.yaml): quick (every stage in minutes, CI) or paper (paper scale)"
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=" ".join(__doc__.split("\n\n")[0].split()),
-                  pretty_exceptions_enable=False)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help=" ".join(__doc__.split("\n\n")[0].split()),
+    pretty_exceptions_enable=False,
+)
 results_app = typer.Typer(no_args_is_help=True, help="Query the results store.")
 app.add_typer(results_app, name="results")
 err = Console(stderr=True, soft_wrap=True)
@@ -50,10 +54,22 @@ def run(
     profile: ProfileOpt = "quick",
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="also show the libraries' warnings and progress bars (hidden by default), and one "
+            "line per run instead of the live display",
+        ),
+    ] = False,
 ) -> None:
-    """Run a stage flow (or the whole ``benchmark`` chain) and record it in the store and MLflow."""
-    from privbench.config import load_config
-    from privbench.runner import FLOWS
+    """Run a stage flow (or the whole ``benchmark`` chain) and record it in the store and MLflow.
+
+    On a terminal a live display shows the stage, the runs done of those planned, the runs in progress, the time
+    so far and an estimate of the time left; elsewhere (CI, a pipe) one line per run as it ends."""
+    from flows.registry import FLOWS
+    from pbconfig.benchmark import load_config
 
     if flow not in FLOWS:
         _fail(f"unknown flow {flow!r}; known flows: {', '.join(FLOWS)}", code=2)
@@ -61,11 +77,21 @@ def run(
         cfg = load_config(profile, config_file=config, overrides=tuple(set_ or ()))
     except ConfigError as exc:
         _fail(str(exc), code=2)
-    from privbench.supervisor import FlowFailed, Interrupted, run_supervised
+    from privbench.progress import LiveView, PlainView, Progress
+    from privbench.supervisor import FlowFailed, Interrupted, hide_third_party_warnings, run_supervised
 
+    progress = Progress(flow)
+    debug = bool(os.environ.get("PRIVBENCH_DEBUG"))
+    if not (verbose or debug):
+        hide_third_party_warnings()
+    live = err.is_terminal and not err.is_dumb_terminal and not verbose and not debug
+    view = (
+        LiveView(progress, err, f"privbench run {flow} (profile {cfg.profile})") if live else PlainView(progress, err)
+    )
     try:
-        with err.status(f"[bold]privbench[/] running flow [cyan]{flow}[/] (profile {cfg.profile}) ..."):
-            summary = run_supervised(flow, cfg, echo=lambda line: err.print(_literal(line), highlight=False))
+        summary = run_supervised(
+            flow, cfg, echo=lambda line: err.print(_literal(line), highlight=False), view=view, verbose=verbose
+        )
     except Interrupted as exc:
         # everything is recorded; leave now rather than wait on library threads and finalizers
         sys.stdout.flush()
@@ -86,12 +112,20 @@ def bench(
     profile: ProfileOpt = "quick",
     as_json: JsonOpt = False,
     list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
-    max_batch_mem_mb: Annotated[float | None, typer.Option(
-        "--max-batch-mem-mb", help="dp-clipping, paper profile: max-batch search memory cap (MB), 0 skips",
-    )] = None,
-    methods: Annotated[str | None, typer.Option(
-        "--methods", help="mpc-generation: comma-separated methods to run (default: all)",
-    )] = None,
+    max_batch_mem_mb: Annotated[
+        float | None,
+        typer.Option(
+            "--max-batch-mem-mb",
+            help="dp-clipping, paper profile: max-batch search memory cap (MB), 0 skips",
+        ),
+    ] = None,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            "--methods",
+            help="mpc-generation: comma-separated methods to run (default: all)",
+        ),
+    ] = None,
 ) -> None:
     """Micro-benchmarks: ratios measured side by side in one run (interleaved, medians), plus absolutes."""
     from privbench.bench import BENCHMARKS, run_benchmark
@@ -136,14 +170,24 @@ def results_list(
     table = Table("id", "flow", "stage", "technique", "dataset", "status", "started", "secs", "mlflow run")
     for r in rows:
         colour = {"finished": "green", "failed": "red"}.get(r["status"], "yellow")
-        table.add_row(_cell(r["id"][:12]), _cell(r["flow"]), _cell(r["stage"]), _cell(r["technique"]),
-                      _cell(r["dataset"]), Text(r["status"], style=colour), _cell((r["started_at"] or "")[:19]),
-                      _secs(r["duration_s"]), _cell(r["mlflow_run_id"]))
+        table.add_row(
+            _cell(r["id"][:12]),
+            _cell(r["flow"]),
+            _cell(r["stage"]),
+            _cell(r["technique"]),
+            _cell(r["dataset"]),
+            Text(r["status"], style=colour),
+            _cell((r["started_at"] or "")[:19]),
+            _secs(r["duration_s"]),
+            _cell(r["mlflow_run_id"]),
+        )
     Console().print(table)
 
 
 @results_app.command("show")
-def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique prefix")], as_json: JsonOpt = False) -> None:
+def results_show(
+    run_id: Annotated[str, typer.Argument(help="run id or a unique prefix")], as_json: JsonOpt = False
+) -> None:
     """One run with its metrics, privacy ledger, MPC costs, attack results and child runs."""
     repo = _repo()
     data = _store_call(lambda: repo.get_run(run_id))
@@ -151,16 +195,24 @@ def results_show(run_id: Annotated[str, typer.Argument(help="run id or a unique 
         print(json.dumps(data, indent=2))
         return
     out = Console()
-    out.print(Text.assemble((data["id"], "bold"), _literal(
-        f"  {data['flow']}/{data['stage']}/{data['technique']}  dataset={data['dataset']}  "
-        f"status={data['status']}  mlflow={data['mlflow_run_id']}")))
+    out.print(
+        Text.assemble(
+            (data["id"], "bold"),
+            _literal(
+                f"  {data['flow']}/{data['stage']}/{data['technique']}  dataset={data['dataset']}  "
+                f"status={data['status']}  mlflow={data['mlflow_run_id']}"
+            ),
+        )
+    )
     if data["error"]:
         out.print(Text.assemble(("error", "red"), ": ", _literal(data["error"])))
     for section in ("metrics", "privacy_ledger", "mpc_costs", "attack_results", "datasets", "children"):
         rows = data[section]
         if section == "datasets":
-            rows = [{k: d[k] for k in ("name", "n_users", "n_items", "n_interactions", "content_hash", "path")}
-                    for d in rows]
+            rows = [
+                {k: d[k] for k in ("name", "n_users", "n_items", "n_interactions", "content_hash", "path")}
+                for d in rows
+            ]
         if rows:
             table = Table(*rows[0].keys(), title=section)
             for row in rows:
@@ -210,19 +262,26 @@ def results_export(
         written = _store_call(lambda: repo.export(out, fmt))  # type: ignore[arg-type]
     except OSError as exc:
         where = exc.filename if exc.filename is not None else out
-        _fail(f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
-              "create and write to (e.g. --out ./privbench-export)")
+        _fail(
+            f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
+            "create and write to (e.g. --out ./privbench-export)"
+        )
     for path in written:
         err.print(f"wrote {_shown(path)}")
 
 
 @results_app.command("reap")
 def results_reap(
-    older_than: Annotated[float | None, typer.Option(
-        "--older-than", metavar="SECONDS",
-        help="a run of another host (or of an unknown process) is stale after this long without a heartbeat; "
-             "default PRIVBENCH_STALE_AFTER_SECONDS or 600. A run whose process is gone from this host is stale "
-             "at once; one whose process still runs here never is")] = None,
+    older_than: Annotated[
+        float | None,
+        typer.Option(
+            "--older-than",
+            metavar="SECONDS",
+            help="a run of another host (or of an unknown process) is stale after this long without a heartbeat; "
+            "default PRIVBENCH_STALE_AFTER_SECONDS or 600. A run whose process is gone from this host is stale "
+            "at once; one whose process still runs here never is",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Mark ``failed`` the runs left ``running`` by a killed process or a lost host (store and MLflow), with the
@@ -242,15 +301,27 @@ def results_reap(
             crashed = end_prefect_flow_runs(flow_runs, "Crashed: reaped by `privbench results reap`")
         except Exception as exc:  # noqa: BLE001 -- the store is already right; say what was left undone
             err.print(Text(f"note: could not set the Prefect flow runs Crashed ({type(exc).__name__}: {exc})"))
-    rows = [{"run_id": s.run_id, "flow": s.flow, "stage": s.stage, "reason": s.reason,
-             "prefect_flow_run_id": s.prefect_flow_run_id} for s in stale]
+    rows = [
+        {
+            "run_id": s.run_id,
+            "flow": s.flow,
+            "stage": s.stage,
+            "reason": s.reason,
+            "prefect_flow_run_id": s.prefect_flow_run_id,
+        }
+        for s in stale
+    ]
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
             err.print(Text(f"reaped {r['run_id'][:12]} ({r['flow']}/{r['stage']}): {r['reason']}"))
-    err.print(Text(f"{len(rows)} stale run(s) marked failed"
-                   + (f"; {crashed} Prefect flow run(s) set Crashed" if crashed else "")))
+    err.print(
+        Text(
+            f"{len(rows)} stale run(s) marked failed"
+            + (f"; {crashed} Prefect flow run(s) set Crashed" if crashed else "")
+        )
+    )
 
 
 @app.command()
@@ -279,8 +350,9 @@ SpecOpt = Annotated[Path | None, typer.Option("--file", help="the deployment fil
 def serve(
     only: NamesOpt = None,
     pool: PoolOpt = None,
-    schedules: Annotated[bool, typer.Option("--schedules/--no-schedules",
-                                            help="attach the cron schedules of the deployment file")] = True,
+    schedules: Annotated[
+        bool, typer.Option("--schedules/--no-schedules", help="attach the cron schedules of the deployment file")
+    ] = True,
     spec_file: SpecOpt = None,
 ) -> None:
     """Serve the deployments of deploy/prefect.yaml on this machine, schedules included (Ctrl-C stops).
@@ -297,8 +369,10 @@ def serve(
         _fail(str(exc), code=2)
     for dep in deps:
         crons = ", ".join(s["cron"] for s in dep.get("schedules") or ()) if schedules else ""
-        err.print(f"serving [cyan]{_shown(dep['name'])}[/] ({_shown(dep['entrypoint'])})"
-                  f"{'  cron ' + _shown(crons) if crons else ''}")
+        err.print(
+            f"serving [cyan]{_shown(dep['name'])}[/] ({_shown(dep['entrypoint'])})"
+            f"{'  cron ' + _shown(crons) if crons else ''}"
+        )
     d.serve(deps, schedules=schedules, echo=lambda message: err.print(_literal(message)))
 
 
@@ -307,12 +381,21 @@ def deploy(
     only: NamesOpt = None,
     pool: PoolOpt = None,
     spec_file: SpecOpt = None,
-    repo: Annotated[Path | None, typer.Option(
-        "--repo", help="the repository checkout path on the worker hosts (default: PRIVBENCH_REPO or this one)")] = None,
-    zombie_after: Annotated[float | None, typer.Option(
-        "--zombie-after", metavar="SECONDS",
-        help="mark a flow run Crashed after this long without a heartbeat (its worker host died), so that it can "
-             "be retried; default 3 heartbeat periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY); 0 disables")] = None,
+    repo: Annotated[
+        Path | None,
+        typer.Option(
+            "--repo", help="the repository checkout path on the worker hosts (default: PRIVBENCH_REPO or this one)"
+        ),
+    ] = None,
+    zombie_after: Annotated[
+        float | None,
+        typer.Option(
+            "--zombie-after",
+            metavar="SECONDS",
+            help="mark a flow run Crashed after this long without a heartbeat (its worker host died), so that it can "
+            "be retried; default 3 heartbeat periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY); 0 disables",
+        ),
+    ] = None,
 ) -> None:
     """Register the deployments of deploy/prefect.yaml on the Prefect server at PREFECT_API_URL, creating the
     process work pools they use; then start workers with ``prefect worker start --pool cpu`` (and ``gpu``)."""
@@ -332,14 +415,17 @@ def deploy(
         err.print(f"created work pool [cyan]{_shown(name)}[/] (type process)")
     for dep in deps:
         flow_name = dep["entrypoint"].rsplit(":", 1)[1].replace("_", "-")
-        err.print(f"deployed [cyan]{_shown(flow_name)}/{_shown(dep['name'])}[/] "
-                  f"-> pool {_shown(dep['work_pool']['name'])}")
+        err.print(
+            f"deployed [cyan]{_shown(flow_name)}/{_shown(dep['name'])}[/] -> pool {_shown(dep['work_pool']['name'])}"
+        )
     if zombie in {"created", "updated"}:
         err.print(f"{zombie} automation [cyan]{d.ZOMBIE_AUTOMATION}[/] (after {within:g} s without a heartbeat)")
     elif zombie == "disabled":
         err.print(f"disabled automation [cyan]{d.ZOMBIE_AUTOMATION}[/]")
-    err.print(f"registered {len(deps)} deployment(s) on {_shown(url)}. Start workers from the repository root:\n"
-              "  prefect worker start --pool cpu --type process\n  prefect worker start --pool gpu --type process")
+    err.print(
+        f"registered {len(deps)} deployment(s) on {_shown(url)}. Start workers from the repository root:\n"
+        "  prefect worker start --pool cpu --type process\n  prefect worker start --pool gpu --type process"
+    )
 
 
 @app.command()
@@ -362,15 +448,36 @@ def dashboard_command(*, port: int, host: str) -> list[str]:
     import dashboards
 
     app_file = Path(dashboards.__file__).resolve().with_name("app.py")
-    return [str(Path(sys.executable).with_name("streamlit")), "run", str(app_file), "--server.address", host,
-            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    return [
+        str(Path(sys.executable).with_name("streamlit")),
+        "run",
+        str(app_file),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+    ]
 
 
 def mlflow_ui_command(*, port: int, host: str) -> list[str]:
     settings = get_settings()
     mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
-    cmd = [mlflow_bin, "ui", "--backend-store-uri", settings.tracking_uri, "--host", host, "--port", str(port),
-           "--workers", "1"]
+    cmd = [
+        mlflow_bin,
+        "ui",
+        "--backend-store-uri",
+        settings.tracking_uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     if settings.tracking_is_default:
         cmd += ["--default-artifact-root", settings.artifact_root.as_uri()]
     return cmd
@@ -404,17 +511,24 @@ def _print_summary(flow: str, summary: dict[str, Any]) -> None:
             mine.append(r)
     table = Table("run", "stage", "technique", "dataset", "status", "secs", title=f"flow {_shown(flow)}")
     for r in mine:
-        table.add_row(*(_cell(v) for v in (r["id"][:12], r["stage"], r["technique"], r["dataset"], r["status"])),
-                      _secs(r["duration_s"]))
+        table.add_row(
+            *(_cell(v) for v in (r["id"][:12], r["stage"], r["technique"], r["dataset"], r["status"])),
+            _secs(r["duration_s"]),
+        )
     err.print(table)
-    err.print(Text.assemble(("done", "green"), _literal(
-        f". Results store: {settings.db_url}\n"
-        f"  MLflow tracking: {settings.tracking_uri}\n"
-        f"  list runs:      privbench results list\n"
-        f"  this flow run:  privbench results show {summary['run_id'][:12]}\n"
-        f"  query:          privbench results query \"select name, value from metrics limit 20\"\n"
-        f"  MLflow UI:      privbench ui   (then open http://127.0.0.1:5000)"
-    )))
+    err.print(
+        Text.assemble(
+            ("done", "green"),
+            _literal(
+                f". Results store: {settings.db_url}\n"
+                f"  MLflow tracking: {settings.tracking_uri}\n"
+                f"  list runs:      privbench results list\n"
+                f"  this flow run:  privbench results show {summary['run_id'][:12]}\n"
+                f'  query:          privbench results query "select name, value from metrics limit 20"\n'
+                f"  MLflow UI:      privbench ui   (then open http://127.0.0.1:5000)"
+            ),
+        )
+    )
 
 
 def _cell(value: Any) -> Text:

@@ -52,8 +52,9 @@ def select(spec: dict[str, Any], names: Sequence[str] = (), pools: Sequence[str]
     bad_pools = sorted(set(pools) - set(known_pools))
     if bad_pools:
         raise ConfigError(f"unknown work pool(s) {', '.join(bad_pools)}; the deployments use {', '.join(known_pools)}")
-    return [d for d in deployments
-            if (not names or d["name"] in names) and (not pools or d["work_pool"]["name"] in pools)]
+    return [
+        d for d in deployments if (not names or d["name"] in names) and (not pools or d["work_pool"]["name"] in pools)
+    ]
 
 
 def load_flow(entrypoint: str) -> Any:
@@ -86,8 +87,7 @@ def concurrency_of(dep: dict[str, Any]) -> Any:
     limit = dep.get("concurrency_limit")
     if limit is None or isinstance(limit, int):
         return limit
-    return ConcurrencyLimitConfig(limit=limit["limit"],
-                                  collision_strategy=limit.get("collision_strategy", "ENQUEUE"))
+    return ConcurrencyLimitConfig(limit=limit["limit"], collision_strategy=limit.get("collision_strategy", "ENQUEUE"))
 
 
 def serve(deps: Sequence[dict[str, Any]], *, schedules: bool = True, echo: Any = print) -> None:
@@ -107,9 +107,14 @@ def serve(deps: Sequence[dict[str, Any]], *, schedules: bool = True, echo: Any =
         runner = Runner(name="privbench-serve")
         for dep in deps:
             await runner.aadd_flow(
-                load_flow(dep["entrypoint"]), name=dep["name"], description=dep.get("description"),
-                tags=dep.get("tags"), parameters=dict(dep.get("parameters") or {}),
-                schedules=schedules_of(dep) if schedules else [], concurrency_limit=concurrency_of(dep))
+                load_flow(dep["entrypoint"]),
+                name=dep["name"],
+                description=dep.get("description"),
+                tags=dep.get("tags"),
+                parameters=dict(dep.get("parameters") or {}),
+                schedules=schedules_of(dep) if schedules else [],
+                concurrency_limit=concurrency_of(dep),
+            )
         echo(f"{len(deps)} deployment(s) being served; runs start in subprocesses of this process (Ctrl-C stops)")
         await runner.start()
 
@@ -119,8 +124,10 @@ def serve(deps: Sequence[dict[str, Any]], *, schedules: bool = True, echo: Any =
 def require_server() -> str:
     url = os.environ.get("PREFECT_API_URL") or _profile_api_url()
     if not url:
-        raise ConfigError("PREFECT_API_URL is not set: point it at your Prefect server "
-                          "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api after `prefect server start`)")
+        raise ConfigError(
+            "PREFECT_API_URL is not set: point it at your Prefect server "
+            "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api after `prefect server start`)"
+        )
     return url
 
 
@@ -140,12 +147,16 @@ def ensure_work_pools(names: Iterable[str]) -> list[str]:
                 created.append(name)
                 continue
             if pool.type != POOL_TYPE:
-                raise ConfigError(f"work pool {name!r} exists with type {pool.type!r}; privbench's deployments need "
-                                  f"a {POOL_TYPE!r} pool: delete it or rename the pool in deploy/prefect.yaml")
+                raise ConfigError(
+                    f"work pool {name!r} exists with type {pool.type!r}; privbench's deployments need "
+                    f"a {POOL_TYPE!r} pool: delete it or rename the pool in deploy/prefect.yaml"
+                )
     return created
 
 
-def register(spec_path: Path, deps: Sequence[dict[str, Any]], *, repo: Path | None = None) -> subprocess.CompletedProcess:
+def register(
+    spec_path: Path, deps: Sequence[dict[str, Any]], *, repo: Path | None = None
+) -> subprocess.CompletedProcess:
     """``prefect deploy`` for ``deps`` from ``spec_path``, with ``PRIVBENCH_REPO`` (the workers' checkout path)
     defaulting to this checkout. Raises ``ConfigError`` with Prefect's output when it fails."""
     env = os.environ | {"PRIVBENCH_REPO": str(repo or os.environ.get("PRIVBENCH_REPO") or REPO_ROOT)}
@@ -154,7 +165,9 @@ def register(spec_path: Path, deps: Sequence[dict[str, Any]], *, repo: Path | No
         cmd += ["--name", dep["name"]]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise ConfigError(f"prefect deploy failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        raise ConfigError(
+            f"prefect deploy failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
     return done
 
 
@@ -173,9 +186,11 @@ def zombie_window(seconds: float | None) -> float:
     if seconds is None:
         return 3.0 * heartbeat_seconds()
     if 0 < seconds < heartbeat_seconds():
-        raise ConfigError(f"--zombie-after {seconds:g} s is shorter than the heartbeat period "
-                          f"({heartbeat_seconds()} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY): healthy runs would be "
-                          f"crashed; use at least 2-3 heartbeats (e.g. {3 * heartbeat_seconds()}), or 0 to disable")
+        raise ConfigError(
+            f"--zombie-after {seconds:g} s is shorter than the heartbeat period "
+            f"({heartbeat_seconds()} s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY): healthy runs would be "
+            f"crashed; use at least 2-3 heartbeats (e.g. {3 * heartbeat_seconds()}), or 0 to disable"
+        )
     if seconds < 0:
         raise ConfigError(f"--zombie-after {seconds:g} is negative: give seconds, or 0 to disable the automation")
     return float(seconds)
@@ -213,15 +228,23 @@ def ensure_zombie_automation(within_s: float) -> str:
     spec = Automation(
         name=ZOMBIE_AUTOMATION,
         description=f"A flow run with no heartbeat for {within_s:g} s (its worker host died) is marked Crashed, "
-                    "which frees its deployment's concurrency slot and lets `prefect flow-run retry` resume it.",
+        "which frees its deployment's concurrency slot and lets `prefect flow-run retry` resume it.",
         trigger=EventTrigger(
-            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *terminal},
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *terminal},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-            within=timedelta(seconds=within_s)),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {within_s:g} s: the worker host or the flow process "
-                                            "died; retry the run to resume it")],
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_s),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {within_s:g} s: the worker host or the flow process "
+                "died; retry the run to resume it",
+            )
+        ],
     )
     if existing is None:
         spec.create()

@@ -17,7 +17,10 @@ the flow's own process could hang for minutes. Here the parent runs no flow, so 
    way, marked ``failed`` with the signal that killed it (MLflow ``FAILED``);
 6. when this process is SIGKILLed, the API server gets SIGTERM (Linux parent-death signal) and the flow process,
    which watches its parent, kills its workers and exits: nothing runs on unsupervised, and the rows left
-   ``running`` are reaped by the next flow start or ``privbench results reap``.
+   ``running`` are reaped by the next flow start or ``privbench results reap``;
+7. while the flow runs, a thread polls the store for the rows of the tree and shows progress
+   (``privbench.progress``); the display is stopped before anything else is printed. Unless ``verbose`` (or
+   ``PRIVBENCH_DEBUG``), the flow process runs with the libraries' warnings and progress bars off (``quiet_env``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Self
 
 from core.errors import PrivbenchError, StoreError
-from privbench.config import BenchmarkConfig
+from pbconfig.benchmark import BenchmarkConfig
+from privbench.progress import PROGRESS_FILE_ENV, Monitor, View, announce_plan
 
 CHILD_MODULE = "privbench.runner"
 GRACE_S = 20.0  # the most an interrupted command spends cleaning up before it exits anyway
@@ -66,18 +71,46 @@ class Interrupted(Exception):
 
 def check_store() -> None:
     """Open (and migrate) the results store now: an unreachable database is reported before anything starts."""
-    from privbench.settings import get_settings
+    from pbconfig.settings import get_settings
     from storage.db import get_engine
 
     get_engine(get_settings().db_url)
 
 
-def quiet_env(debug: bool) -> dict[str, str]:
+# the libraries' output that is not the command's: progress bars (tqdm: GGUF conversion; Hugging Face: "Loading
+# weights", "Writing model shards") and advisory warnings (transformers' `loss_type=None` notice); through the
+# environment, so that every worker process the flow starts inherits it
+THIRD_PARTY_QUIET = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+# Python warnings of the libraries (``-W`` syntax: action:message start), in every process of the command:
+# urllib3's PySocks notice, shown when urllib3.contrib.socks is imported before requests (which hides it)
+THIRD_PARTY_WARNINGS = ("ignore:SOCKS support in urllib3",)
+
+
+def hide_third_party_warnings() -> None:
+    """In this process: the filters of ``THIRD_PARTY_WARNINGS``."""
+    import warnings
+
+    for spec in THIRD_PARTY_WARNINGS:
+        action, message = spec.split(":", 1)
+        warnings.filterwarnings(action, message=message)  # type: ignore[arg-type]
+
+
+def quiet_env(debug: bool, verbose: bool = False) -> dict[str, str]:
     """Environment for the flow process: Prefect's console tracebacks of a failed task or flow only when debugging
-    (the command prints one clean message; the Prefect API still gets the full log)."""
+    (the command prints one clean message; the Prefect API still gets the full log); the libraries' warnings and
+    progress bars only when ``verbose`` or debugging."""
     if debug:
         return {}
-    return {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "CRITICAL"}
+    env = {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "CRITICAL"}
+    if not verbose:
+        own = os.environ.get("PYTHONWARNINGS")  # the user's filters come last: they win
+        env |= THIRD_PARTY_QUIET | {"PYTHONWARNINGS": ",".join((*THIRD_PARTY_WARNINGS, *([own] if own else [])))}
+    return env
 
 
 @contextlib.contextmanager
@@ -132,7 +165,8 @@ def prefect_api() -> Iterator[Any]:
         server.stop()
         raise PrefectUnavailable(
             f"could not start a temporary Prefect API server: {type(exc).__name__}: {exc}; start one "
-            "(`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api") from None
+            "(`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api"
+        ) from None
     try:
         yield server
     finally:
@@ -195,46 +229,95 @@ class _Tree:
         psutil.wait_procs(alive, timeout=5)
 
 
-def run_supervised(flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Run ``flow`` on ``cfg`` in a child process; its summary, or ``FlowFailed`` / ``Interrupted``."""
+def run_supervised(
+    flow: str, cfg: BenchmarkConfig, *, echo: Callable[[str], None], view: View | None = None, verbose: bool = False
+) -> dict[str, Any]:
+    """Run ``flow`` on ``cfg`` in a child process; its summary, or ``FlowFailed`` / ``Interrupted``. ``view``
+    shows the progress (``privbench.progress``); ``verbose``: the libraries' warnings and progress bars too."""
+    since = datetime.now(UTC) - timedelta(seconds=2)  # the rows of this command started after this
     check_store()
     # what an interrupt needs, imported while the flow starts (importing MLflow takes seconds)
     threading.Thread(target=_warm_imports, name="privbench-warm-imports", daemon=True).start()
     debug = bool(os.environ.get(DEBUG_ENV))
     signals: list[int] = []
     wake = threading.Event()
+    live = view is not None and view.relays
 
     def on_signal(signum: int, _frame: Any) -> None:
         if signals:
+            if live:
+                with contextlib.suppress(OSError):
+                    os.write(2, b"\r\n\x1b[?25h")  # the live display hid the cursor
             os._exit(130)  # a second Ctrl-C: no more waiting
         signals.append(signum)
         wake.set()
 
     with tempfile.TemporaryDirectory(prefix="privbench-run-") as tmp, prefect_api() as server:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        progress_file = Path(tmp) / "progress.jsonl"
         cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
         api_url = server.api_url if server else os.environ["PREFECT_API_URL"]
-        env = os.environ | quiet_env(debug) | {"PREFECT_API_URL": api_url}
+        env = (
+            os.environ | quiet_env(debug, verbose) | {"PREFECT_API_URL": api_url, PROGRESS_FILE_ENV: str(progress_file)}
+        )
+        # a live display owns the terminal: what the flow process prints is printed above it
+        relay = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if live else {}
+        if live:
+            env["PYTHONUNBUFFERED"] = "1"
         server_pid = server.server_process.pid if server and server.server_process else None
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         # the child and all it spawns inherit SIGINT ignored: one Ctrl-C, handled here only
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, flow, str(cfg_path), str(out_path),
-                                      str(os.getpid())], env=env)
+            child = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, flow, str(cfg_path), str(out_path), str(os.getpid())],
+                env=env,
+                **relay,
+            )
         finally:
             for s in previous:
                 signal.signal(s, on_signal)
+        monitor = relayer = None
         try:
             tree = _Tree(child, exclude={server_pid} if server_pid else set())
+            if view is not None:
+                monitor = Monitor(view.progress, view, pids=lambda: tree.pids, since=since, progress_file=progress_file)
+                monitor.start()
+                if child.stdout is not None:
+                    relayer = threading.Thread(
+                        target=_relay, args=(child.stdout, view), name="privbench-relay", daemon=True
+                    )
+                    relayer.start()
             while child.poll() is None and not wake.wait(0.5):
                 tree.refresh()
             if signals:
+                if monitor is not None:
+                    monitor.stop(flush=False)  # the display goes before the interrupt's messages
                 raise _stop(tree, signals[0], api_url, echo)
-            return _outcome(child, tree, out_path, api_url)
+            try:
+                return _outcome(child, tree, out_path, api_url)
+            finally:
+                if relayer is not None:
+                    relayer.join(timeout=2)  # the flow process's last lines
+                if monitor is not None:
+                    monitor.stop(flush=True)  # every run that ended is shown, failed ones included
         finally:
+            if monitor is not None:
+                monitor.stop(flush=False)  # no-op when stopped already
+            if child.stdout is not None and (relayer is None or not relayer.is_alive()):
+                with contextlib.suppress(OSError):  # (closing it under a blocked reader would wait on it)
+                    child.stdout.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def _relay(stream: Any, view: View) -> None:
+    """Print each line the flow process writes through ``view`` (a progress bar's last state only)."""
+    with contextlib.suppress(Exception):
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n").rsplit("\r", 1)[-1]
+            if line.strip():
+                view.child_output(line)
 
 
 def _warm_imports() -> None:
@@ -259,8 +342,10 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_ur
 
     failed = fail_runs_of_processes(tree.pids, f"the flow process {how}", interrupted=False)
     _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process {how}", api_url, cancelled=False)
-    raise FlowFailed(f"the flow process {how} before it reported a result; {len(failed)} run(s) it held "
-                     "were marked failed", kind=None)
+    raise FlowFailed(
+        f"the flow process {how} before it reported a result; {len(failed)} run(s) it held were marked failed",
+        kind=None,
+    )
 
 
 def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -> Interrupted:
@@ -287,7 +372,7 @@ def _flow_runs_of(pids: set[int]) -> set[str]:
     """The Prefect flow runs of every row the tree opened (any status): a killed flow process leaves them Running."""
     from sqlalchemy import select
 
-    from privbench.settings import get_settings
+    from pbconfig.settings import get_settings
     from storage import provenance
     from storage.db import session_scope
     from storage.models import Run
@@ -295,8 +380,11 @@ def _flow_runs_of(pids: set[int]) -> set[str]:
     if not pids:
         return set()
     with session_scope(get_settings().db_url) as session:
-        ids = session.scalars(select(Run.prefect_flow_run_id).distinct().where(
-            Run.host == provenance.host(), Run.pid.in_(sorted(pids)), Run.prefect_flow_run_id.is_not(None)))
+        ids = session.scalars(
+            select(Run.prefect_flow_run_id)
+            .distinct()
+            .where(Run.host == provenance.host(), Run.pid.in_(sorted(pids)), Run.prefect_flow_run_id.is_not(None))
+        )
         return set(ids)
 
 
@@ -337,14 +425,17 @@ def _orphan_watchdog(supervisor_pid: int) -> None:
 def child_main(argv: list[str]) -> int:
     """The flow process: run the flow, write ``{"ok": true, "summary": ...}`` or the error to the result file."""
     flow, cfg_path, out_path, supervisor = argv
-    threading.Thread(target=_orphan_watchdog, args=(int(supervisor),), name="privbench-orphan-watchdog",
-                     daemon=True).start()
-    from privbench.config import validate
-    from privbench.runner import run_flow
+    threading.Thread(
+        target=_orphan_watchdog, args=(int(supervisor),), name="privbench-orphan-watchdog", daemon=True
+    ).start()
+    from flows.registry import plan, run_flow
+    from pbconfig.benchmark import validate
 
     out = Path(out_path)
     try:
         cfg = validate(BenchmarkConfig, json.loads(Path(cfg_path).read_text()), origin=cfg_path)
+        with contextlib.suppress(Exception):  # a plan it cannot tell is shown as unknown; the flow says why
+            announce_plan(plan(flow, cfg))
         summary = run_flow(flow, cfg)
     except Exception as exc:  # noqa: BLE001 -- reported to the supervisor, which prints one clean message
         if os.environ.get(DEBUG_ENV):

@@ -111,8 +111,10 @@ def _read_only_error(url: str) -> StoreError:
     path = _sqlite_file(make_url(url))
     where = f"the results store {path}" if path else f"the results store at {redact(url)}"
     why = _read_only.get((os.getpid(), url), "the database refused the write")
-    return StoreError(f"{where} is read-only ({why}); to record runs, copy it somewhere writable and set "
-                      "PRIVBENCH_HOME (or PRIVBENCH_DB_URL) to the copy, or make it writable")
+    return StoreError(
+        f"{where} is read-only ({why}); to record runs, copy it somewhere writable and set "
+        "PRIVBENCH_HOME (or PRIVBENCH_DB_URL) to the copy, or make it writable"
+    )
 
 
 def _create(url: str) -> Engine:
@@ -145,8 +147,10 @@ def _create_sqlite(url: str) -> Engine:
             raise StoreError(f"cannot create the folder of the results store {redact(url)}: {exc}") from None
     if path is not None and read_only is not None:
         if not path.exists():
-            raise StoreError(f"the results store {path} does not exist and cannot be created ({read_only}); "
-                             "set PRIVBENCH_HOME to a writable folder")
+            raise StoreError(
+                f"the results store {path} does not exist and cannot be created ({read_only}); "
+                "set PRIVBENCH_HOME to a writable folder"
+            )
         engine = create_engine(url, creator=lambda: _connect_read_only(path, autocommit=False))
         _read_only[(os.getpid(), url)] = read_only
     else:
@@ -192,11 +196,11 @@ def _connect_read_only(path: Path, *, autocommit: bool) -> sqlite3.Connection:
     every commit."""
     uri = f"{path.as_uri()}?mode=ro"
     wal, shm = path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
-    if (not os.access(path.parent, os.W_OK) and not shm.exists()
-            and (not wal.exists() or wal.stat().st_size == 0)):
+    if not os.access(path.parent, os.W_OK) and not shm.exists() and (not wal.exists() or wal.stat().st_size == 0):
         uri += "&immutable=1"
-    return sqlite3.connect(uri, uri=True, timeout=60, check_same_thread=False,
-                           **({"isolation_level": None} if autocommit else {}))
+    return sqlite3.connect(
+        uri, uri=True, timeout=60, check_same_thread=False, **({"isolation_level": None} if autocommit else {})
+    )
 
 
 def _alembic_config() -> Config:
@@ -263,8 +267,10 @@ def _migration_lock(engine: Engine, url: str) -> Iterator[None]:
         try:
             handle = open(lock_path, "a")  # noqa: SIM115 -- closed by the with below
         except OSError as exc:
-            raise StoreError(f"cannot create {lock_path} to migrate the results store ({exc.strerror}); make "
-                             "its folder writable, or set PRIVBENCH_HOME to a writable folder") from None
+            raise StoreError(
+                f"cannot create {lock_path} to migrate the results store ({exc.strerror}); make "
+                "its folder writable, or set PRIVBENCH_HOME to a writable folder"
+            ) from None
         with held(handle):
             yield
     elif parsed.get_backend_name() == "postgresql":

@@ -114,10 +114,21 @@ def find_stale(db_url: str, *, older_than: float | None = None, now: datetime | 
     now = now or datetime.now(UTC)
     here = provenance.host()
     with session_scope(db_url) as session:
-        rows = session.execute(select(
-            Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile, Run.prefect_flow_run_id, Run.host,
-            Run.pid, Run.pid_started, Run.heartbeat_at, Run.started_at,
-        ).where(Run.status == "running")).all()
+        rows = session.execute(
+            select(
+                Run.id,
+                Run.mlflow_run_id,
+                Run.flow,
+                Run.stage,
+                Run.profile,
+                Run.prefect_flow_run_id,
+                Run.host,
+                Run.pid,
+                Run.pid_started,
+                Run.heartbeat_at,
+                Run.started_at,
+            ).where(Run.status == "running")
+        ).all()
     stale = []
     for r in rows:
         reason = _stale_reason(r, here=here, window=window, now=now)

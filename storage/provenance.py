@@ -25,7 +25,11 @@ def git_commit() -> str | None:
         return None
     commit = out.stdout.strip()
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO, capture_output=True, text=True, timeout=5,
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=_REPO,
+        capture_output=True,
+        text=True,
+        timeout=5,
         check=False,
     ).stdout.strip()
     return commit + ("-dirty" if dirty else "")

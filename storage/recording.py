@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import threading
 import uuid
@@ -33,11 +34,11 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import select, update
 
-import privbench
 from core.errors import StoreError
 from core.redact import redact_url
-from privbench.config import canonical_json, config_hash, flatten
-from privbench.settings import get_settings
+from pbconfig import __version__
+from pbconfig.canon import canonical_json, config_hash, flatten
+from pbconfig.settings import get_settings
 from storage import liveness, provenance
 from storage.db import session_scope
 from storage.models import AttackResult, Dataset, Metric, MpcCost, PrivacyLedger, Run
@@ -48,6 +49,7 @@ _METRIC_NAME = re.compile(r"[\w\-. :/]{1,250}")
 _open_runs: dict[str, tuple[RunRef, str]] = {}  # run id -> (handle, store URL) of the rows this process holds
 _open_lock = threading.RLock()
 _trackers: dict[tuple[str, str | None], Tracker] = {}
+PROGRESS_FILE_ENV = "PRIVBENCH_PROGRESS_FILE"  # set by `privbench run` for its flow process (privbench.progress)
 
 
 @dataclass(frozen=True)
@@ -80,53 +82,121 @@ class Recorder:
 
     def metric(self, name: str, value: float, *, step: int | None = None, unit: str | None = None) -> None:
         if not _METRIC_NAME.fullmatch(name):
-            raise ValueError(f"metric name {name!r} may only contain letters, digits, _ - . : / and spaces "
-                             "(the same name goes to MLflow); e.g. 'ndcg_at_10' instead of 'ndcg@10'")
+            raise ValueError(
+                f"metric name {name!r} may only contain letters, digits, _ - . : / and spaces "
+                "(the same name goes to MLflow); e.g. 'ndcg_at_10' instead of 'ndcg@10'"
+            )
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"metric {name!r} has non-finite value {value}; fix the computation or skip it")
         self._metrics.append(Metric(name=name, value=value, step=step, unit=unit))
 
-    def metrics(self, values: Mapping[str, float], *, step: int | None = None,
-                units: Mapping[str, str] | None = None) -> None:
+    def metrics(
+        self, values: Mapping[str, float], *, step: int | None = None, units: Mapping[str, str] | None = None
+    ) -> None:
         for name, value in values.items():
             self.metric(name, value, step=step, unit=(units or {}).get(name))
 
-    def mpc_cost(self, *, op_category: str, party: int, seconds: float, bytes: int, rounds: int,
-                 phase: str | None = None, calls: int | None = None) -> None:
-        self._rows.append(MpcCost(op_category=op_category, party=party, seconds=float(seconds), bytes=int(bytes),
-                                  rounds=int(rounds), phase=phase, calls=calls))
+    def mpc_cost(
+        self,
+        *,
+        op_category: str,
+        party: int,
+        seconds: float,
+        bytes: int,
+        rounds: int,
+        phase: str | None = None,
+        calls: int | None = None,
+    ) -> None:
+        self._rows.append(
+            MpcCost(
+                op_category=op_category,
+                party=party,
+                seconds=float(seconds),
+                bytes=int(bytes),
+                rounds=int(rounds),
+                phase=phase,
+                calls=calls,
+            )
+        )
 
-    def privacy(self, *, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int,
-                accountant: str, clip_norm: float | None = None, target_epsilon: float | None = None,
-                unit: str | None = None) -> None:
-        self._rows.append(PrivacyLedger(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                                        sample_rate=sample_rate, steps=steps, accountant=accountant,
-                                        clip_norm=clip_norm, target_epsilon=target_epsilon, unit=unit))
+    def privacy(
+        self,
+        *,
+        epsilon: float,
+        delta: float,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+        accountant: str,
+        clip_norm: float | None = None,
+        target_epsilon: float | None = None,
+        unit: str | None = None,
+    ) -> None:
+        self._rows.append(
+            PrivacyLedger(
+                epsilon=epsilon,
+                delta=delta,
+                noise_multiplier=noise_multiplier,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+                clip_norm=clip_norm,
+                target_epsilon=target_epsilon,
+                unit=unit,
+            )
+        )
 
     def attack(self, *, attack: str, target: str, extra: Mapping[str, Any] | None = None, **values: Any) -> None:
         unknown = set(values) - _ATTACK_FIELDS
         if unknown:
-            raise ValueError(f"unknown attack-result fields {sorted(unknown)}; known: {sorted(_ATTACK_FIELDS)} "
-                             "(put anything else in extra=)")
-        self._rows.append(AttackResult(attack=attack, target=target,
-                                       extra_json=json.dumps(extra, default=str) if extra else None, **values))
+            raise ValueError(
+                f"unknown attack-result fields {sorted(unknown)}; known: {sorted(_ATTACK_FIELDS)} "
+                "(put anything else in extra=)"
+            )
+        self._rows.append(
+            AttackResult(
+                attack=attack, target=target, extra_json=json.dumps(extra, default=str) if extra else None, **values
+            )
+        )
 
-    def dataset(self, *, name: str, content_hash: str, cache_key: str, path: str, source: str,
-                stats: Mapping[str, Any], kind: str = "seqrec") -> None:
+    def dataset(
+        self,
+        *,
+        name: str,
+        content_hash: str,
+        cache_key: str,
+        path: str,
+        source: str,
+        stats: Mapping[str, Any],
+        kind: str = "seqrec",
+    ) -> None:
         """A prepared dataset (``kind="seqrec"``: ``stats`` holds n_users/n_items/n_interactions; ``"images"``:
         n_examples; ``"model"``: a converted pretrained model, n_parameters)."""
+
         def count(key: str) -> int | None:
             return int(stats[key]) if key in stats else None
 
         if kind == "seqrec" and any(count(k) is None for k in ("n_users", "n_items", "n_interactions")):
-            raise ValueError(f"a seqrec dataset needs n_users, n_items and n_interactions in stats, got {sorted(stats)}")
-        self._rows.append(Dataset(
-            name=name, content_hash=content_hash, cache_key=cache_key, path=path, source=source, kind=kind,
-            n_examples=count("n_examples") if kind != "seqrec" else count("n_users"),
-            n_users=count("n_users"), n_items=count("n_items"), n_interactions=count("n_interactions"),
-            stats_json=json.dumps(dict(stats), sort_keys=True), created_at=_now(),
-        ))
+            raise ValueError(
+                f"a seqrec dataset needs n_users, n_items and n_interactions in stats, got {sorted(stats)}"
+            )
+        self._rows.append(
+            Dataset(
+                name=name,
+                content_hash=content_hash,
+                cache_key=cache_key,
+                path=path,
+                source=source,
+                kind=kind,
+                n_examples=count("n_examples") if kind != "seqrec" else count("n_users"),
+                n_users=count("n_users"),
+                n_items=count("n_items"),
+                n_interactions=count("n_interactions"),
+                stats_json=json.dumps(dict(stats), sort_keys=True),
+                created_at=_now(),
+            )
+        )
         self._tags["privbench.dataset_hash"] = content_hash
 
     def artifact_json(self, name: str, obj: Any) -> None:
@@ -172,30 +242,53 @@ def start_run(
     run_id = uuid.uuid4().hex
     profile = profile or (parent.profile if parent else None)
     # the same five params on every run, whatever its config, so MLflow's compare view lines up any runs
-    params = {"run.flow": flow, "run.stage": stage, "run.technique": technique, "run.dataset": dataset or "",
-              "run.profile": profile or ""} | params
+    params = {
+        "run.flow": flow,
+        "run.stage": stage,
+        "run.technique": technique,
+        "run.dataset": dataset or "",
+        "run.profile": profile or "",
+    } | params
     row = Run(
-        id=run_id, parent_id=parent.run_id if parent else None, flow=flow, stage=stage, technique=technique,
-        dataset=dataset, profile=profile, status="running", config_json=cfg_json, config_hash=cfg_hash,
-        started_at=_now(), prefect_flow_run_id=prefect_flow_run_id, prefect_task_run_id=prefect_task_run_id,
-        git_commit=provenance.git_commit(), host=provenance.host(), device=provenance.device(),
-        privbench_version=privbench.__version__,
+        id=run_id,
+        parent_id=parent.run_id if parent else None,
+        flow=flow,
+        stage=stage,
+        technique=technique,
+        dataset=dataset,
+        profile=profile,
+        status="running",
+        config_json=cfg_json,
+        config_hash=cfg_hash,
+        started_at=_now(),
+        prefect_flow_run_id=prefect_flow_run_id,
+        prefect_task_run_id=prefect_task_run_id,
+        git_commit=provenance.git_commit(),
+        host=provenance.host(),
+        device=provenance.device(),
+        privbench_version=__version__,
     )
     row.pid, row.pid_started = liveness.this_process()
     row.heartbeat_at = row.started_at
     with session_scope(settings.db_url) as session:
         session.add(row)
+    if run_name:
+        _announce(run_id, run_name)
     ref = RunRef(run_id, None, flow, stage, profile, track)
     try:
         if track:
             exp_id, mlflow_run_id = get_tracker().start_run(
-                stage=stage, run_name=run_name or f"{technique}:{dataset or flow}", params=params,
-                tags=_tags(row, parent), parent_mlflow_run_id=parent.mlflow_run_id if parent else None,
+                stage=stage,
+                run_name=run_name or f"{technique}:{dataset or flow}",
+                params=params,
+                tags=_tags(row, parent),
+                parent_mlflow_run_id=parent.mlflow_run_id if parent else None,
             )
             ref = RunRef(run_id, mlflow_run_id, flow, stage, profile, track)
             with session_scope(settings.db_url) as session:
-                session.execute(update(Run).where(Run.id == run_id).values(
-                    mlflow_run_id=mlflow_run_id, mlflow_experiment_id=exp_id))
+                session.execute(
+                    update(Run).where(Run.id == run_id).values(mlflow_run_id=mlflow_run_id, mlflow_experiment_id=exp_id)
+                )
     except BaseException as exc:
         fail_run(ref, exc)
         raise
@@ -203,6 +296,23 @@ def start_run(
         _open_runs[run_id] = (ref, settings.db_url)
     _heartbeat.ensure_started()
     return Recorder(ref=ref)
+
+
+def _announce(run_id: str, run_name: str) -> None:
+    """Append the run's name to the progress file of the ``privbench run`` command this process works for (one
+    JSON line in one ``write``: the lines of several processes do not interleave); nothing without one."""
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        return
+    line = json.dumps({"run": run_id, "name": run_name[:200]}) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:  # a display's loss, never the run's
+        pass
 
 
 def _held() -> dict[str, str]:
@@ -267,12 +377,16 @@ def fail_runs_of_processes(pids: set[int], reason: str, *, interrupted: bool = T
     if not pids:
         return []
     with session_scope(get_settings().db_url) as session:
-        rows = session.execute(select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile,
-                                      Run.prefect_flow_run_id).where(
-            Run.status == "running", Run.host == provenance.host(), Run.pid.in_(sorted(pids)))).all()
+        rows = session.execute(
+            select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile, Run.prefect_flow_run_id).where(
+                Run.status == "running", Run.host == provenance.host(), Run.pid.in_(sorted(pids))
+            )
+        ).all()
     for run_id, mlflow_run_id, flow, stage, profile, _ in rows:
-        fail_run(RunRef(run_id, mlflow_run_id, flow, stage, profile, mlflow_run_id is not None),
-                 KeyboardInterrupt(reason) if interrupted else reason)
+        fail_run(
+            RunRef(run_id, mlflow_run_id, flow, stage, profile, mlflow_run_id is not None),
+            KeyboardInterrupt(reason) if interrupted else reason,
+        )
     return [(r[0], r[5]) for r in rows]
 
 
@@ -281,23 +395,30 @@ def reap_stale_runs(older_than: float | None = None) -> list[liveness.Stale]:
     ``older_than`` seconds; see ``storage.liveness``), store and MLflow (``FAILED``), with the reason."""
     stale = liveness.find_stale(get_settings().db_url, older_than=older_than)
     for s in stale:
-        fail_run(RunRef(s.run_id, s.mlflow_run_id, s.flow, s.stage, s.profile, s.mlflow_run_id is not None),
-                 s.reason)
+        fail_run(RunRef(s.run_id, s.mlflow_run_id, s.flow, s.stage, s.profile, s.mlflow_run_id is not None), s.reason)
     return stale
 
 
 def running_prefect_flow_runs() -> list[str]:
     """The Prefect flow-run ids of the rows still ``running`` (to reconcile with Prefect after a lost worker)."""
     with session_scope(get_settings().db_url) as session:
-        return sorted(session.scalars(select(Run.prefect_flow_run_id).distinct().where(
-            Run.status == "running", Run.prefect_flow_run_id.is_not(None))))
+        return sorted(
+            session.scalars(
+                select(Run.prefect_flow_run_id)
+                .distinct()
+                .where(Run.status == "running", Run.prefect_flow_run_id.is_not(None))
+            )
+        )
 
 
 def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str | BaseException) -> int:
     """Mark still-running rows of a Prefect flow run failed, store and MLflow (flow on_failure/on_crashed hooks)."""
     with session_scope(get_settings().db_url) as session:
-        rows = session.execute(select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile).where(
-            Run.prefect_flow_run_id == prefect_flow_run_id, Run.status == "running")).all()
+        rows = session.execute(
+            select(Run.id, Run.mlflow_run_id, Run.flow, Run.stage, Run.profile).where(
+                Run.prefect_flow_run_id == prefect_flow_run_id, Run.status == "running"
+            )
+        ).all()
     for run_id, mlflow_run_id, flow, stage, profile in rows:
         fail_run(RunRef(run_id, mlflow_run_id, flow, stage, profile, mlflow_run_id is not None), error)
     return len(rows)
@@ -316,16 +437,23 @@ def _describe(config: BaseModel | Mapping[str, Any]) -> tuple[str, str, dict[str
 
 def _tags(row: Run, parent: RunRef | None) -> dict[str, str]:
     tags = {
-        "privbench.run_id": row.id, "privbench.flow": row.flow, "privbench.stage": row.stage,
-        "privbench.technique": row.technique, "privbench.config_hash": row.config_hash,
-        "privbench.host": row.host or "", "privbench.device": row.device or "",
+        "privbench.run_id": row.id,
+        "privbench.flow": row.flow,
+        "privbench.stage": row.stage,
+        "privbench.technique": row.technique,
+        "privbench.config_hash": row.config_hash,
+        "privbench.host": row.host or "",
+        "privbench.device": row.device or "",
         "privbench.version": row.privbench_version or "",
     }
     optional = {
-        "privbench.dataset": row.dataset, "privbench.profile": row.profile,
+        "privbench.dataset": row.dataset,
+        "privbench.profile": row.profile,
         "privbench.parent_run_id": parent.run_id if parent else None,
-        "prefect.flow_run_id": row.prefect_flow_run_id, "prefect.task_run_id": row.prefect_task_run_id,
-        "mlflow.source.git.commit": row.git_commit, "privbench.git_commit": row.git_commit,
+        "prefect.flow_run_id": row.prefect_flow_run_id,
+        "prefect.task_run_id": row.prefect_task_run_id,
+        "mlflow.source.git.commit": row.git_commit,
+        "privbench.git_commit": row.git_commit,
     }
     tags.update({k: v for k, v in optional.items() if v})
     return tags
@@ -347,8 +475,11 @@ def _finish(db_url: str, rec: Recorder, tracker: Tracker | None) -> None:
         for obj in [*rec._metrics, *rec._rows]:
             obj.run_id = run_id
             session.add(obj)
-        result = session.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
-            status="finished", finished_at=finished, duration_s=_seconds(started, finished)))
+        result = session.execute(
+            update(Run)
+            .where(Run.id == run_id, Run.status == "running")
+            .values(status="finished", finished_at=finished, duration_s=_seconds(started, finished))
+        )
         if result.rowcount != 1:
             raise StoreError(f"run {run_id} was no longer 'running' when it finished (marked failed meanwhile?)")
     if tracker is not None and mlflow_run_id is not None:
@@ -361,17 +492,24 @@ def _fail(db_url: str, ref: RunRef, exc: BaseException | str, tracker: Tracker |
         error = exc
     else:
         text = str(exc) or type(exc).__name__
-        error = (text if text.startswith("interrupted") else f"interrupted: {text}") if interrupted else \
-            f"{type(exc).__name__}: {exc}"
+        error = (
+            (text if text.startswith("interrupted") else f"interrupted: {text}")
+            if interrupted
+            else f"{type(exc).__name__}: {exc}"
+        )
     error = redact_url(error)  # e.g. an MLflow client error quotes its server's URL, password and all
     finished = _now()
     ended_elsewhere = False
     try:
         with session_scope(db_url) as session:
             started, status = session.execute(select(Run.started_at, Run.status).where(Run.id == ref.run_id)).one()
-            result = session.execute(update(Run).where(Run.id == ref.run_id, Run.status == "running").values(
-                status="failed", error=error[:20000], finished_at=finished,
-                duration_s=_seconds(started, finished)))
+            result = session.execute(
+                update(Run)
+                .where(Run.id == ref.run_id, Run.status == "running")
+                .values(
+                    status="failed", error=error[:20000], finished_at=finished, duration_s=_seconds(started, finished)
+                )
+            )
             # already finished or failed (by a reaper, an interrupt, another process): its MLflow run is final
             ended_elsewhere = result.rowcount == 0 and status != "running"
     except Exception as store_exc:  # noqa: BLE001 -- never mask the run's own error

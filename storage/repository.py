@@ -15,13 +15,26 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from core.errors import StoreError
-from privbench.settings import get_settings
+from pbconfig.settings import get_settings
 from storage.db import get_engine, open_sqlite_read_only, session_scope
 from storage.models import AttackResult, Base, Dataset, Metric, MpcCost, PrivacyLedger, Run
 
 RUN_LIST_FIELDS = (
-    "id", "parent_id", "flow", "stage", "technique", "dataset", "profile", "status", "error",
-    "mlflow_run_id", "prefect_flow_run_id", "started_at", "finished_at", "duration_s", "git_commit",
+    "id",
+    "parent_id",
+    "flow",
+    "stage",
+    "technique",
+    "dataset",
+    "profile",
+    "status",
+    "error",
+    "mlflow_run_id",
+    "prefect_flow_run_id",
+    "started_at",
+    "finished_at",
+    "duration_s",
+    "git_commit",
 )
 EXPORT_TABLES = ("runs", "metrics", "mpc_costs", "privacy_ledger", "attack_results", "datasets")
 
@@ -36,8 +49,15 @@ class ResultsRepository:
     def engine(self) -> Engine:
         return get_engine(self.db_url)
 
-    def list_runs(self, *, stage: str | None = None, flow: str | None = None, status: str | None = None,
-                  technique: str | None = None, limit: int | None = 50) -> list[dict[str, Any]]:
+    def list_runs(
+        self,
+        *,
+        stage: str | None = None,
+        flow: str | None = None,
+        status: str | None = None,
+        technique: str | None = None,
+        limit: int | None = 50,
+    ) -> list[dict[str, Any]]:
         """Newest first."""
         stmt = select(Run).order_by(Run.started_at.desc(), Run.id)
         for column, value in ((Run.stage, stage), (Run.flow, flow), (Run.status, status), (Run.technique, technique)):
@@ -69,15 +89,20 @@ class ResultsRepository:
             ]
             out["children"] = [
                 {k: c[k] for k in ("id", "technique", "dataset", "status")}
-                for c in (_run_dict(r) for r in session.scalars(
-                    select(Run).where(Run.parent_id == run.id).order_by(Run.started_at)))
+                for c in (
+                    _run_dict(r)
+                    for r in session.scalars(select(Run).where(Run.parent_id == run.id).order_by(Run.started_at))
+                )
             ]
             return out
 
     def find_dataset(self, name: str, cache_key: str) -> dict[str, Any] | None:
         with session_scope(self.db_url) as session:
-            row = session.scalars(select(Dataset).where(Dataset.name == name, Dataset.cache_key == cache_key)
-                                  .order_by(Dataset.created_at.desc())).first()
+            row = session.scalars(
+                select(Dataset)
+                .where(Dataset.name == name, Dataset.cache_key == cache_key)
+                .order_by(Dataset.created_at.desc())
+            ).first()
             if row is None:
                 return None
             return _columns(row, exclude={"stats_json"}) | {"stats": json.loads(row.stats_json)}
@@ -105,8 +130,9 @@ class ResultsRepository:
             raise StoreError(f"query returned no rows (only SELECT-like statements are allowed): {sql!r}")
         return columns, rows
 
-    def export(self, out_dir: Path, fmt: Literal["csv", "parquet"],
-               tables: tuple[str, ...] = EXPORT_TABLES) -> list[Path]:
+    def export(
+        self, out_dir: Path, fmt: Literal["csv", "parquet"], tables: tuple[str, ...] = EXPORT_TABLES
+    ) -> list[Path]:
         """Write each table to ``out_dir/<table>.<fmt>``; returns the files written."""
         import pandas as pd
 
@@ -137,8 +163,9 @@ class ResultsRepository:
             return matches[0]
         if not matches:
             raise StoreError(f"no run with id {run_id!r}; list runs with `privbench results list`")
-        raise StoreError(f"run id prefix {run_id!r} is ambiguous ({', '.join(m.id for m in matches)}, ...); "
-                         "give more characters")
+        raise StoreError(
+            f"run id prefix {run_id!r} is ambiguous ({', '.join(m.id for m in matches)}, ...); give more characters"
+        )
 
 
 def _run_dict(run: Run) -> dict[str, Any]:
@@ -171,20 +198,68 @@ _READ_STARTS = frozenset({"select", "with", "values", "table", "explain"})  # TA
 # words that make a SELECT write or run something else: data-modifying CTEs, SELECT INTO, EXPLAIN ANALYZE
 _WRITE_WORDS = frozenset({"insert", "update", "delete", "merge", "into", "analyze", "analyse"})
 _ROW_LOCKS = frozenset({"update", "share", "key", "no"})  # FOR UPDATE / SHARE / KEY SHARE / NO KEY UPDATE
-_EXPLAIN_OPTIONS = frozenset({"query", "plan", "verbose", "costs", "settings", "buffers", "wal", "timing",
-                              "summary", "format", "text", "xml", "json", "yaml", "generic_plan", "true",
-                              "false", "on", "off"})
+_EXPLAIN_OPTIONS = frozenset(
+    {
+        "query",
+        "plan",
+        "verbose",
+        "costs",
+        "settings",
+        "buffers",
+        "wal",
+        "timing",
+        "summary",
+        "format",
+        "text",
+        "xml",
+        "json",
+        "yaml",
+        "generic_plan",
+        "true",
+        "false",
+        "on",
+        "off",
+    }
+)
 # functions that act on the server, other sessions, files or settings rather than read the store
-_REFUSED_FUNCTIONS = frozenset({
-    "set_config", "pg_terminate_backend", "pg_cancel_backend", "pg_reload_conf", "pg_rotate_logfile",
-    "pg_promote", "pg_switch_wal", "pg_create_restore_point", "pg_log_backend_memory_contexts", "pg_notify",
-    "pg_read_file", "pg_read_binary_file", "pg_ls_dir", "pg_stat_file", "pg_file_write", "load_extension",
-})
+_REFUSED_FUNCTIONS = frozenset(
+    {
+        "set_config",
+        "pg_terminate_backend",
+        "pg_cancel_backend",
+        "pg_reload_conf",
+        "pg_rotate_logfile",
+        "pg_promote",
+        "pg_switch_wal",
+        "pg_create_restore_point",
+        "pg_log_backend_memory_contexts",
+        "pg_notify",
+        "pg_read_file",
+        "pg_read_binary_file",
+        "pg_ls_dir",
+        "pg_stat_file",
+        "pg_file_write",
+        "load_extension",
+    }
+)
 _REFUSED_FUNCTION_PREFIXES = ("dblink", "lo_", "pg_advisory", "pg_try_advisory")
-_SQLITE_SCHEMA_PRAGMAS = frozenset({  # the table-valued pragma_*() functions that only describe the schema
-    "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo", "foreign_key_list",
-    "database_list", "collation_list", "function_list", "module_list", "pragma_list", "compile_options",
-})
+_SQLITE_SCHEMA_PRAGMAS = frozenset(
+    {  # the table-valued pragma_*() functions that only describe the schema
+        "table_info",
+        "table_xinfo",
+        "table_list",
+        "index_list",
+        "index_info",
+        "index_xinfo",
+        "foreign_key_list",
+        "database_list",
+        "collation_list",
+        "function_list",
+        "module_list",
+        "pragma_list",
+        "compile_options",
+    }
+)
 _SQLITE_READ_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
 _PG_WORD = re.compile(r"[^\W\d][\w$]*")
 _SQLITE_WORD = re.compile(r"[^\W\d]\w*")
@@ -219,9 +294,10 @@ def read_only_statement(sql: str, dialect: str) -> str:
     if not found:
         raise _refused(sql, "got no statement")
     if len(found) > 1 or not statements[0]:
-        shown = ", ".join(repr(sql[s[0].start:s[-1].stop]) for s in found)
-        raise _refused(sql, f"got {len(found)} statements: {shown}" if len(found) > 1
-                       else "got an empty statement before it")
+        shown = ", ".join(repr(sql[s[0].start : s[-1].stop]) for s in found)
+        raise _refused(
+            sql, f"got {len(found)} statements: {shown}" if len(found) > 1 else "got an empty statement before it"
+        )
     _check_reads_only(sql, statements[0])
     ends = [t.start for t in tokens if t.kind == "end"]
     return sql[: ends[0]] if ends else sql
@@ -233,15 +309,16 @@ def _check_reads_only(sql: str, body: list[_Token]) -> None:
         raise _refused(sql, "got no statement")
     first = words[0]
     if first.kind != "word" or first.text not in _READ_STARTS:
-        raise _refused(sql, f"got a {sql[first.start:first.stop].upper()} statement")
+        raise _refused(sql, f"got a {sql[first.start : first.stop].upper()} statement")
     if first.text == "explain":
-        _check_explained(sql, body[body.index(first) + 1:])
+        _check_explained(sql, body[body.index(first) + 1 :])
     for i, token in enumerate(body):
         after = body[i + 1] if i + 1 < len(body) else None
         after_kind = after.kind if after else None
         if token.kind == "word" and token.text in _WRITE_WORDS:
-            raise _refused(sql, f"{token.text.upper()} is not allowed in a query (it writes, or runs the "
-                                "statement it explains)")
+            raise _refused(
+                sql, f"{token.text.upper()} is not allowed in a query (it writes, or runs the statement it explains)"
+            )
         if token.text == "for" and token.kind == after_kind == "word" and after.text in _ROW_LOCKS:
             raise _refused(sql, "SELECT ... FOR UPDATE/SHARE takes row locks")
         if token.kind in ("word", "name") and _is_open(after) and _refused_function(token.text):
@@ -272,8 +349,10 @@ def _refused_function(name: str) -> bool:
 
 
 def _refused(sql: str, why: str) -> StoreError:
-    return StoreError(f"query failed: {_QUERY_RULE}; {why}\n  SQL: {sql.strip()}\n  fix: send a single "
-                      "read-only statement (the results store is written only by privbench's flows)")
+    return StoreError(
+        f"query failed: {_QUERY_RULE}; {why}\n  SQL: {sql.strip()}\n  fix: send a single "
+        "read-only statement (the results store is written only by privbench's flows)"
+    )
 
 
 def _lex(sql: str, *, postgres: bool) -> list[_Token]:
@@ -291,23 +370,23 @@ def _lex(sql: str, *, postgres: bool) -> list[_Token]:
             i = _comment_end(sql, i, nested=postgres)
         elif c == "'":
             stop = _quote_end(sql, i, "'", backslash=False)
-            tokens.append(_Token("string", sql[i + 1:stop - 1], i, stop))
+            tokens.append(_Token("string", sql[i + 1 : stop - 1], i, stop))
             i = stop
         elif c == '"' or (not postgres and c in "`["):
             stop = _quote_end(sql, i, "]" if c == "[" else c, backslash=False)
-            tokens.append(_Token("name", sql[i + 1:stop - 1], i, stop))
+            tokens.append(_Token("name", sql[i + 1 : stop - 1], i, stop))
             i = stop
         elif postgres and (tag := _DOLLAR_TAG.match(sql, i)):
             close = sql.find(tag.group(), tag.end())
             if close < 0:
                 raise _refused(sql, f"unterminated dollar-quoted string {tag.group()} at character {i + 1}")
             stop = close + len(tag.group())
-            tokens.append(_Token("string", sql[tag.end():close], i, stop))
+            tokens.append(_Token("string", sql[tag.end() : close], i, stop))
             i = stop
         elif (m := word.match(sql, i)) or (m := _NUMBER.match(sql, i)):
             if postgres and m.group().lower() == "e" and sql.startswith("'", m.end()):  # E'...' escapes
                 stop = _quote_end(sql, m.end(), "'", backslash=True)
-                tokens.append(_Token("string", sql[m.end() + 1:stop - 1], i, stop))
+                tokens.append(_Token("string", sql[m.end() + 1 : stop - 1], i, stop))
                 i = stop
             else:
                 tokens.append(_Token("word", m.group().lower(), i, m.end()))
@@ -348,8 +427,9 @@ def _comment_end(sql: str, start: int, *, nested: bool) -> int:
     raise _refused(sql, f"unterminated /* comment starting at character {start + 1}")
 
 
-def _query_sqlite(engine: Engine, db_url: str, statement: str,
-                  params: dict[str, Any]) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
+def _query_sqlite(
+    engine: Engine, db_url: str, statement: str, params: dict[str, Any]
+) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
     """On a separate read-only connection (query_only, an authorizer that allows reads only); sqlite3's
     ``execute`` itself refuses a second statement."""
     conn = open_sqlite_read_only(db_url)
@@ -374,8 +454,7 @@ def _query_sqlite(engine: Engine, db_url: str, statement: str,
             raw.close()
 
 
-def _sqlite_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str | None,
-                       _trigger: str | None) -> int:
+def _sqlite_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None) -> int:
     """Reads only: no ATTACH/DETACH (nor VACUUM INTO, which attaches), writes, DDL, transactions or pragmas
     beyond the schema-describing ones, and no load_extension()."""
     if action in _SQLITE_READ_ACTIONS:
@@ -391,8 +470,9 @@ def _sqlite_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str
     return sqlite3.SQLITE_DENY
 
 
-def _query_postgres(engine: Engine, statement: str,
-                    params: dict[str, Any]) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
+def _query_postgres(
+    engine: Engine, statement: str, params: dict[str, Any]
+) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
     """On a dedicated connection, closed afterwards (nothing the statement changes in the session outlives
     it), whose transactions are read-only by default and begin READ ONLY, with a statement timeout; psycopg 3
     sends the statement prepared (extended protocol), so the server refuses a second one."""
@@ -422,8 +502,9 @@ def _query_postgres(engine: Engine, statement: str,
         raw.close()
 
 
-def _query_generic(engine: Engine, statement: str,
-                   params: dict[str, Any]) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
+def _query_generic(
+    engine: Engine, statement: str, params: dict[str, Any]
+) -> tuple[list[str] | None, list[tuple[Any, ...]]]:
     """Other databases: the statement check above is the guard; nothing is committed."""
     with engine.connect() as conn:
         try:

@@ -137,8 +137,10 @@ class Tracker:
         except MlflowException as exc:  # created concurrently by another process
             found = self.client.get_experiment_by_name(name)
             if found is None:
-                raise StoreError(f"cannot create MLflow experiment {name!r} at {redact_url(self.tracking_uri)}: "
-                                 f"{redact_url(str(exc))}") from None
+                raise StoreError(
+                    f"cannot create MLflow experiment {name!r} at {redact_url(self.tracking_uri)}: "
+                    f"{redact_url(str(exc))}"
+                ) from None
             return found.experiment_id
         self._enable_wal()
         return exp_id

@@ -26,33 +26,141 @@ import pandas as pd
 from sqlalchemy import Select, func, select
 from sqlalchemy.engine import Engine
 
-from privbench.settings import get_settings
+from pbconfig.settings import get_settings
 from storage.db import get_engine
 from storage.models import AttackResult, Metric, MpcCost, PrivacyLedger, Run
 
-RUNS_COLUMNS = ["id", "parent_id", "status", "flow", "stage", "technique", "dataset", "profile", "started_at",
-                "finished_at", "duration_s", "git_commit", "error", "mlflow_run_id", "mlflow_experiment_id",
-                "prefect_flow_run_id"]
-PRIVACY_UTILITY_COLUMNS = ["run_id", "method", "dataset", "private", "epsilon", "epsilon_spent", "delta",
-                           "noise_multiplier", "steps", "ndcg_at_10", "hit_at_10", "final_ndcg_at_10",
-                           "final_hit_at_10", "train_wall_s", "started_at", "git_commit"]
-CLIPPING_COLUMNS = ["run_id", "method", "step_s", "peak_mem_mb", "n_params", "d_model", "started_at", "git_commit",
-                    "device"]
-TANGENT_ACCURACY_COLUMNS = ["run_id", "method", "n_shards", "test_accuracy", "mean_component_accuracy", "dataset",
-                            "started_at"]
-UNLEARNING_COLUMNS = ["run_id", "method", "n_shards", "shards_removed", "fraction_removed", "accuracy", "dataset",
-                      "started_at"]
-MPC_COSTS_COLUMNS = ["run_id", "method", "op_category", "seconds", "bytes", "rounds", "parties", "total_s",
-                     "comm_bytes", "lan_projected_s", "wan_projected_s", "quality_rouge_l", "dataset", "started_at"]
-STIP_OVERHEAD_COLUMNS = ["run_id", "model", "design", "server_over_plaintext_time", "user_overhead_fraction",
-                         "bytes_up_per_token", "bytes_down_per_token", "p2_s", "plaintext_s", "three_process_wall_s",
-                         "tokens_match", "max_abs_err", "started_at"]
+RUNS_COLUMNS = [
+    "id",
+    "parent_id",
+    "status",
+    "flow",
+    "stage",
+    "technique",
+    "dataset",
+    "profile",
+    "started_at",
+    "finished_at",
+    "duration_s",
+    "git_commit",
+    "error",
+    "mlflow_run_id",
+    "mlflow_experiment_id",
+    "prefect_flow_run_id",
+]
+PRIVACY_UTILITY_COLUMNS = [
+    "run_id",
+    "method",
+    "dataset",
+    "private",
+    "epsilon",
+    "epsilon_spent",
+    "delta",
+    "noise_multiplier",
+    "steps",
+    "ndcg_at_10",
+    "hit_at_10",
+    "final_ndcg_at_10",
+    "final_hit_at_10",
+    "train_wall_s",
+    "started_at",
+    "git_commit",
+]
+CLIPPING_COLUMNS = [
+    "run_id",
+    "method",
+    "step_s",
+    "peak_mem_mb",
+    "n_params",
+    "d_model",
+    "started_at",
+    "git_commit",
+    "device",
+]
+TANGENT_ACCURACY_COLUMNS = [
+    "run_id",
+    "method",
+    "n_shards",
+    "test_accuracy",
+    "mean_component_accuracy",
+    "dataset",
+    "started_at",
+]
+UNLEARNING_COLUMNS = [
+    "run_id",
+    "method",
+    "n_shards",
+    "shards_removed",
+    "fraction_removed",
+    "accuracy",
+    "dataset",
+    "started_at",
+]
+MPC_COSTS_COLUMNS = [
+    "run_id",
+    "method",
+    "op_category",
+    "seconds",
+    "bytes",
+    "rounds",
+    "parties",
+    "total_s",
+    "comm_bytes",
+    "lan_projected_s",
+    "wan_projected_s",
+    "quality_rouge_l",
+    "dataset",
+    "started_at",
+]
+STIP_OVERHEAD_COLUMNS = [
+    "run_id",
+    "model",
+    "design",
+    "server_over_plaintext_time",
+    "user_overhead_fraction",
+    "bytes_up_per_token",
+    "bytes_down_per_token",
+    "p2_s",
+    "plaintext_s",
+    "three_process_wall_s",
+    "tokens_match",
+    "max_abs_err",
+    "started_at",
+]
 STIP_ATTACKS_COLUMNS = ["run_id", "model", "attack", "recovery_rate", "input_tokens_recovered", "started_at"]
-FILM_COLUMNS = ["run_id", "embedding", "attacker", "batch_size", "rouge1", "rouge2", "rougeL", "recall",
-                "precision", "n_candidates", "dataset", "started_at"]
-MEMBERSHIP_COLUMNS = ["run_id", "audit", "dataset", "method", "setting", "private", "epsilon", "attack", "auc",
-                      "tpr_at_0_1pct_fpr", "tpr_at_1pct_fpr", "empirical_epsilon", "empirical_epsilon_lo",
-                      "empirical_epsilon_hi", "accountant_epsilon", "mlflow_run_id", "started_at"]
+FILM_COLUMNS = [
+    "run_id",
+    "embedding",
+    "attacker",
+    "batch_size",
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "recall",
+    "precision",
+    "n_candidates",
+    "dataset",
+    "started_at",
+]
+MEMBERSHIP_COLUMNS = [
+    "run_id",
+    "audit",
+    "dataset",
+    "method",
+    "setting",
+    "private",
+    "epsilon",
+    "attack",
+    "auc",
+    "tpr_at_0_1pct_fpr",
+    "tpr_at_1pct_fpr",
+    "empirical_epsilon",
+    "empirical_epsilon_lo",
+    "empirical_epsilon_hi",
+    "accountant_epsilon",
+    "mlflow_run_id",
+    "started_at",
+]
 ROC_COLUMNS = ["run_id", "dataset", "method", "setting", "attack", "fpr", "tpr"]
 
 MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
@@ -73,8 +181,9 @@ class Filters:
 
     def __post_init__(self) -> None:
         if self.since is not None and self.until is not None and _utc(self.since) > _utc(self.until):
-            raise ValueError(f"since must not be after until, got since={self.since!r}, until={self.until!r}; "
-                             "swap them")
+            raise ValueError(
+                f"since must not be after until, got since={self.since!r}, until={self.until!r}; swap them"
+            )
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
         """``stmt`` (which selects from ``runs``) restricted to the filtered runs."""
@@ -131,19 +240,29 @@ def _timestamps(frame: pd.DataFrame, *names: str) -> pd.DataFrame:
 
 def _result_runs(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
     """Finished runs matching ``f`` and ``conditions``: id, technique, dataset, config_json, started_at, ..."""
-    stmt = select(Run.id.label("run_id"), Run.technique, Run.dataset, Run.config_json, Run.started_at,
-                  Run.git_commit, Run.mlflow_run_id, Run.device).where(Run.status == "finished", *conditions)
+    stmt = select(
+        Run.id.label("run_id"),
+        Run.technique,
+        Run.dataset,
+        Run.config_json,
+        Run.started_at,
+        Run.git_commit,
+        Run.mlflow_run_id,
+        Run.device,
+    ).where(Run.status == "finished", *conditions)
     frame = _read(engine, f.apply(stmt).order_by(Run.started_at, Run.id))
     return _timestamps(frame, "started_at")
 
 
-def _metrics_wide(engine: Engine, run_ids: list[str], names: list[str] | None = None,
-                  like: str | None = None) -> pd.DataFrame:
+def _metrics_wide(
+    engine: Engine, run_ids: list[str], names: list[str] | None = None, like: str | None = None
+) -> pd.DataFrame:
     """Scalar metrics (no step) of ``run_ids`` as one row per run, one column per metric name."""
     parts = []
     for start in range(0, len(run_ids), _CHUNK):
         stmt = select(Metric.run_id, Metric.name, Metric.value).where(
-            Metric.run_id.in_(run_ids[start:start + _CHUNK]), Metric.step.is_(None))
+            Metric.run_id.in_(run_ids[start : start + _CHUNK]), Metric.step.is_(None)
+        )
         if names is not None:
             stmt = stmt.where(Metric.name.in_(names))
         if like is not None:
@@ -174,8 +293,9 @@ def _config(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def runs(db_url: str | None = None, *, limit: int | None = 200, status: str | None = None,
-         **filters: Any) -> pd.DataFrame:
+def runs(
+    db_url: str | None = None, *, limit: int | None = 200, status: str | None = None, **filters: Any
+) -> pd.DataFrame:
     """Runs, newest first (``RUNS_COLUMNS``), of every status unless ``status`` is given."""
     f = _filters(filters)
     stmt = select(*(getattr(Run, c) for c in RUNS_COLUMNS))
@@ -195,19 +315,38 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     base = _result_runs(engine, f, Run.stage == "train-dp", Run.technique.not_in(_NOT_TRAINED_MODELS))
     if base.empty:
         return pd.DataFrame(columns=PRIVACY_UTILITY_COLUMNS)
-    names = ["test_ndcg_at_10", "test_hit_at_10", "final_test_ndcg_at_10", "final_test_hit_at_10", "train_wall_s",
-             "steps"]
+    names = [
+        "test_ndcg_at_10",
+        "test_hit_at_10",
+        "final_test_ndcg_at_10",
+        "final_test_hit_at_10",
+        "train_wall_s",
+        "steps",
+    ]
     frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), names), on="run_id")
-    ledger = _read(engine, select(PrivacyLedger.run_id, PrivacyLedger.epsilon.label("epsilon_spent"),
-                                  PrivacyLedger.target_epsilon, PrivacyLedger.delta, PrivacyLedger.noise_multiplier)
-                   .where(PrivacyLedger.run_id.in_(select(Run.id).where(Run.stage == "train-dp"))),
-                   ["run_id", "epsilon_spent", "target_epsilon", "delta", "noise_multiplier"])
+    ledger = _read(
+        engine,
+        select(
+            PrivacyLedger.run_id,
+            PrivacyLedger.epsilon.label("epsilon_spent"),
+            PrivacyLedger.target_epsilon,
+            PrivacyLedger.delta,
+            PrivacyLedger.noise_multiplier,
+        ).where(PrivacyLedger.run_id.in_(select(Run.id).where(Run.stage == "train-dp"))),
+        ["run_id", "epsilon_spent", "target_epsilon", "delta", "noise_multiplier"],
+    )
     frame = frame.merge(ledger.drop_duplicates("run_id", keep="last"), on="run_id", how="left")
     frame["private"] = frame["epsilon_spent"].notna()
     frame["epsilon"] = pd.to_numeric(frame["target_epsilon"], errors="coerce").astype(float)
-    frame = frame.rename(columns={"technique": "method", "test_ndcg_at_10": "ndcg_at_10",
-                                  "test_hit_at_10": "hit_at_10", "final_test_ndcg_at_10": "final_ndcg_at_10",
-                                  "final_test_hit_at_10": "final_hit_at_10"})
+    frame = frame.rename(
+        columns={
+            "technique": "method",
+            "test_ndcg_at_10": "ndcg_at_10",
+            "test_hit_at_10": "hit_at_10",
+            "final_test_ndcg_at_10": "final_ndcg_at_10",
+            "final_test_hit_at_10": "final_hit_at_10",
+        }
+    )
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])
 
 
@@ -223,17 +362,30 @@ def clipping_bench(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for record in wide.to_dict("records"):
         methods = {k.split(".")[1] for k in record if k.startswith("methods.")}
         for method in sorted(methods):
-            rows.append({"run_id": record["run_id"], "method": method,
-                         **{field: record.get(f"methods.{method}.{field}", math.nan)
-                            for field in ("step_s", "peak_mem_mb", "n_params", "d_model")}})
+            rows.append(
+                {
+                    "run_id": record["run_id"],
+                    "method": method,
+                    **{
+                        field: record.get(f"methods.{method}.{field}", math.nan)
+                        for field in ("step_s", "peak_mem_mb", "n_params", "d_model")
+                    },
+                }
+            )
     frame = pd.DataFrame(rows, columns=["run_id", "method", "step_s", "peak_mem_mb", "n_params", "d_model"])
     frame = frame.dropna(subset=["step_s", "peak_mem_mb"], how="all")
     frame = frame.merge(base[["run_id", "started_at", "git_commit", "device"]], on="run_id")
     return _finish(frame, CLIPPING_COLUMNS, ["started_at", "method"])
 
 
-_TANGENT_METHODS = {"taft-1": ("taft", 1), "nlft-1": ("nlft", 1), "fc": ("fc", 1), "taft-composed": ("taft", None),
-                    "model-soup": ("soup", None), "sisa": ("sisa", None)}
+_TANGENT_METHODS = {
+    "taft-1": ("taft", 1),
+    "nlft-1": ("nlft", 1),
+    "fc": ("fc", 1),
+    "taft-composed": ("taft", None),
+    "model-soup": ("soup", None),
+    "sisa": ("sisa", None),
+}
 
 
 def tangent_accuracy(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
@@ -244,11 +396,13 @@ def tangent_accuracy(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     base = _result_runs(engine, f, Run.stage == "tangent", Run.technique.in_(list(_TANGENT_METHODS)))
     if base.empty:
         return pd.DataFrame(columns=TANGENT_ACCURACY_COLUMNS)
-    frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), ["test_accuracy", "mean_component_accuracy"]),
-                       on="run_id")
+    frame = base.merge(
+        _metrics_wide(engine, base["run_id"].tolist(), ["test_accuracy", "mean_component_accuracy"]), on="run_id"
+    )
     frame["method"] = frame["technique"].map(lambda t: _TANGENT_METHODS[t][0])
     frame["n_shards"] = [
-        _TANGENT_METHODS[t][1] or _config(c).get("n_shards") for t, c in zip(frame["technique"], frame["config_json"])]
+        _TANGENT_METHODS[t][1] or _config(c).get("n_shards") for t, c in zip(frame["technique"], frame["config_json"])
+    ]
     frame = frame.dropna(subset=["n_shards", "test_accuracy"])
     frame["n_shards"] = frame["n_shards"].astype(int)
     return _finish(frame, TANGENT_ACCURACY_COLUMNS, ["method", "n_shards", "started_at"])
@@ -261,9 +415,15 @@ def unlearning(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     base = _result_runs(engine, f, Run.stage == "tangent", Run.technique == "forget-subtraction")
     if base.empty:
         return pd.DataFrame(columns=UNLEARNING_COLUMNS)
-    curves = _read(engine, select(Metric.run_id, Metric.name, Metric.step, Metric.value).where(
-        Metric.run_id.in_(base["run_id"].tolist()), Metric.name.in_(["taft_accuracy", "sisa_accuracy"]),
-        Metric.step.is_not(None)), ["run_id", "name", "step", "value"])
+    curves = _read(
+        engine,
+        select(Metric.run_id, Metric.name, Metric.step, Metric.value).where(
+            Metric.run_id.in_(base["run_id"].tolist()),
+            Metric.name.in_(["taft_accuracy", "sisa_accuracy"]),
+            Metric.step.is_not(None),
+        ),
+        ["run_id", "name", "step", "value"],
+    )
     frame = curves.merge(base, on="run_id")
     frame["method"] = frame["name"].str.removesuffix("_accuracy")
     frame["n_shards"] = [_config(c).get("n_shards", math.nan) for c in frame["config_json"]]
@@ -274,24 +434,47 @@ def unlearning(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
 
 def mpc_costs(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Per-operation MPC costs of each secure-inference method run (``MPC_COSTS_COLUMNS``; the generation-length
-    scaling runs ``scaling-*`` are left out), one row per run x op category: the slower party's seconds, bytes and rounds (summed over phases, then max over parties),
+    scaling runs ``scaling-*`` are left out), one row per run x op category: the slower party's seconds, bytes and
+    rounds (summed over phases, then max over parties),
     with the run's totals and its LAN/WAN projections (``lan_projected_s``, ``wan_projected_s``)."""
     engine, f = _engine(db_url), _filters(filters)
-    base = _result_runs(engine, f, Run.stage == "secure-inference", Run.technique.not_like("scaling-%"),
-                        Run.id.in_(select(MpcCost.run_id).distinct()))
+    base = _result_runs(
+        engine,
+        f,
+        Run.stage == "secure-inference",
+        Run.technique.not_like("scaling-%"),
+        Run.id.in_(select(MpcCost.run_id).distinct()),
+    )
     if base.empty:
         return pd.DataFrame(columns=MPC_COSTS_COLUMNS)
-    costs = _read(engine, select(MpcCost.run_id, MpcCost.op_category, MpcCost.party,
-                                 func.sum(MpcCost.seconds).label("seconds"), func.sum(MpcCost.bytes).label("bytes"),
-                                 func.sum(MpcCost.rounds).label("rounds"))
-                  .where(MpcCost.run_id.in_(base["run_id"].tolist()))
-                  .group_by(MpcCost.run_id, MpcCost.op_category, MpcCost.party))
+    costs = _read(
+        engine,
+        select(
+            MpcCost.run_id,
+            MpcCost.op_category,
+            MpcCost.party,
+            func.sum(MpcCost.seconds).label("seconds"),
+            func.sum(MpcCost.bytes).label("bytes"),
+            func.sum(MpcCost.rounds).label("rounds"),
+        )
+        .where(MpcCost.run_id.in_(base["run_id"].tolist()))
+        .group_by(MpcCost.run_id, MpcCost.op_category, MpcCost.party),
+    )
     per_op = costs.groupby(["run_id", "op_category"], as_index=False).agg(
-        seconds=("seconds", "max"), bytes=("bytes", "max"), rounds=("rounds", "max"), parties=("party", "nunique"))
-    totals = _metrics_wide(engine, base["run_id"].tolist(),
-                           ["total_s", "comm_bytes", "lan.projected_s", "wan.projected_s", "quality.rouge_l"])
-    totals = totals.rename(columns={"lan.projected_s": "lan_projected_s", "wan.projected_s": "wan_projected_s",
-                                    "quality.rouge_l": "quality_rouge_l"})
+        seconds=("seconds", "max"), bytes=("bytes", "max"), rounds=("rounds", "max"), parties=("party", "nunique")
+    )
+    totals = _metrics_wide(
+        engine,
+        base["run_id"].tolist(),
+        ["total_s", "comm_bytes", "lan.projected_s", "wan.projected_s", "quality.rouge_l"],
+    )
+    totals = totals.rename(
+        columns={
+            "lan.projected_s": "lan_projected_s",
+            "wan.projected_s": "wan_projected_s",
+            "quality.rouge_l": "quality_rouge_l",
+        }
+    )
     frame = per_op.merge(base.rename(columns={"technique": "method"}), on="run_id").merge(totals, on="run_id")
     for name in ("seconds", "bytes", "rounds"):
         frame[name] = pd.to_numeric(frame[name])
@@ -315,8 +498,11 @@ def stip_overhead(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
 
 
 def _attacks(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
-    stmt = (select(AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id)
-            .join(Run, Run.id == AttackResult.run_id).where(Run.status == "finished", *conditions))
+    stmt = (
+        select(AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id)
+        .join(Run, Run.id == AttackResult.run_id)
+        .where(Run.status == "finished", *conditions)
+    )
     with engine.connect() as conn:
         rows = conn.execute(f.apply(stmt).order_by(Run.started_at, AttackResult.id)).mappings().all()
     return _timestamps(pd.DataFrame([dict(r) for r in rows]), "started_at")
@@ -410,8 +596,14 @@ def membership_roc(db_url: str | None = None, artifact_root: Path | None = None,
             curves = tracker.load_json(audit["mlflow_run_id"], "roc.json") or {}
         for attack, curve in curves.items():
             for fpr, tpr in zip(curve.get("fpr", ()), curve.get("tpr", ()), strict=False):
-                rows.append({**{k: audit[k] for k in ("run_id", "dataset", "method", "setting")},
-                             "attack": attack, "fpr": fpr, "tpr": tpr})
+                rows.append(
+                    {
+                        **{k: audit[k] for k in ("run_id", "dataset", "method", "setting")},
+                        "attack": attack,
+                        "fpr": fpr,
+                        "tpr": tpr,
+                    }
+                )
     return pd.DataFrame(rows, columns=ROC_COLUMNS)
 
 
@@ -422,12 +614,19 @@ def filter_options(db_url: str | None = None) -> dict[str, Any]:
     with engine.connect() as conn:
         datasets = conn.scalars(select(Run.dataset).where(Run.dataset.is_not(None)).distinct()).all()
         profiles = conn.scalars(select(Run.profile).where(Run.profile.is_not(None)).distinct()).all()
-        commits = conn.execute(select(Run.git_commit, func.max(Run.started_at).label("last"))
-                               .where(Run.git_commit.is_not(None)).group_by(Run.git_commit)).all()
+        commits = conn.execute(
+            select(Run.git_commit, func.max(Run.started_at).label("last"))
+            .where(Run.git_commit.is_not(None))
+            .group_by(Run.git_commit)
+        ).all()
         first, last = conn.execute(select(func.min(Run.started_at), func.max(Run.started_at))).one()
-    return {"datasets": sorted(datasets), "profiles": sorted(profiles),
-            "commits": [c for c, _ in sorted(commits, key=lambda r: str(r[1]), reverse=True)],
-            "first": _stamp(first), "last": _stamp(last)}
+    return {
+        "datasets": sorted(datasets),
+        "profiles": sorted(profiles),
+        "commits": [c for c, _ in sorted(commits, key=lambda r: str(r[1]), reverse=True)],
+        "first": _stamp(first),
+        "last": _stamp(last),
+    }
 
 
 def _stamp(value: datetime | str | None) -> pd.Timestamp | None:
@@ -437,5 +636,18 @@ def _stamp(value: datetime | str | None) -> pd.Timestamp | None:
     return stamp.tz_localize(UTC) if stamp.tzinfo is None else stamp.tz_convert(UTC)
 
 
-__all__ = ["Filters", "clipping_bench", "film", "filter_options", "membership", "membership_roc", "mpc_costs",
-           "privacy_utility", "runs", "stip_attacks", "stip_overhead", "tangent_accuracy", "unlearning"]
+__all__ = [
+    "Filters",
+    "clipping_bench",
+    "film",
+    "filter_options",
+    "membership",
+    "membership_roc",
+    "mpc_costs",
+    "privacy_utility",
+    "runs",
+    "stip_attacks",
+    "stip_overhead",
+    "tangent_accuracy",
+    "unlearning",
+]

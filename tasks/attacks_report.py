@@ -7,131 +7,271 @@ from __future__ import annotations
 from typing import Any
 
 
-def attacks_summary(*, film: list[dict[str, Any]], coverage: dict[str, Any] | None, lm: list[dict[str, Any]],
-                    mt: list[dict[str, Any]], audit: list[dict[str, Any]] | None = None,
-                    unlearning: dict[str, Any] | None = None) -> dict[str, Any]:
+def attacks_summary(
+    *,
+    film: list[dict[str, Any]],
+    coverage: dict[str, Any] | None,
+    lm: list[dict[str, Any]],
+    mt: list[dict[str, Any]],
+    audit: list[dict[str, Any]] | None = None,
+    unlearning: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     recovery = []
     for run in sorted(film, key=lambda r: (r["victim"], r["batch_size"])):
         for setting, vals in run["settings"].items():
-            recovery.append({"victim": run["victim"], "setting": setting, "batch_size": run["batch_size"],
-                             **{k: vals[k] for k in ("rouge1", "rouge2", "rougeL", "recall", "precision",
-                                                     "n_candidates", "n_tokens", "n_unique_subwords",
-                                                     "n_unique_bytes", "n_batches")}})
+            recovery.append(
+                {
+                    "victim": run["victim"],
+                    "setting": setting,
+                    "batch_size": run["batch_size"],
+                    **{
+                        k: vals[k]
+                        for k in (
+                            "rouge1",
+                            "rouge2",
+                            "rougeL",
+                            "recall",
+                            "precision",
+                            "n_candidates",
+                            "n_tokens",
+                            "n_unique_subwords",
+                            "n_unique_bytes",
+                            "n_batches",
+                        )
+                    },
+                }
+            )
     best = []
     for run in film:
         if run["batch_size"] == min(r["batch_size"] for r in film):
             for setting, (score, original, recovered) in run["best"].items():
-                best.append({"victim": run["victim"], "setting": setting, "batch_size": run["batch_size"],
-                             "rougeL": score, "original": original, "recovered": recovered})
+                best.append(
+                    {
+                        "victim": run["victim"],
+                        "setting": setting,
+                        "batch_size": run["batch_size"],
+                        "rougeL": score,
+                        "original": original,
+                        "recovered": recovered,
+                    }
+                )
     metrics: dict[str, float] = {}
     for row in recovery:
         key = f"film.{row['victim']}.{row['setting']}.b{row['batch_size']}"
-        metrics.update({f"{key}.rouge1": row["rouge1"], f"{key}.rougeL": row["rougeL"],
-                        f"{key}.recall": row["recall"], f"{key}.n_candidates": row["n_candidates"]})
+        metrics.update(
+            {
+                f"{key}.rouge1": row["rouge1"],
+                f"{key}.rougeL": row["rougeL"],
+                f"{key}.recall": row["recall"],
+                f"{key}.n_candidates": row["n_candidates"],
+            }
+        )
     for row in lm:
         metrics[f"utility.lm.{row['dataset']}.{row['embedding']}.perplexity"] = row["perplexity"]
     for row in mt:
         metrics[f"utility.mt.{row['embedding']}.bleu"] = row["bleu"]
-    lm_rows = [{k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps",
-                                  "train_s")} for r in lm]
-    mt_rows = [{k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
-               for r in mt]
+    lm_rows = [
+        {k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps", "train_s")}
+        for r in lm
+    ]
+    mt_rows = [
+        {k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
+        for r in mt
+    ]
     audit_rows = []
     for t in audit or []:
         label = "nonprivate" if t["epsilon"] is None else f"eps={t['epsilon']:g}"
         for name, r in t["attacks"].items():
-            audit_rows.append({"dataset": t["dataset"], "method": t["method"], "dp": label, "attack": name,
-                               "accountant_epsilon": t["accountant_epsilon"], "delta": t["delta"],
-                               "test_ndcg_at_10": t["target_test_ndcg_at_10"],
-                               **{k: r[k] for k in ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr",
-                                                    "empirical_epsilon", "empirical_epsilon_ci")}})
+            audit_rows.append(
+                {
+                    "dataset": t["dataset"],
+                    "method": t["method"],
+                    "dp": label,
+                    "attack": name,
+                    "accountant_epsilon": t["accountant_epsilon"],
+                    "delta": t["delta"],
+                    "test_ndcg_at_10": t["target_test_ndcg_at_10"],
+                    **{
+                        k: r[k]
+                        for k in (
+                            "auc",
+                            "tpr_at_0.1pct_fpr",
+                            "tpr_at_1pct_fpr",
+                            "empirical_epsilon",
+                            "empirical_epsilon_ci",
+                        )
+                    },
+                }
+            )
             key = f"audit.{t['dataset']}.{t['method']}.{label.replace('=', '')}.{name}"
             metrics.update({f"{key}.auc": r["auc"], f"{key}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0]})
     forget_rows = []
     if unlearning is not None:
         for setting, r in unlearning["settings"].items():
-            forget_rows.append({"setting": setting, **{k: r[k] for k in ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr",
-                                                                         "empirical_epsilon", "empirical_epsilon_ci",
-                                                                         "n_members", "n_nonmembers")}})
-        metrics["audit.unlearning.after_forgotten.auc"] = unlearning["settings"]["after: forgotten vs non-members"]["auc"]
+            forget_rows.append(
+                {
+                    "setting": setting,
+                    **{
+                        k: r[k]
+                        for k in (
+                            "auc",
+                            "tpr_at_0.1pct_fpr",
+                            "tpr_at_1pct_fpr",
+                            "empirical_epsilon",
+                            "empirical_epsilon_ci",
+                            "n_members",
+                            "n_nonmembers",
+                        )
+                    },
+                }
+            )
+        metrics["audit.unlearning.after_forgotten.auc"] = unlearning["settings"]["after: forgotten vs non-members"][
+            "auc"
+        ]
         metrics["audit.unlearning.before.auc"] = unlearning["settings"]["before: members vs non-members"]["auc"]
         metrics["audit.unlearning.forgotten_ks_pvalue"] = unlearning["two_sample"]["ks_pvalue"]
-    markdown = (markdown_report(recovery, best, coverage, lm_rows, mt_rows) + audit_markdown(audit_rows)
-                + unlearning_markdown(forget_rows, unlearning))
-    return {"recovery": recovery, "best_sentences": best, "coverage": coverage, "utility_lm": lm_rows,
-            "utility_mt": mt_rows, "audit": audit_rows,
-            "unlearning": {"rows": forget_rows, "two_sample": unlearning["two_sample"], "removed": unlearning["removed"],
-                           "n_shards": unlearning["n_shards"]} if unlearning else None,
-            "markdown": markdown, "metrics": metrics}
+    markdown = (
+        markdown_report(recovery, best, coverage, lm_rows, mt_rows)
+        + audit_markdown(audit_rows)
+        + unlearning_markdown(forget_rows, unlearning)
+    )
+    return {
+        "recovery": recovery,
+        "best_sentences": best,
+        "coverage": coverage,
+        "utility_lm": lm_rows,
+        "utility_mt": mt_rows,
+        "audit": audit_rows,
+        "unlearning": {
+            "rows": forget_rows,
+            "two_sample": unlearning["two_sample"],
+            "removed": unlearning["removed"],
+            "n_shards": unlearning["n_shards"],
+        }
+        if unlearning
+        else None,
+        "markdown": markdown,
+        "metrics": metrics,
+    }
 
 
 def unlearning_markdown(rows: list[dict[str, Any]], unlearning: dict[str, Any] | None) -> str:
     if not rows or unlearning is None:
         return ""
     t = unlearning["two_sample"]
-    title = (f"### TAFT unlearning audit ({unlearning['n_shards']} shards, {len(unlearning['removed'])} forgotten "
-             "by subtraction; loss-threshold attack)")
-    lines = ["", title, "",
-             "| members vs non-members | AUC | TPR@1%FPR | empirical eps [95% CI] | n |", "|---|---:|---:|---|---:|"]
+    title = (
+        f"### TAFT unlearning audit ({unlearning['n_shards']} shards, {len(unlearning['removed'])} forgotten "
+        "by subtraction; loss-threshold attack)"
+    )
+    lines = [
+        "",
+        title,
+        "",
+        "| members vs non-members | AUC | TPR@1%FPR | empirical eps [95% CI] | n |",
+        "|---|---:|---:|---|---:|",
+    ]
     for r in rows:
         lo, hi = r["empirical_epsilon_ci"]
-        lines.append(f"| {r['setting']} | {r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] | {r['n_members']} / {r['n_nonmembers']} |")
-    lines.append(f"\nForgotten vs non-member losses after unlearning: Kolmogorov-Smirnov p = {t['ks_pvalue']:.3g}, "
-                 f"Mann-Whitney p = {t['mw_pvalue']:.3g}.")
+        lines.append(
+            f"| {r['setting']} | {r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {r['n_members']} / {r['n_nonmembers']} |"
+        )
+    lines.append(
+        f"\nForgotten vs non-member losses after unlearning: Kolmogorov-Smirnov p = {t['ks_pvalue']:.3g}, "
+        f"Mann-Whitney p = {t['mw_pvalue']:.3g}."
+    )
     return "\n".join(lines) + "\n"
 
 
 def audit_markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    lines = ["", "### Membership-inference audit (member unit: a user's sequence)", "",
-             "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] | accountant eps |",
-             "|---|---|---|---|---:|---:|---:|---|---:|"]
+    lines = [
+        "",
+        "### Membership-inference audit (member unit: a user's sequence)",
+        "",
+        "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] | accountant eps |",
+        "|---|---|---|---|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         lo, hi = r["empirical_epsilon_ci"]
         acc = "-" if r["accountant_epsilon"] is None else f"{r['accountant_epsilon']:.2f}"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['dp']} | {r['attack']} | {r['auc']:.3f} | "
-                     f"{r['tpr_at_0.1pct_fpr']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] | {acc} |")
+        lines.append(
+            f"| {r['dataset']} | {r['method']} | {r['dp']} | {r['attack']} | {r['auc']:.3f} | "
+            f"{r['tpr_at_0.1pct_fpr']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {acc} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def markdown_report(recovery: list[dict[str, Any]], best: list[dict[str, Any]], coverage: dict[str, Any] | None,
-                    lm: list[dict[str, Any]], mt: list[dict[str, Any]]) -> str:
+def markdown_report(
+    recovery: list[dict[str, Any]],
+    best: list[dict[str, Any]],
+    coverage: dict[str, Any] | None,
+    lm: list[dict[str, Any]],
+    mt: list[dict[str, Any]],
+) -> str:
     lines: list[str] = []
     if recovery:
-        lines += ["### FILM recovery (ROUGE F, mean over attacked batches)", "",
-                  ("| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
-                   "unique subwords | unique bytes |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "### FILM recovery (ROUGE F, mean over attacked batches)",
+            "",
+            (
+                "| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
+                "unique subwords | unique bytes |"
+            ),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in recovery:
-            lines.append(f"| {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
-                         f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['n_candidates']:.0f} | {r['recall']:.2f} | "
-                         f"{r['n_unique_subwords']:.1f} | {r['n_unique_bytes']:.1f} |")
+            lines.append(
+                f"| {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
+                f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['n_candidates']:.0f} | {r['recall']:.2f} | "
+                f"{r['n_unique_subwords']:.1f} | {r['n_unique_bytes']:.1f} |"
+            )
         lines.append("")
     if best:
-        lines += ["### Best recovered sentence (smallest batch, by ROUGE-L)", "",
-                  "| victim | setting | ROUGE-L | original | recovered |", "|---|---|---:|---|---|"]
+        lines += [
+            "### Best recovered sentence (smallest batch, by ROUGE-L)",
+            "",
+            "| victim | setting | ROUGE-L | original | recovered |",
+            "|---|---|---:|---|---|",
+        ]
         for b in best:
-            lines.append(f"| {b['victim']} | {b['setting']} | {b['rougeL']:.3f} | {_cell(b['original'])} | "
-                         f"{_cell(b['recovered'])} |")
+            lines.append(
+                f"| {b['victim']} | {b['setting']} | {b['rougeL']:.3f} | {_cell(b['original'])} | "
+                f"{_cell(b['recovered'])} |"
+            )
         lines.append("")
     if coverage:
-        lines += ["### Subwords covered by k random bytes (GPT-2 vocabulary, 50,257 subwords)", "",
-                  "| k bytes | made only of them | containing one of them |", "|---:|---:|---:|"]
+        lines += [
+            "### Subwords covered by k random bytes (GPT-2 vocabulary, 50,257 subwords)",
+            "",
+            "| k bytes | made only of them | containing one of them |",
+            "|---:|---:|---:|",
+        ]
         for k, v in coverage.items():
             lines.append(f"| {k} | {v['only']:.1f} | {v['any']:.1f} |")
         lines.append("")
     if lm:
-        lines += ["### Language modelling (test perplexity, same model and budget)", "",
-                  "| dataset | embedding | perplexity | embedding params | all params |", "|---|---|---:|---:|---:|"]
+        lines += [
+            "### Language modelling (test perplexity, same model and budget)",
+            "",
+            "| dataset | embedding | perplexity | embedding params | all params |",
+            "|---|---|---:|---:|---:|",
+        ]
         for r in lm:
-            lines.append(f"| {r['dataset']} | {r['embedding']} | {r['perplexity']:.2f} | {r['embedding_params']:,} | "
-                         f"{r['params']:,} |")
+            lines.append(
+                f"| {r['dataset']} | {r['embedding']} | {r['perplexity']:.2f} | {r['embedding_params']:,} | "
+                f"{r['params']:,} |"
+            )
         lines.append("")
     if mt:
-        lines += ["### German->English translation (sacreBLEU, 13a)", "",
-                  "| embedding | BLEU | embedding params | all params |", "|---|---:|---:|---:|"]
+        lines += [
+            "### German->English translation (sacreBLEU, 13a)",
+            "",
+            "| embedding | BLEU | embedding params | all params |",
+            "|---|---:|---:|---:|",
+        ]
         for r in mt:
             lines.append(f"| {r['embedding']} | {r['bleu']:.2f} | {r['embedding_params']:,} | {r['params']:,} |")
         lines.append("")

@@ -16,8 +16,9 @@ from prefect import task
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
 from core.attacks.membership import split_halves
 from core.dp.trainer import TrainResult, method_config, train_seqrec
-from privbench.config import TangentConfig, TrainDPConfig
-from privbench.config_attacks import AuditConfig
+from pbconfig.attacks import AuditConfig
+from pbconfig.tangent import TangentConfig
+from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.prepare import load_prepared
 from tasks.records import RESUMABLE, task_record
@@ -34,18 +35,36 @@ def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None]]:
 
 
 @task(name="mia-audit", **RESUMABLE)
-def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditConfig, train: TrainDPConfig,
-                 path: str, parent: RunRef, threads: int = 1) -> dict[str, Any]:
+def audit_seqrec(
+    dataset: str,
+    method: str,
+    epsilon: float | None,
+    cfg: AuditConfig,
+    train: TrainDPConfig,
+    path: str,
+    parent: RunRef,
+    threads: int = 1,
+) -> dict[str, Any]:
     """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target."""
     torch.set_num_threads(threads)
     spec = next(d for d in train.datasets if d.name == dataset)
     point = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
     overrides = train_overrides(point, train) | ({"epochs": cfg.epochs} if cfg.epochs else {})
     label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
-    config = {"dataset": dataset, "method": method, "epsilon": epsilon, "audit": cfg.model_dump(mode="json"),
-              "train": overrides}
-    with task_record(parent=parent, technique=f"mia-{method}", config=config, dataset=dataset,
-                     run_name=f"membership audit of {method} ({label}) on {dataset}") as rec:
+    config = {
+        "dataset": dataset,
+        "method": method,
+        "epsilon": epsilon,
+        "audit": cfg.model_dump(mode="json"),
+        "train": overrides,
+    }
+    with task_record(
+        parent=parent,
+        technique=f"mia-{method}",
+        config=config,
+        dataset=dataset,
+        run_name=f"membership audit of {method} ({label}) on {dataset}",
+    ) as rec:
         rec.tag("privbench.result_group", "audit")
         rec.tag("privbench.dp", label)
         data = load_prepared(path)
@@ -60,71 +79,132 @@ def audit_seqrec(dataset: str, method: str, epsilon: float | None, cfg: AuditCon
         t0 = time.perf_counter()
         target = fit(target_in, cfg.seed)
         stats = seqrec_user_stats(target.model, data, max_len=overrides["max_len"])
-        shadows = np.stack([seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
-                            for i, m in enumerate(shadow_in)])  # (k, n)
+        shadows = np.stack(
+            [
+                seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
+                for i, m in enumerate(shadow_in)
+            ]
+        )  # (k, n)
         train_s = time.perf_counter() - t0
         ledger = target.ledger
         delta = cfg.delta or (ledger.delta if ledger is not None else 1.0 / n)
-        results = audit(AuditTarget(name=f"{method}:{label}", stats=stats, members=target_in,
-                                    accountant_epsilon=ledger.epsilon if ledger is not None else None, delta=delta),
-                        attacks=cfg.attacks, shadow_stats=shadows, shadow_in=shadow_in, delta=delta, alpha=cfg.alpha)
+        results = audit(
+            AuditTarget(
+                name=f"{method}:{label}",
+                stats=stats,
+                members=target_in,
+                accountant_epsilon=ledger.epsilon if ledger is not None else None,
+                delta=delta,
+            ),
+            attacks=cfg.attacks,
+            shadow_stats=shadows,
+            shadow_in=shadow_in,
+            delta=delta,
+            alpha=cfg.alpha,
+        )
         if ledger is not None:
-            rec.privacy(epsilon=ledger.epsilon, delta=ledger.delta, noise_multiplier=ledger.noise_multiplier,
-                        sample_rate=ledger.sample_rate, steps=ledger.steps, accountant=str(ledger.accountant),
-                        clip_norm=ledger.clip_norm, target_epsilon=ledger.target_epsilon, unit="user")
+            rec.privacy(
+                epsilon=ledger.epsilon,
+                delta=ledger.delta,
+                noise_multiplier=ledger.noise_multiplier,
+                sample_rate=ledger.sample_rate,
+                steps=ledger.steps,
+                accountant=str(ledger.accountant),
+                clip_norm=ledger.clip_norm,
+                target_epsilon=ledger.target_epsilon,
+                unit="user",
+            )
         for name, r in results.items():
             lo, hi = r["empirical_epsilon_ci"]
-            rec.attack(attack=name, target=f"{dataset}:{method}", setting=f"{label},shadows={cfg.shadows}",
-                       auc=r["auc"], tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"], tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
-                       empirical_epsilon=r["empirical_epsilon"], empirical_epsilon_lo=lo, empirical_epsilon_hi=hi,
-                       accountant_epsilon=r["accountant_epsilon"],
-                       extra={k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr",
-                                                "threshold_fpr")})
-            rec.metrics({f"{name}.auc": r["auc"], f"{name}.tpr_at_0.1pct_fpr": r["tpr_at_0.1pct_fpr"],
-                         f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
-                         f"{name}.empirical_epsilon": r["empirical_epsilon"], f"{name}.empirical_epsilon_lo": lo})
-        rec.metrics({"target_test_ndcg_at_10": target.test_ndcg10, "n_users": n, "shadows": cfg.shadows,
-                     "train_s": train_s, "delta": delta}, units={"train_s": "s"})
+            rec.attack(
+                attack=name,
+                target=f"{dataset}:{method}",
+                setting=f"{label},shadows={cfg.shadows}",
+                auc=r["auc"],
+                tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"],
+                tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
+                empirical_epsilon=r["empirical_epsilon"],
+                empirical_epsilon_lo=lo,
+                empirical_epsilon_hi=hi,
+                accountant_epsilon=r["accountant_epsilon"],
+                extra={
+                    k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr", "threshold_fpr")
+                },
+            )
+            rec.metrics(
+                {
+                    f"{name}.auc": r["auc"],
+                    f"{name}.tpr_at_0.1pct_fpr": r["tpr_at_0.1pct_fpr"],
+                    f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
+                    f"{name}.empirical_epsilon": r["empirical_epsilon"],
+                    f"{name}.empirical_epsilon_lo": lo,
+                }
+            )
+        rec.metrics(
+            {
+                "target_test_ndcg_at_10": target.test_ndcg10,
+                "n_users": n,
+                "shadows": cfg.shadows,
+                "train_s": train_s,
+                "delta": delta,
+            },
+            units={"train_s": "s"},
+        )
         if ledger is not None:
             rec.metric("accountant_epsilon", ledger.epsilon)
         rec.artifact_json("roc.json", {name: r["roc"] for name, r in results.items()})
-    return {"dataset": dataset, "method": method, "epsilon": epsilon,
-            "accountant_epsilon": ledger.epsilon if ledger is not None else None, "delta": delta,
-            "target_test_ndcg_at_10": target.test_ndcg10,
-            "attacks": {name: {k: v for k, v in r.items() if k != "roc"} for name, r in results.items()}}
+    return {
+        "dataset": dataset,
+        "method": method,
+        "epsilon": epsilon,
+        "accountant_epsilon": ledger.epsilon if ledger is not None else None,
+        "delta": delta,
+        "target_test_ndcg_at_10": target.test_ndcg10,
+        "attacks": {name: {k: v for k, v in r.items() if k != "roc"} for name, r in results.items()},
+    }
 
 
 @task(name="mia-audit-unlearning", **RESUMABLE)
-def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str, model_path: str,
-                     parent: RunRef) -> dict[str, Any]:
+def audit_unlearning(
+    tangent: TangentConfig, cfg: AuditConfig, images_path: str, model_path: str, parent: RunRef
+) -> dict[str, Any]:
     """The composed TAFT model (eq. 13) of ``tangent.fig1_n_shards`` shards before and after forgetting half of
     them by subtraction (Sect. 3.3), attacked by the loss threshold: members (the training images) against
     non-members (the test images) before, and the forgotten images against non-members after, with a
     two-sample test (Kolmogorov-Smirnov and Mann-Whitney) of their statistics."""
+    from dataclasses import replace
+
     from core.attacks.audit import audit_groups
     from core.attacks.membership import two_sample_test
+    from core.tangent.baselines import train_shards
     from core.tangent.compose import compose, remove_component
-    from core.tangent.train import TangentTrainConfig, train_tangent
-    from tasks.tangent import _features, cache_features, logits_of, shard_index, tangent_model, train_config
+    from core.tangent.experiments import logits_of, shard_index
+    from tasks.tangent import _features, cache_features, tangent_model, train_config
 
     torch.set_num_threads(tangent.threads_per_worker)
     n_shards = tangent.fig1_n_shards
-    config = {"n_shards": n_shards, "removed": n_shards // 2, "tangent": tangent.model_dump(mode="json"),
-              "epochs": cfg.unlearning_epochs or tangent.epochs, "alpha": cfg.alpha}
-    with task_record(parent=parent, technique="mia-unlearning", config=config, dataset=tangent.dataset,
-                     run_name=f"membership audit of TAFT unlearning ({n_shards} shards)") as rec:
+    config = {
+        "n_shards": n_shards,
+        "removed": n_shards // 2,
+        "tangent": tangent.model_dump(mode="json"),
+        "epochs": cfg.unlearning_epochs or tangent.epochs,
+        "alpha": cfg.alpha,
+    }
+    with task_record(
+        parent=parent,
+        technique="mia-unlearning",
+        config=config,
+        dataset=tangent.dataset,
+        run_name=f"membership audit of TAFT unlearning ({n_shards} shards)",
+    ) as rec:
         rec.tag("privbench.result_group", "audit")
         inputs = cache_features.fn(tangent, images_path, model_path, parent)
         f = _features(inputs.features_path)
         split = shard_index(inputs.n_train, n_shards, tangent.seed)
-        model, deltas = tangent_model(inputs, tangent), []
-        t0 = time.perf_counter()
-        for j, idx in enumerate(split.shards):  # the tangent stage's shard training, shard by shard
-            tcfg = TangentTrainConfig(**{**train_config(tangent, "taft").__dict__, "seed": tangent.seed + j,
-                                         "epochs": cfg.unlearning_epochs or tangent.epochs})
-            model = tangent_model(inputs, tangent)
-            train_tangent(model, f["train_h"][idx], f["train_y"][idx], tcfg)
-            deltas.append(model.get_delta())
+        model = tangent_model(inputs, tangent)
+        tcfg = replace(train_config(tangent, "taft"), epochs=cfg.unlearning_epochs or tangent.epochs)
+        t0 = time.perf_counter()  # the tangent stage's shard training (shard j: seed + j), shard by shard
+        deltas = train_shards(lambda: tangent_model(inputs, tangent), f["train_h"], f["train_y"], split, tcfg)
         train_s = time.perf_counter() - t0
 
         def stats(delta: Any, h: torch.Tensor, y: torch.Tensor) -> np.ndarray:
@@ -134,7 +214,10 @@ def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str,
 
         removed = sorted(np.random.default_rng(cfg.seed).choice(n_shards, n_shards // 2, replace=False).tolist())
         composed = compose(deltas)
-        before_train, test_before = stats(composed, f["train_h"], f["train_y"]), stats(composed, f["test_h"], f["test_y"])
+        before_train, test_before = (
+            stats(composed, f["train_h"], f["train_y"]),
+            stats(composed, f["test_h"], f["test_y"]),
+        )
         after = composed
         for r, j in enumerate(removed):
             after = remove_component(after, deltas[j], n_shards - r)
@@ -156,17 +239,39 @@ def audit_unlearning(tangent: TangentConfig, cfg: AuditConfig, images_path: str,
             extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers")}
             if setting.startswith("after: forgotten"):
                 extra |= {"two_sample": forgotten_test}
-            rec.attack(attack="loss", target=f"{tangent.dataset}:taft-composed", setting=setting, auc=r["auc"],
-                       tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"], tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
-                       empirical_epsilon=r["empirical_epsilon"], empirical_epsilon_lo=lo, empirical_epsilon_hi=hi,
-                       extra=extra)
-        short = {"before: members vs non-members": "before", "before: to-be-forgotten vs non-members":
-                 "before_forgotten", "after: forgotten vs non-members": "after_forgotten",
-                 "after: kept vs non-members": "after_kept"}
+            rec.attack(
+                attack="loss",
+                target=f"{tangent.dataset}:taft-composed",
+                setting=setting,
+                auc=r["auc"],
+                tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"],
+                tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
+                empirical_epsilon=r["empirical_epsilon"],
+                empirical_epsilon_lo=lo,
+                empirical_epsilon_hi=hi,
+                extra=extra,
+            )
+        short = {
+            "before: members vs non-members": "before",
+            "before: to-be-forgotten vs non-members": "before_forgotten",
+            "after: forgotten vs non-members": "after_forgotten",
+            "after: kept vs non-members": "after_kept",
+        }
         rec.metrics({f"{short[s]}.auc": r["auc"] for s, r in results.items()})
-        rec.metrics({"forgotten_vs_nonmembers.ks_pvalue": forgotten_test["ks_pvalue"],
-                     "forgotten_vs_nonmembers.mw_pvalue": forgotten_test["mw_pvalue"], "train_s": train_s,
-                     "n_forgotten": int(gone.sum())}, units={"train_s": "s"})
+        rec.metrics(
+            {
+                "forgotten_vs_nonmembers.ks_pvalue": forgotten_test["ks_pvalue"],
+                "forgotten_vs_nonmembers.mw_pvalue": forgotten_test["mw_pvalue"],
+                "train_s": train_s,
+                "n_forgotten": int(gone.sum()),
+            },
+            units={"train_s": "s"},
+        )
         rec.artifact_json("roc.json", {s: r["roc"] for s, r in results.items()})
-    return {"n_shards": n_shards, "removed": removed, "n_forgotten": int(gone.sum()), "two_sample": forgotten_test,
-            "settings": {s: {k: v for k, v in r.items() if k != "roc"} for s, r in results.items()}}
+    return {
+        "n_shards": n_shards,
+        "removed": removed,
+        "n_forgotten": int(gone.sum()),
+        "two_sample": forgotten_test,
+        "settings": {s: {k: v for k, v in r.items() if k != "roc"} for s, r in results.items()},
+    }

@@ -32,11 +32,13 @@ def _lines(x: str, y: str, by: str, *, panel: str | None = None, logx: bool = Fa
                 ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+
     return draw
 
 
 def _bars(x: str, ys: tuple[str, ...], *, stack: str | None = None) -> Draw:
     """One panel per column of ``ys``: bars by ``x``, stacked by ``stack`` when given."""
+
     def draw(fig: Any, frame: pd.DataFrame) -> None:
         axes = fig.subplots(1, len(ys), squeeze=False)[0]
         for ax, y in zip(axes, ys, strict=True):
@@ -47,6 +49,7 @@ def _bars(x: str, ys: tuple[str, ...], *, stack: str | None = None) -> Draw:
                 frame.groupby(x)[y].mean().plot.bar(ax=ax, rot=30)
             ax.set(ylabel=y, xlabel="")
             ax.grid(alpha=0.3, axis="y")
+
     return draw
 
 
@@ -60,8 +63,13 @@ def _privacy_utility(fig: Any, frame: pd.DataFrame) -> None:
             ax.plot(group["epsilon"], group["ndcg_at_10"], marker="o", label=method)
         for _, row in frame[(~frame["private"]) & (frame["dataset"] == dataset)].iterrows():
             ax.axhline(row["ndcg_at_10"], linestyle="--", linewidth=0.8, color="grey")
-            ax.annotate(f"{row['method']} (non-private)", (0.01, row["ndcg_at_10"]), xycoords=("axes fraction", "data"),
-                        fontsize=6, color="grey")
+            ax.annotate(
+                f"{row['method']} (non-private)",
+                (0.01, row["ndcg_at_10"]),
+                xycoords=("axes fraction", "data"),
+                fontsize=6,
+                color="grey",
+            )
         ax.set(xlabel="epsilon", ylabel="test NDCG@10", title=dataset)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -108,8 +116,11 @@ GROUPS: dict[str, list[tuple[str, Callable[..., pd.DataFrame], Draw]]] = {
         ("mpc_lan_wan", views.mpc_costs, _mpc_projection),
     ],
     "stip": [
-        ("stip_overhead", views.stip_overhead,
-         _bars("design", ("server_over_plaintext_time", "user_overhead_fraction"), stack="model")),
+        (
+            "stip_overhead",
+            views.stip_overhead,
+            _bars("design", ("server_over_plaintext_time", "user_overhead_fraction"), stack="model"),
+        ),
         ("stip_attacks", views.stip_attacks, _bars("attack", ("recovery_rate",), stack="model")),
     ],
     "attacks": [

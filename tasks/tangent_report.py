@@ -6,11 +6,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from privbench.config import TangentConfig
+from pbconfig.tangent import TangentConfig
 
 
-def tangent_summary(cfg: TangentConfig, *, table1: list[dict[str, Any]], table2: list[dict[str, Any]],
-                    fig1: dict[str, Any], table3: list[dict[str, Any]]) -> dict[str, Any]:
+def tangent_summary(
+    cfg: TangentConfig,
+    *,
+    table1: list[dict[str, Any]],
+    table2: list[dict[str, Any]],
+    fig1: dict[str, Any],
+    table3: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The four result groups as nested JSON, their headline numbers as flat metrics, and a Markdown report."""
     t1 = {r["method"]: r["test_accuracy"] for r in table1}
     t2 = {str(r["n_shards"]): {m: r[m]["test_accuracy"] for m in ("taft", "soup", "sisa")} for r in table2}
@@ -21,10 +27,14 @@ def tangent_summary(cfg: TangentConfig, *, table1: list[dict[str, Any]], table2:
     metrics: dict[str, float] = {f"table1.{m}.test_accuracy": v for m, v in t1.items()}
     for n, row in t2.items():
         metrics.update({f"table2.n{n}.{m}.test_accuracy": v for m, v in row.items()})
-    metrics.update({"fig1.taft_drop_half_removed": sub["taft_drop_half_removed"],
-                    "fig1.mean_taft_minus_sisa": sub["mean_taft_minus_sisa"],
-                    "fig1.unlearning_max_abs_err": sub["unlearning_max_abs_err"],
-                    "fig1.full_over_shard_retrain_time": one["full_over_shard_retrain_time"]})
+    metrics.update(
+        {
+            "fig1.taft_drop_half_removed": sub["taft_drop_half_removed"],
+            "fig1.mean_taft_minus_sisa": sub["mean_taft_minus_sisa"],
+            "fig1.unlearning_max_abs_err": sub["unlearning_max_abs_err"],
+            "fig1.full_over_shard_retrain_time": one["full_over_shard_retrain_time"],
+        }
+    )
     for fr in fig1["fractions"]:
         metrics[f"fig1.forget_{fr['fraction']:g}.accuracy_after"] = fr["accuracy_after"]
     for regime, kinds in t3.items():
@@ -32,38 +42,86 @@ def tangent_summary(cfg: TangentConfig, *, table1: list[dict[str, Any]], table2:
             metrics.update({f"table3.{regime}.{kind}.eps{e}.test_accuracy": v for e, v in row.items()})
     max_comp = max(r["taft"]["composition_max_abs_err"] for r in table2)
     metrics["table2.composition_max_abs_err"] = max_comp
-    return {"table1": t1, "table2": t2, "table3": t3,
-            "fig1": {"n_shards": sub["n_shards"], "removed": sub["removed"], "taft_accuracy": sub["taft_accuracy"],
-                     "sisa_accuracy": sub["sisa_accuracy"], "unlearning_max_abs_err": sub["unlearning_max_abs_err"],
-                     "retrain_one": one, "fractions": fig1["fractions"]},
-            "details": {"table1": table1, "table2": table2, "table3": table3},
-            "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3), "metrics": metrics}
+    return {
+        "table1": t1,
+        "table2": t2,
+        "table3": t3,
+        "fig1": {
+            "n_shards": sub["n_shards"],
+            "removed": sub["removed"],
+            "taft_accuracy": sub["taft_accuracy"],
+            "sisa_accuracy": sub["sisa_accuracy"],
+            "unlearning_max_abs_err": sub["unlearning_max_abs_err"],
+            "retrain_one": one,
+            "fractions": fig1["fractions"],
+        },
+        "details": {"table1": table1, "table2": table2, "table3": table3},
+        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3),
+        "metrics": metrics,
+    }
 
 
-def markdown_report(cfg: TangentConfig, t1: dict[str, float], t2: dict[str, dict[str, float]], sub: dict[str, Any],
-                    one: dict[str, Any], fractions: list[dict[str, Any]], t3: dict[str, Any]) -> str:
+def markdown_report(
+    cfg: TangentConfig,
+    t1: dict[str, float],
+    t2: dict[str, dict[str, float]],
+    sub: dict[str, Any],
+    one: dict[str, Any],
+    fractions: list[dict[str, Any]],
+    t3: dict[str, Any],
+) -> str:
     """Tables 1-3 and Fig. 1 as Markdown (accuracies in %), for the run's ``summary.json`` and the README."""
     pct = lambda v: f"{100 * v:.1f}"
-    lines = [f"Table 1 ({cfg.dataset}, k={cfg.k})", "", "| " + " | ".join(t1) + " |",
-             "|" + "---|" * len(t1), "| " + " | ".join(pct(v) for v in t1.values()) + " |", "",
-             "Table 2", "", "| shards | Model Soup | TAFT (composed) | SISA |", "|---|---|---|---|"]
+    lines = [
+        f"Table 1 ({cfg.dataset}, k={cfg.k})",
+        "",
+        "| " + " | ".join(t1) + " |",
+        "|" + "---|" * len(t1),
+        "| " + " | ".join(pct(v) for v in t1.values()) + " |",
+        "",
+        "Table 2",
+        "",
+        "| shards | Model Soup | TAFT (composed) | SISA |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {n} | {pct(r['soup'])} | {pct(r['taft'])} | {pct(r['sisa'])} |" for n, r in t2.items()]
-    lines += ["", f"Fig. 1 ({sub['n_shards']} shards, mean of {cfg.fig1_trials} removal orders)", "",
-              "| shards removed | TAFT (subtraction) | SISA |", "|---|---|---|"]
-    lines += [f"| {r} | {pct(a)} | {pct(b)} |" for r, a, b in zip(sub["removed"], sub["taft_accuracy"],
-                                                                    sub["sisa_accuracy"], strict=True)]
-    lines += ["", (f"One forget request: shard retraining {one['shard_retrain_s']:.2f} s vs full retraining "
-              f"{one['full_retrain_s']:.2f} s ({one['full_over_shard_retrain_time']:.1f}x); accuracy "
-              f"{pct(one['shard_retrain_accuracy'])} vs {pct(one['full_retrain_accuracy'])}.")]
-    lines += [f"Forgetting {fr['fraction']:.0%} by shard retraining: {pct(fr['accuracy_before'])} -> "
-              f"{pct(fr['accuracy_after'])}." for fr in fractions]
+    lines += [
+        "",
+        f"Fig. 1 ({sub['n_shards']} shards, mean of {cfg.fig1_trials} removal orders)",
+        "",
+        "| shards removed | TAFT (subtraction) | SISA |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {r} | {pct(a)} | {pct(b)} |"
+        for r, a, b in zip(sub["removed"], sub["taft_accuracy"], sub["sisa_accuracy"], strict=True)
+    ]
+    lines += [
+        "",
+        (
+            f"One forget request: shard retraining {one['shard_retrain_s']:.2f} s vs full retraining "
+            f"{one['full_retrain_s']:.2f} s ({one['full_over_shard_retrain_time']:.1f}x); accuracy "
+            f"{pct(one['shard_retrain_accuracy'])} vs {pct(one['full_retrain_accuracy'])}."
+        ),
+    ]
+    lines += [
+        f"Forgetting {fr['fraction']:.0%} by shard retraining: {pct(fr['accuracy_before'])} -> "
+        f"{pct(fr['accuracy_after'])}."
+        for fr in fractions
+    ]
     if t3:
         eps = sorted({e for kinds in t3.values() for row in kinds.values() for e in row}, key=float)
-        lines += ["", "Table 3 (DP-SGD; Ours = tangent parameters, Reg = original parameters)", "",
-                  "| epsilon | " + " | ".join(f"{r} Ours | {r} Reg" for r in t3) + " |",
-                  "|---|" + "---|---|" * len(t3)]
+        lines += [
+            "",
+            "Table 3 (DP-SGD; Ours = tangent parameters, Reg = original parameters)",
+            "",
+            "| epsilon | " + " | ".join(f"{r} Ours | {r} Reg" for r in t3) + " |",
+            "|---|" + "---|---|" * len(t3),
+        ]
         for e in eps:
-            cells = [f"{pct(t3[r].get('ours', {}).get(e, math.nan))} | {pct(t3[r].get('reg', {}).get(e, math.nan))}"
-                     for r in t3]
+            cells = [
+                f"{pct(t3[r].get('ours', {}).get(e, math.nan))} | {pct(t3[r].get('reg', {}).get(e, math.nan))}"
+                for r in t3
+            ]
             lines.append(f"| {e} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

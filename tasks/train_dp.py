@@ -14,14 +14,18 @@ from prefect import task
 from core.data.sequential import SequentialDataset
 from core.dp.trainer import DPTrainConfig, EpochLog, TrainResult, method_config, train_seqrec
 from core.errors import DivergedError
-from privbench.config import TrainDPConfig
+from pbconfig.train_dp import TrainDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare import load_prepared
 from tasks.records import RESUMABLE, task_record
 
 CURVES = ("train_loss", "valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10", "epsilon_spent")
-_METRIC_NAMES = {"valid_ndcg10": "valid_ndcg_at_10", "valid_hit10": "valid_hit_at_10",
-                 "test_ndcg10": "test_ndcg_at_10", "test_hit10": "test_hit_at_10"}
+_METRIC_NAMES = {
+    "valid_ndcg10": "valid_ndcg_at_10",
+    "valid_hit10": "valid_hit_at_10",
+    "test_ndcg10": "test_ndcg_at_10",
+    "test_hit10": "test_hit_at_10",
+}
 
 logger = logging.getLogger("privbench.train_dp")
 
@@ -74,18 +78,34 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
     torch.set_num_threads(cfg.threads_per_worker)
     data = load_prepared(point.dataset_path)
     train_cfg = method_config(point.method, **train_overrides(point, cfg))
-    about = {"label": point.label, "method": point.method, "dataset": point.dataset, "epsilon": point.epsilon,
-             "seed": point.seed}
+    about = {
+        "label": point.label,
+        "method": point.method,
+        "dataset": point.dataset,
+        "epsilon": point.epsilon,
+        "seed": point.seed,
+    }
     try:
-        with task_record(parent=parent, technique=point.method, config=_run_config(point, train_cfg),
-                         dataset=point.dataset, run_name=point.label) as rec:
+        with task_record(
+            parent=parent,
+            technique=point.method,
+            config=_run_config(point, train_cfg),
+            dataset=point.dataset,
+            run_name=point.label,
+        ) as rec:
             result = _train(data, train_cfg, rec)
             _record_result(rec, result, point)
     except DivergedError as exc:  # raised by training, so ``rec`` is bound and its row is already failed
         logger.warning("grid point %s diverged (run %s failed): %s", point.label, rec.run_id, exc)
         return {"run_id": rec.run_id, **about, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-    return {"run_id": rec.run_id, **about, "status": "finished", "test_ndcg_at_10": result.test_ndcg10,
-            "test_hit_at_10": result.test_hit10, "wall_s": result.wall_s}
+    return {
+        "run_id": rec.run_id,
+        **about,
+        "status": "finished",
+        "test_ndcg_at_10": result.test_ndcg10,
+        "test_hit_at_10": result.test_hit10,
+        "wall_s": result.wall_s,
+    }
 
 
 def _train(data: SequentialDataset, train_cfg: DPTrainConfig, rec: Recorder) -> TrainResult:
@@ -99,17 +119,30 @@ def _train(data: SequentialDataset, train_cfg: DPTrainConfig, rec: Recorder) -> 
 
 def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
     common = {
-        "dropout": point.dropout, "max_len": cfg.max_len, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers,
-        "epochs": cfg.epochs, "batch_size": point.batch_size, "lr": point.lr, "weight_decay": cfg.weight_decay,
-        "warmup_frac": cfg.warmup_frac, "eval_every": cfg.eval_every, "seed": point.seed,
+        "dropout": point.dropout,
+        "max_len": cfg.max_len,
+        "n_heads": cfg.n_heads,
+        "n_layers": cfg.n_layers,
+        "epochs": cfg.epochs,
+        "batch_size": point.batch_size,
+        "lr": point.lr,
+        "weight_decay": cfg.weight_decay,
+        "warmup_frac": cfg.warmup_frac,
+        "eval_every": cfg.eval_every,
+        "seed": point.seed,
     }
     # the Opacus ghost-clipping peer cannot tie embeddings, so it halves d_model to match the
     # parameter count (DPFormer footnote 5)
     common["d_model"] = cfg.d_model // 2 if point.method == "transformer_opacus_ghost_untied" else cfg.d_model
     if point.epsilon is None:
         return common | {"clipping": "nonprivate", "epsilon": None}
-    return common | {"epsilon": point.epsilon, "delta": cfg.delta, "clip_norm": cfg.clip_norm,
-                     "normalize": cfg.normalize, "accountant": cfg.accountant}
+    return common | {
+        "epsilon": point.epsilon,
+        "delta": cfg.delta,
+        "clip_norm": cfg.clip_norm,
+        "normalize": cfg.normalize,
+        "accountant": cfg.accountant,
+    }
 
 
 def _run_config(point: GridPoint, train_cfg: Any) -> dict[str, Any]:
@@ -124,17 +157,32 @@ def _record_epoch(rec: Recorder, log: EpochLog) -> None:
 
 
 def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None:
-    rec.metrics({
-        "test_ndcg_at_10": result.test_ndcg10, "test_hit_at_10": result.test_hit10,
-        "final_test_ndcg_at_10": result.final_test_ndcg10, "final_test_hit_at_10": result.final_test_hit10,
-        "best_epoch": result.best_epoch, "n_params": result.n_params, "steps": result.steps,
-        "train_wall_s": result.wall_s,
-    }, units={"train_wall_s": "s"})
+    rec.metrics(
+        {
+            "test_ndcg_at_10": result.test_ndcg10,
+            "test_hit_at_10": result.test_hit10,
+            "final_test_ndcg_at_10": result.final_test_ndcg10,
+            "final_test_hit_at_10": result.final_test_hit10,
+            "best_epoch": result.best_epoch,
+            "n_params": result.n_params,
+            "steps": result.steps,
+            "train_wall_s": result.wall_s,
+        },
+        units={"train_wall_s": "s"},
+    )
     if result.ledger is not None:
         ledger = result.ledger
-        rec.privacy(epsilon=ledger.epsilon, delta=ledger.delta, noise_multiplier=ledger.noise_multiplier,
-                    sample_rate=ledger.sample_rate, steps=ledger.steps, accountant=str(ledger.accountant),
-                    clip_norm=ledger.clip_norm, target_epsilon=ledger.target_epsilon, unit="user")
+        rec.privacy(
+            epsilon=ledger.epsilon,
+            delta=ledger.delta,
+            noise_multiplier=ledger.noise_multiplier,
+            sample_rate=ledger.sample_rate,
+            steps=ledger.steps,
+            accountant=str(ledger.accountant),
+            clip_norm=ledger.clip_norm,
+            target_epsilon=ledger.target_epsilon,
+            unit="user",
+        )
         rec.metric("epsilon", ledger.epsilon)
     rec.artifact_json("curves.json", [asdict(log) for log in result.history])
     rec.tag("privbench.dp", "nonprivate" if point.epsilon is None else f"eps={point.epsilon:g}")

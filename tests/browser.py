@@ -61,6 +61,7 @@ class Page:
         self._ws = ws
         self._ids = itertools.count(1)
         self.width = 1400
+        self.height = 1000
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         msg_id = next(self._ids)
@@ -74,15 +75,19 @@ class Page:
 
     def click(self, selector_js: str) -> None:
         """A real mouse click (press and release) at the centre of the element ``selector_js`` evaluates to."""
-        box = self.evaluate(f"(() => {{ const r = ({selector_js}).getBoundingClientRect(); "
-                            "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        box = self.evaluate(
+            f"(() => {{ const r = ({selector_js}).getBoundingClientRect(); "
+            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
 
     def evaluate(self, expression: str) -> Any:
         reply = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in reply:
-            raise AssertionError(f"{expression[:200]}: {reply['exceptionDetails'].get('exception', {}).get('description')}")
+            raise AssertionError(
+                f"{expression[:200]}: {reply['exceptionDetails'].get('exception', {}).get('description')}"
+            )
         return reply["result"].get("value")
 
 
@@ -93,19 +98,32 @@ def browser(width: int = 1400, height: int = 1000) -> Iterator[Page]:
     port = free_port()
     with tempfile.TemporaryDirectory() as profile:
         proc = subprocess.Popen(
-            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-             f"--remote-debugging-port={port}", f"--user-data-dir={profile}", f"--window-size={width},{height}",
-             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--no-first-run",
+                f"--remote-debugging-port={port}",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_http(f"http://127.0.0.1:{port}/json/version", 60, proc)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
                 target = next(t for t in json.load(r) if t["type"] == "page")
             with connect(target["webSocketDebuggerUrl"], max_size=None) as ws:
                 page = Page(ws)
-                page.width = width
+                page.width, page.height = width, height
                 page.call("Page.enable")
-                page.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                          mobile=False)
+                page.call(
+                    "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+                )
                 yield page
         finally:
             proc.terminate()
@@ -116,31 +134,93 @@ def browser(width: int = 1400, height: int = 1000) -> Iterator[Page]:
                 proc.wait()
 
 
-def screenshot(page: Page, url: str | None, out: Path, *, texts: Sequence[str], min_charts: int = 0,
-               chart_selector: str = ".js-plotly-plot .main-svg, canvas, svg.recharts-surface",
-               timeout: float = 90) -> str:
-    """Load ``url`` (None: stay on the current page), wait for every one of ``texts`` and ``min_charts`` rendered charts, let it settle, then save
-    a full-page screenshot to ``out``. Returns the page's visible text."""
+# what a page's full height is: the document, or the scroll container of an app that scrolls inside one
+# (Streamlit's main section); and what must be stable before a screenshot: the text, the charts, the height,
+# and where the sidebar is (Streamlit slides it in)
+_HEIGHT_JS = (
+    "Math.max(document.body.scrollHeight, document.documentElement.scrollHeight, "
+    "...[...document.querySelectorAll('[data-testid=stMain], main')].map(e => e.scrollHeight))"
+)
+_LAYOUT_JS = (
+    "(() => { const s = document.querySelector('[data-testid=stSidebar]'); "
+    "const r = s ? s.getBoundingClientRect() : null; "
+    "return JSON.stringify([document.body ? document.body.innerText.length : 0, "
+    "r ? [Math.round(r.x), Math.round(r.width)] : null, s ? getComputedStyle(s).transform : null, "
+    "document.querySelectorAll('[data-testid=stSkeleton], [data-stale=true]').length, "
+    f"{_HEIGHT_JS}]); }})()"
+)
+
+
+def screenshot(
+    page: Page,
+    url: str | None,
+    out: Path,
+    *,
+    texts: Sequence[str],
+    min_charts: int = 0,
+    chart_selector: str = ".js-plotly-plot .main-svg, canvas, svg.recharts-surface",
+    timeout: float = 90,
+    max_height: int = 6000,
+) -> str:
+    """Load ``url`` (None: stay on the current page), wait for every one of ``texts`` and ``min_charts`` rendered
+    charts, let it settle, then save a screenshot of the whole page (up to ``max_height`` pixels) to ``out``.
+    Returns the page's visible text.
+
+    The whole page is captured by making the viewport as tall as the page (an app that scrolls inside a
+    container is taller than its document) and waiting until the layout is still again (text, charts, page
+    height and sidebar position unchanged over three polls, no loading skeleton or stale element): capturing
+    beyond the viewport instead resizes the page during the capture and catches transitions half-drawn."""
     if url is not None:
         page.call("Page.navigate", url=url)
     deadline = time.monotonic() + timeout
-    text, charts, stable = "", 0, 0
-    while time.monotonic() < deadline:
-        text = page.evaluate("document.body ? document.body.innerText : ''") or ""
-        count = page.evaluate(f"document.querySelectorAll({json.dumps(chart_selector)}).length") or 0
-        ready = all(t in text for t in texts) and count >= min_charts
-        stable = stable + 1 if ready and count == charts else 0
-        charts = count
-        if stable >= 3:  # the same chart count three polls in a row: rendering has settled
-            break
-        time.sleep(1)
-    else:
-        missing = [t for t in texts if t not in text]
-        raise AssertionError(f"{url or 'the page'} did not render: missing texts {missing}, {charts} charts < {min_charts}; "
-                             f"page text starts {text[:400]!r}")
-    height = page.evaluate("Math.max(document.body.scrollHeight, document.documentElement.scrollHeight)")
-    shot = page.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                     clip={"x": 0, "y": 0, "width": page.width, "height": min(int(height), 6000), "scale": 1})
+    text = settle(page, texts, min_charts, chart_selector, deadline, url)
+    height = min(int(page.evaluate(_HEIGHT_JS) or 0), max_height)
+    if height > page.height:
+        page.call(
+            "Emulation.setDeviceMetricsOverride", width=page.width, height=height, deviceScaleFactor=1, mobile=False
+        )
+        text = settle(page, texts, min_charts, chart_selector, deadline, url)
+    try:
+        shot = page.call("Page.captureScreenshot", format="png")
+    finally:
+        if height > page.height:
+            page.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=page.width,
+                height=page.height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(base64.b64decode(shot["data"]))
     return text
+
+
+def settle(
+    page: Page,
+    texts: Sequence[str],
+    min_charts: int = 0,
+    chart_selector: str = ".js-plotly-plot .main-svg, canvas, svg.recharts-surface",
+    deadline: float | None = None,
+    url: str | None = None,
+) -> str:
+    """Wait until the page shows ``texts`` and ``min_charts`` charts and its layout is the same three polls in a
+    row (until ``deadline``, a ``time.monotonic()``; default 90 s from now); returns its visible text."""
+    deadline = time.monotonic() + 90 if deadline is None else deadline
+    text, charts, layout, stable = "", 0, "", 0
+    while time.monotonic() < deadline:
+        text = page.evaluate("document.body ? document.body.innerText : ''") or ""
+        count = page.evaluate(f"document.querySelectorAll({json.dumps(chart_selector)}).length") or 0
+        now = page.evaluate(_LAYOUT_JS) or ""
+        busy = json.loads(now)[3] if now else 1
+        ready = all(t in text for t in texts) and count >= min_charts and not busy
+        stable = stable + 1 if ready and count == charts and now == layout else 0
+        charts, layout = count, now
+        if stable >= 3:  # the same charts and layout three polls in a row: rendering has settled
+            return text
+        time.sleep(1)
+    missing = [t for t in texts if t not in text]
+    raise AssertionError(
+        f"{url or 'the page'} did not render: missing texts {missing}, {charts} charts < {min_charts}; "
+        f"layout {layout}; page text starts {text[:400]!r}"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import privbench  # noqa: F401  - offline defaults before prefect/mlflow are imported
+import pbconfig  # noqa: F401  - offline defaults before prefect/mlflow are imported
 
 PG_ENV = "PRIVBENCH_TEST_PG_URL"
 

@@ -36,9 +36,14 @@ def rows(url: str) -> list[dict]:
     try:
         with engine.connect() as conn:
             runs = [dict(r._mapping) for r in conn.execute(text("select * from runs"))]
-            partial = dict(conn.execute(text(
-                "select r.id, count(m.id) from runs r join metrics m on m.run_id = r.id "
-                "where r.status = 'failed' group by r.id")).all())
+            partial = dict(
+                conn.execute(
+                    text(
+                        "select r.id, count(m.id) from runs r join metrics m on m.run_id = r.id "
+                        "where r.status = 'failed' group by r.id"
+                    )
+                ).all()
+            )
         for r in runs:
             r["partial_metrics"] = partial.get(r["id"], 0)
         return runs
@@ -82,32 +87,54 @@ def cell(base: Path, signum: int, target: str, pg: str | None, index: int) -> di
     states = sorted({c.mlflow_status(r["mlflow_run_id"]) for r in failed if r["mlflow_run_id"]})
     reaped = None
     if left:
-        rerun = start(f"{name}-rerun", base, PREPARE_ONLY, home=home,
-                      extra_env={"PRIVBENCH_DB_URL": url} if pg else None)
+        rerun = start(
+            f"{name}-rerun", base, PREPARE_ONLY, home=home, extra_env={"PRIVBENCH_DB_URL": url} if pg else None
+        )
         rerun.proc.wait(timeout=900)
         again = rows(url)
         reaped = {
             "left": sum(r["status"] == "running" for r in again),
-            "mlflow": sorted({c.mlflow_status(r["mlflow_run_id"]) for r in again
-                              if r["status"] == "failed" and r["mlflow_run_id"]}),
+            "mlflow": sorted(
+                {c.mlflow_status(r["mlflow_run_id"]) for r in again if r["status"] == "failed" and r["mlflow_run_id"]}
+            ),
         }
-    return {"signal": signal.Signals(signum).name, "target": target, "backend": "PostgreSQL" if pg else "SQLite",
-            "exit": code, "seconds": seconds, "left_running": left, "failed": len(failed),
-            "partial_metrics": sum(r["partial_metrics"] for r in failed), "mlflow": states,
-            "survivors": survivors, "after_rerun": reaped, "prefect": c.prefect_states().get("train-dp")}
+    return {
+        "signal": signal.Signals(signum).name,
+        "target": target,
+        "backend": "PostgreSQL" if pg else "SQLite",
+        "exit": code,
+        "seconds": seconds,
+        "left_running": left,
+        "failed": len(failed),
+        "partial_metrics": sum(r["partial_metrics"] for r in failed),
+        "mlflow": states,
+        "survivors": survivors,
+        "after_rerun": reaped,
+        "prefect": c.prefect_states().get("train-dp"),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pg", help="a PostgreSQL URL whose server may create databases (optional)")
     parser.add_argument("--parallel", type=int, default=3)
-    parser.add_argument("--only", action="append", default=[],
-                        help="only cells whose name (e.g. sigkill-main-sqlite) contains this (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="only cells whose name (e.g. sigkill-main-sqlite) contains this (repeatable)",
+    )
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="privbench-faults-"))
     backends = [None, args.pg] if args.pg else [None]
-    jobs = [(s, t, pg) for pg in backends for s in SIGNALS for t in TARGETS
-            if not args.only or any(o in cell_name(s, t, pg) for o in args.only)]
+    jobs = [
+        (s, t, pg)
+        for pg in backends
+        for s in SIGNALS
+        for t in TARGETS
+        if not args.only or any(o in cell_name(s, t, pg) for o in args.only)
+    ]
+
     def one(ij: tuple[int, tuple]) -> dict:
         result = cell(base, *ij[1], index=ij[0])
         print(json.dumps(result, default=str), file=sys.stderr, flush=True)
@@ -115,15 +142,21 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(one, enumerate(jobs)))
-    print("| signal | target | backend | exit | s to exit | rows left running | after rerun | partial metrics "
-          "| MLflow (failed runs) | Prefect flow run | processes left |")
+    print(
+        "| signal | target | backend | exit | s to exit | rows left running | after rerun | partial metrics "
+        "| MLflow (failed runs) | Prefect flow run | processes left |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        rerun = "" if r["after_rerun"] is None else f"{r['after_rerun']['left']} ({', '.join(r['after_rerun']['mlflow'])})"
+        rerun = (
+            "" if r["after_rerun"] is None else f"{r['after_rerun']['left']} ({', '.join(r['after_rerun']['mlflow'])})"
+        )
         secs = "hung" if r["seconds"] is None else f"{r['seconds']:.1f}"
-        print(f"| {r['signal']} | {r['target']} | {r['backend']} | {r['exit']} | {secs} | {r['left_running']} | "
-              f"{rerun} | {r['partial_metrics']} | {', '.join(r['mlflow'])} | {r['prefect']} | "
-              f"{len(r['survivors'])} |")
+        print(
+            f"| {r['signal']} | {r['target']} | {r['backend']} | {r['exit']} | {secs} | {r['left_running']} | "
+            f"{rerun} | {r['partial_metrics']} | {', '.join(r['mlflow'])} | {r['prefect']} | "
+            f"{len(r['survivors'])} |"
+        )
     sys.stdout.flush()
 
 

@@ -2,7 +2,8 @@
 SQL examples, the browser test).
 
 ``fill_store(base, mp)`` runs, under ``base/.privbench`` (its own SQLite results store, and its own MLflow
-SQLite store ``mlflow.db`` with artifacts in ``mlartifacts``, MLflow's default for that home): prepare, train-dp (non-private + DP transformer, DPFormer, an Opacus peer), tangent (tiny Dinov2 on tiny
+SQLite store ``mlflow.db`` with artifacts in ``mlartifacts``, MLflow's default for that home): prepare, train-dp
+(non-private + DP transformer, DPFormer, an Opacus peer), tangent (tiny Dinov2 on tiny
 IDX images: shards, composition, unlearning, DP regimes), secure-inference (tiny GPT-2 under CrypTen, when
 CrypTen is installed), stip, attacks (FILM against subword and SEB, SEB utility, and the membership audit of a
 DP and a non-private transformer) and one tiny ``dp-clipping`` bench record. The configs are the flow tests'
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from privbench.config import BenchmarkConfig, validate
-from privbench.config_attacks import AttacksConfig
+from pbconfig.attacks import AttacksConfig
+from pbconfig.benchmark import BenchmarkConfig, validate
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,11 @@ def _fill_tangent(scratch: Path, home: Path) -> str:
 
     cfg = _config()
     assert cfg.tangent is not None
-    with record_run(flow="prepare", stage="data", technique="flow", config={}, profile="tiny",
-                    track=False) as parent:
+    with record_run(flow="prepare", stage="data", technique="flow", config={}, profile="tiny", track=False) as parent:
         prepared = prepare_tiny_inputs(scratch / "idx", home, parent.ref)
     summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+    )
     return summary["run_id"]
 
 
@@ -86,17 +87,44 @@ def _fill_attacks(scratch: Path) -> str:
 
     scratch.mkdir(parents=True)
     prepare = write_texts(scratch)
-    audited = validate(BenchmarkConfig, {
-        "profile": "tiny",
-        "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
-                                  "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}],
-                    "texts": [t.model_dump() for t in prepare.texts]},
-        "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["transformer"], "epsilons": [8],
-                     "epochs": 1, "lrs": [0.005], "batch_sizes": [64], "max_len": 16, "d_model": 16},
-        "attacks": TINY.model_dump() | {
-            "audit": {"datasets": ["ml-1m-tiny"], "methods": ["transformer"], "epsilons": [8], "shadows": 4,
-                      "epochs": 2, "unlearning": False}},
-    }, origin="test")
+    audited = validate(
+        BenchmarkConfig,
+        {
+            "profile": "tiny",
+            "prepare": {
+                "datasets": [
+                    {
+                        "name": "ml-1m-tiny",
+                        "source": "synthetic",
+                        "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
+                    }
+                ],
+                "texts": [t.model_dump() for t in prepare.texts],
+            },
+            "train_dp": {
+                "datasets": [{"name": "ml-1m-tiny"}],
+                "methods": ["transformer"],
+                "epsilons": [8],
+                "epochs": 1,
+                "lrs": [0.005],
+                "batch_sizes": [64],
+                "max_len": 16,
+                "d_model": 16,
+            },
+            "attacks": TINY.model_dump()
+            | {
+                "audit": {
+                    "datasets": ["ml-1m-tiny"],
+                    "methods": ["transformer"],
+                    "epsilons": [8],
+                    "shadows": 4,
+                    "epochs": 2,
+                    "unlearning": False,
+                }
+            },
+        },
+        origin="test",
+    )
     config: AttacksConfig | None = audited.attacks
     assert config is not None
     return attacks_flow(config, audited.prepare, profile="tiny", train_dp=audited.train_dp)["run_id"]
@@ -107,8 +135,17 @@ def _fill_bench(mp: pytest.MonkeyPatch) -> str:
     from privbench.bench import dp_clipping, run_benchmark
     from privbench.bench.harness import Progress
 
-    tiny = replace(dp_clipping.PROFILES["quick"], items=64, seq_len=8, batch=8, d_model=16, n_layers=1, repeats=1,
-                   warmup=1, steps=1)
+    tiny = replace(
+        dp_clipping.PROFILES["quick"],
+        items=64,
+        seq_len=8,
+        batch=8,
+        d_model=16,
+        n_layers=1,
+        repeats=1,
+        warmup=1,
+        steps=1,
+    )
     mp.setitem(dp_clipping.PROFILES, "quick", tiny)
 
     class _Quiet:

@@ -48,14 +48,21 @@ def subset_users(data: SequentialDataset, users: Sequence[int] | np.ndarray) -> 
     lens = data.seq_lens[users]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     take = np.concatenate([np.arange(data.offsets[u], data.offsets[u + 1]) for u in users])
-    return SequentialDataset(items=data.items[take], timestamps=data.timestamps[take], offsets=offsets,
-                             raw_user_ids=np.asarray(data.raw_user_ids)[users], raw_item_ids=data.raw_item_ids,
-                             source=f"{data.source} (subset of {users.size} users)", k=data.k)
+    return SequentialDataset(
+        items=data.items[take],
+        timestamps=data.timestamps[take],
+        offsets=offsets,
+        raw_user_ids=np.asarray(data.raw_user_ids)[users],
+        raw_item_ids=data.raw_item_ids,
+        source=f"{data.source} (subset of {users.size} users)",
+        k=data.k,
+    )
 
 
 @torch.no_grad()
-def seqrec_user_stats(model: torch.nn.Module, data: SequentialDataset, *, max_len: int,
-                      batch_size: int = 256) -> np.ndarray:
+def seqrec_user_stats(
+    model: torch.nn.Module, data: SequentialDataset, *, max_len: int, batch_size: int = 256
+) -> np.ndarray:
     """(U,) mean next-item log-likelihood of every user's training positions under ``model`` (eval mode),
     -sum_t CE(logits_t, s_{t+1}) / T over the SASRec training pairs of ``SequentialDataset.train_examples``."""
     model.eval()
@@ -68,9 +75,16 @@ def seqrec_user_stats(model: torch.nn.Module, data: SequentialDataset, *, max_le
     return np.concatenate(out)
 
 
-def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarray | None = None,
-          shadow_in: np.ndarray | None = None, delta: float, alpha: float = 0.05,
-          max_thresholds: int | None = 2000) -> dict[str, dict]:
+def audit(
+    target: AuditTarget,
+    *,
+    attacks: Sequence[str],
+    shadow_stats: np.ndarray | None = None,
+    shadow_in: np.ndarray | None = None,
+    delta: float,
+    alpha: float = 0.05,
+    max_thresholds: int | None = 2000,
+) -> dict[str, dict]:
     """Every attack of ``attacks`` (names of ``membership.ATTACKS``) against ``target``: ROC AUC, TPR at 0.1%
     and 1% FPR, the ROC curve, and the empirical epsilon at ``delta`` from (TPR, FPR) at one threshold with
     its Clopper-Pearson interval at confidence 1 - alpha: the threshold is chosen on one random half of the
@@ -84,36 +98,56 @@ def audit(target: AuditTarget, *, attacks: Sequence[str], shadow_stats: np.ndarr
         DataError: shadow statistics that do not match the target's examples.
     """
     if target.members is None:
-        raise ConfigError(f"target {target.name!r}: its training-set membership was not recorded, so an audit has no "
-                          "ground truth; train the target through the audit (which records the member mask) or "
-                          "pass members=")
+        raise ConfigError(
+            f"target {target.name!r}: its training-set membership was not recorded, so an audit has no "
+            "ground truth; train the target through the audit (which records the member mask) or "
+            "pass members="
+        )
     members = np.asarray(target.members, dtype=bool)
     stats = np.asarray(target.stats, dtype=np.float64)
     if members.shape != stats.shape or stats.ndim != 1:
-        raise DataError(f"target {target.name!r}: {stats.shape} statistics but {members.shape} membership flags; "
-                        "both must be one value per example")
+        raise DataError(
+            f"target {target.name!r}: {stats.shape} statistics but {members.shape} membership flags; "
+            "both must be one value per example"
+        )
     if members.all() or not members.any():
-        raise DataError(f"target {target.name!r}: needs both members and non-members, got {int(members.sum())} "
-                        f"members of {members.size}")
+        raise DataError(
+            f"target {target.name!r}: needs both members and non-members, got {int(members.sum())} "
+            f"members of {members.size}"
+        )
     if shadow_stats is not None and np.asarray(shadow_stats).shape[-1] != stats.size:
-        raise DataError(f"shadow statistics cover {np.asarray(shadow_stats).shape[-1]} examples but the target has "
-                        f"{stats.size}; compute both on the same examples, in the same order")
+        raise DataError(
+            f"shadow statistics cover {np.asarray(shadow_stats).shape[-1]} examples but the target has "
+            f"{stats.size}; compute both on the same examples, in the same order"
+        )
     out: dict[str, dict] = {}
     for name in attacks:
         fn = M.get_attack(name)
         target_stat = -stats if name == "loss" else stats  # the loss attack takes losses
         scores = fn(target_stat, shadow_stats=shadow_stats, shadow_in=shadow_in)
         curve = M.roc(scores[members], scores[~members])
-        eps = M.empirical_epsilon_lower_bound(scores[members], scores[~members], delta=delta, alpha=alpha,
-                                              max_thresholds=max_thresholds, split=True, seed=0)
+        eps = M.empirical_epsilon_lower_bound(
+            scores[members],
+            scores[~members],
+            delta=delta,
+            alpha=alpha,
+            max_thresholds=max_thresholds,
+            split=True,
+            seed=0,
+        )
         out[name] = {
-            "auc": float(curve["auc"]), "tpr_at_0.1pct_fpr": float(curve["tpr_at_0.1pct_fpr"]),
+            "auc": float(curve["auc"]),
+            "tpr_at_0.1pct_fpr": float(curve["tpr_at_0.1pct_fpr"]),
             "tpr_at_1pct_fpr": float(curve["tpr_at_1pct_fpr"]),
             "empirical_epsilon": _point_epsilon(eps, delta),
             "empirical_epsilon_ci": [float(eps["epsilon_lo"]), float(eps["epsilon_hi"])],
-            "threshold_tpr": float(eps["tpr"]), "threshold_fpr": float(eps["fpr"]),
-            "accountant_epsilon": target.accountant_epsilon, "delta": delta, "alpha": alpha,
-            "n_members": int(members.sum()), "n_nonmembers": int((~members).sum()),
+            "threshold_tpr": float(eps["tpr"]),
+            "threshold_fpr": float(eps["fpr"]),
+            "accountant_epsilon": target.accountant_epsilon,
+            "delta": delta,
+            "alpha": alpha,
+            "n_members": int(members.sum()),
+            "n_nonmembers": int((~members).sum()),
             "roc": {"fpr": _thin(curve["fpr"]), "tpr": _thin(curve["tpr"])},
         }
     return out
@@ -134,8 +168,13 @@ def _thin(values: np.ndarray, n: int = 200) -> list[float]:
     return values[np.unique(np.linspace(0, values.size - 1, n).round().astype(int))].tolist()
 
 
-def audit_groups(groups: dict[str, tuple[np.ndarray, np.ndarray]], *, delta: float, alpha: float = 0.05,
-                 max_thresholds: int | None = 2000) -> dict[str, dict]:
+def audit_groups(
+    groups: dict[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    delta: float,
+    alpha: float = 0.05,
+    max_thresholds: int | None = 2000,
+) -> dict[str, dict]:
     """The loss-threshold audit of several (member statistics, non-member statistics) pairs of one model, e.g.
     the forgotten samples of an unlearned model against fresh non-members (they should be indistinguishable:
     AUC near 0.5 and an empirical epsilon interval containing 0)."""
@@ -144,6 +183,11 @@ def audit_groups(groups: dict[str, tuple[np.ndarray, np.ndarray]], *, delta: flo
         inside, outside = np.asarray(inside, dtype=np.float64), np.asarray(outside, dtype=np.float64)
         stats = np.concatenate([inside, outside])
         members = np.concatenate([np.ones(inside.size, bool), np.zeros(outside.size, bool)])
-        out[setting] = audit(AuditTarget(setting, stats, members), attacks=("loss",), delta=delta, alpha=alpha,
-                             max_thresholds=max_thresholds)["loss"]
+        out[setting] = audit(
+            AuditTarget(setting, stats, members),
+            attacks=("loss",),
+            delta=delta,
+            alpha=alpha,
+            max_thresholds=max_thresholds,
+        )["loss"]
     return out

@@ -37,19 +37,44 @@ SETTINGS = ("subwords", "bytes", "positional", "relaxed")
 def settings_for(victim: str, wanted: Sequence[str]) -> list[str]:
     """The attacker settings that apply to ``victim`` (subword victims: ``subwords``; SEB victims: ``bytes``,
     ``relaxed``, and ``positional`` for SEB_co only), in the order of ``wanted``."""
-    ok = {"subwords"} if victim == "subword" else {"bytes", "relaxed"} | ({"positional"} if victim == "seb_co" else set())
+    ok = (
+        {"subwords"}
+        if victim == "subword"
+        else {"bytes", "relaxed"} | ({"positional"} if victim == "seb_co" else set())
+    )
     return [s for s in wanted if s in ok]
 
 
-def build_victim(victim: str, *, mapping: torch.Tensor | None, n_layer: int, n_embd: int, n_head: int,
-                 n_positions: int, byte_dim: int, hidden: int, seed: int) -> torch.nn.Module:
+def build_victim(
+    victim: str,
+    *,
+    mapping: torch.Tensor | None,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_positions: int,
+    byte_dim: int,
+    hidden: int,
+    seed: int,
+) -> torch.nn.Module:
     """The FedSGD victim: GPT-2 vocabulary, untied subword embedding or SEB in and out (see module docstring).
     The Transformer blocks get the same initial weights for every victim kind (same seed)."""
     from core.attacks.lm import build_causal_lm
 
-    return build_causal_lm(GPT2_VOCAB, embedding=victim, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                           n_positions=n_positions, mapping=mapping if victim != "subword" else None,
-                           byte_dim=byte_dim, hidden=hidden, output="seb", tie_subword=False, seed=seed)
+    return build_causal_lm(
+        GPT2_VOCAB,
+        embedding=victim,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=n_positions,
+        mapping=mapping if victim != "subword" else None,
+        byte_dim=byte_dim,
+        hidden=hidden,
+        output="seb",
+        tie_subword=False,
+        seed=seed,
+    )
 
 
 def embedding_gradients(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,8 +94,16 @@ def embedding_gradients(model: torch.nn.Module, grads: dict[str, torch.Tensor]) 
     return out
 
 
-def candidates(setting: str, grad: torch.Tensor, *, mapping: torch.Tensor | None, byte_vocab: int,
-               true_ids: Sequence[int], relaxed_random: int, seed: int) -> torch.Tensor:
+def candidates(
+    setting: str,
+    grad: torch.Tensor,
+    *,
+    mapping: torch.Tensor | None,
+    byte_vocab: int,
+    true_ids: Sequence[int],
+    relaxed_random: int,
+    seed: int,
+) -> torch.Tensor:
     """Candidate subword ids (sorted) of one attacker setting from the input-embedding gradient ``grad``:
     (V, d) for a subword victim; (byte_vocab, byte_dim) for SEB_ar/cr; (n_bytes * byte_vocab, hidden) for SEB_co."""
     if setting == "subwords":
@@ -78,14 +111,21 @@ def candidates(setting: str, grad: torch.Tensor, *, mapping: torch.Tensor | None
     if mapping is None:
         raise ConfigError(f"attacker setting {setting!r} needs an SEB victim (a byte mapping)")
     if setting == "relaxed":
-        return film.relaxed_candidates(torch.as_tensor(sorted(set(true_ids))), mapping.shape[0],
-                                       n_random=relaxed_random, seed=seed, exclude=[GPT2_EOS])
+        return film.relaxed_candidates(
+            torch.as_tensor(sorted(set(true_ids))),
+            mapping.shape[0],
+            n_random=relaxed_random,
+            seed=seed,
+            exclude=[GPT2_EOS],
+        )
     n = mapping.shape[1]
     positional_rows = grad.shape[0] == n * byte_vocab and n > 1
     if setting == "positional":
         if not positional_rows:
-            raise ConfigError("the positional attacker needs SEB_co's (position, byte) rows; this victim has "
-                              f"{grad.shape[0]} byte rows")
+            raise ConfigError(
+                "the positional attacker needs SEB_co's (position, byte) rows; this victim has "
+                f"{grad.shape[0]} byte rows"
+            )
         present = film.positional_byte_sets(grad, n, byte_vocab)
     elif positional_rows:
         present = film.byte_bag(grad, n_bytes=n, byte_vocab=byte_vocab)
@@ -117,11 +157,23 @@ class BatchResult:
     best_original: str
 
 
-def attack_batches(model: torch.nn.Module, batches: Sequence[Sequence[Sequence[int]]], *, victim: str,
-                   settings: Sequence[str], mapping: torch.Tensor, byte_vocab: int, prior: Any,
-                   decode: Callable[[Sequence[int]], str], beam_width: int, reorder_passes: int,
-                   relaxed_random: int, seed: int, repeat_penalty: float = 20.0,
-                   reorder_moves: int | None = 256) -> list[BatchResult]:
+def attack_batches(
+    model: torch.nn.Module,
+    batches: Sequence[Sequence[Sequence[int]]],
+    *,
+    victim: str,
+    settings: Sequence[str],
+    mapping: torch.Tensor,
+    byte_vocab: int,
+    prior: Any,
+    decode: Callable[[Sequence[int]], str],
+    beam_width: int,
+    reorder_passes: int,
+    relaxed_random: int,
+    seed: int,
+    repeat_penalty: float = 20.0,
+    reorder_moves: int | None = 256,
+) -> list[BatchResult]:
     """Attack each batch (a list of token-id sentences without EOS) of one client at the victim's current
     parameters, in every setting of ``settings_for(victim, settings)``. ``mapping`` is the SEB mapping (also
     given for subword victims: it counts the bytes a batch would touch, the statistics of Fig. 3).
@@ -138,28 +190,62 @@ def attack_batches(model: torch.nn.Module, batches: Sequence[Sequence[Sequence[i
         n_bytes = len(set(mapping[true_ids].flatten().tolist()))
         originals = [decode(s) for s in sentences]
         for setting in settings_for(victim, settings):
-            cand = candidates(setting, grads["input"], mapping=mapping, byte_vocab=byte_vocab, true_ids=true_ids,
-                              relaxed_random=relaxed_random, seed=seed + k)
+            cand = candidates(
+                setting,
+                grads["input"],
+                mapping=mapping,
+                byte_vocab=byte_vocab,
+                true_ids=true_ids,
+                relaxed_random=relaxed_random,
+                seed=seed + k,
+            )
             max_uses = -(-length // max(int(cand.numel()), 1)) + 1
-            recovered_ids = film.film_recover(prior, cand, length=length, n_sentences=len(sentences),
-                                              beam_width=beam_width, reorder_passes=reorder_passes,
-                                              repeat_penalty=repeat_penalty, max_uses=max_uses,
-                                              max_moves=reorder_moves)
+            recovered_ids = film.film_recover(
+                prior,
+                cand,
+                length=length,
+                n_sentences=len(sentences),
+                beam_width=beam_width,
+                reorder_passes=reorder_passes,
+                repeat_penalty=repeat_penalty,
+                max_uses=max_uses,
+                max_moves=reorder_moves,
+            )
             recovered = [decode(r) for r in recovered_ids]
             best = film.best_match(recovered, originals)
             hit = len(set(cand.tolist()) & set(true_ids))
-            results.append(BatchResult(
-                setting=setting, batch_size=len(sentences), n_tokens=int(sum(len(s) for s in sentences)),
-                n_unique_subwords=len(true_ids), n_unique_bytes=n_bytes, n_candidates=int(cand.numel()),
-                recall=hit / len(true_ids), precision=hit / max(int(cand.numel()), 1),
-                rouge1=best["rouge1"], rouge2=best["rouge2"], rougeL=best["rougeL"],
-                mean_rougeL_over_originals=best["mean_rougeL_over_originals"], originals=originals,
-                recovered=recovered, best_recovered=best["recovered"], best_original=best["original"]))
+            results.append(
+                BatchResult(
+                    setting=setting,
+                    batch_size=len(sentences),
+                    n_tokens=int(sum(len(s) for s in sentences)),
+                    n_unique_subwords=len(true_ids),
+                    n_unique_bytes=n_bytes,
+                    n_candidates=int(cand.numel()),
+                    recall=hit / len(true_ids),
+                    precision=hit / max(int(cand.numel()), 1),
+                    rouge1=best["rouge1"],
+                    rouge2=best["rouge2"],
+                    rougeL=best["rougeL"],
+                    mean_rougeL_over_originals=best["mean_rougeL_over_originals"],
+                    originals=originals,
+                    recovered=recovered,
+                    best_recovered=best["recovered"],
+                    best_original=best["original"],
+                )
+            )
     return results
 
 
-def warm_up(model: torch.nn.Module, clients: Sequence[Sequence[Sequence[int]]], *, rounds: int, batch_size: int,
-            lr: float, seed: int) -> list[float]:
+def warm_up(
+    model: torch.nn.Module,
+    clients: Sequence[Sequence[Sequence[int]]],
+    *,
+    rounds: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> list[float]:
     """``rounds`` FedSGD rounds (eq. 1) over every client, each on a seeded random batch of its sentences.
     Returns the mean client loss of each round (measured before its update)."""
     gen = torch.Generator().manual_seed(seed)
@@ -170,8 +256,11 @@ def warm_up(model: torch.nn.Module, clients: Sequence[Sequence[Sequence[int]]], 
             pick = torch.randperm(len(sentences), generator=gen)[:batch_size].tolist()
             batches.append(pack([list(sentences[i]) + [GPT2_EOS] for i in pick], max_len=10**6))
         with torch.no_grad():
-            losses.append(fmean(float(model(input_ids=i, attention_mask=m,
-                                            labels=i.masked_fill(~m, -100)).loss) for i, m in batches))
+            losses.append(
+                fmean(
+                    float(model(input_ids=i, attention_mask=m, labels=i.masked_fill(~m, -100)).loss) for i, m in batches
+                )
+            )
         fedsgd_round(model, batches, lr=lr)
     return losses
 
@@ -181,9 +270,20 @@ def summarize(results: Sequence[BatchResult]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for setting in dict.fromkeys(r.setting for r in results):
         rs = [r for r in results if r.setting == setting]
-        out[setting] = {k: fmean(float(getattr(r, k)) for r in rs) for k in (
-            "rouge1", "rouge2", "rougeL", "mean_rougeL_over_originals", "recall", "precision", "n_candidates",
-            "n_tokens", "n_unique_subwords")}
+        out[setting] = {
+            k: fmean(float(getattr(r, k)) for r in rs)
+            for k in (
+                "rouge1",
+                "rouge2",
+                "rougeL",
+                "mean_rougeL_over_originals",
+                "recall",
+                "precision",
+                "n_candidates",
+                "n_tokens",
+                "n_unique_subwords",
+            )
+        }
         out[setting]["n_unique_bytes"] = fmean(float(r.n_unique_bytes) for r in rs)
         out[setting]["n_batches"] = float(len(rs))
     return out

@@ -45,15 +45,11 @@ Gradients = dict[str, torch.Tensor]
 def _check_batch(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a ``(B, T)`` token batch and its mask; returns ``(ids, mask.bool())``."""
     if ids.dim() != 2:
-        raise DataError(
-            f"ids must be a (batch, seq_len) tensor, got shape {tuple(ids.shape)}; add a batch dim"
-        )
+        raise DataError(f"ids must be a (batch, seq_len) tensor, got shape {tuple(ids.shape)}; add a batch dim")
     if ids.dtype not in (torch.int64, torch.int32):
         raise DataError(f"ids must be an integer (Long) tensor of token ids, got dtype={ids.dtype}")
     if mask.shape != ids.shape:
-        raise DataError(
-            f"mask must have the shape of ids, got mask {tuple(mask.shape)} vs ids {tuple(ids.shape)}"
-        )
+        raise DataError(f"mask must have the shape of ids, got mask {tuple(mask.shape)} vs ids {tuple(ids.shape)}")
     if ids.numel() == 0:
         raise DataError(f"empty batch: ids has shape {tuple(ids.shape)}; give at least one token sequence")
     return ids, mask.bool()
@@ -133,9 +129,7 @@ def aggregate_gradients(grads: Sequence[Gradients]) -> Gradients:
     total = {name: g.clone() for name, g in grads[0].items()}
     for client in grads[1:]:
         if client.keys() != total.keys():
-            raise DataError(
-                f"client gradients have different parameter names: {sorted(client)} vs {sorted(total)}"
-            )
+            raise DataError(f"client gradients have different parameter names: {sorted(client)} vs {sorted(total)}")
         for name, g in client.items():
             total[name] = total[name] + g
     return total

@@ -108,9 +108,7 @@ def positional_byte_sets(byte_grad: torch.Tensor, n_bytes: int, byte_vocab: int)
     return present.view(n_bytes, byte_vocab)  # (position, byte)
 
 
-def byte_bag(
-    byte_grad: torch.Tensor, *, n_bytes: int | None = None, byte_vocab: int | None = None
-) -> torch.Tensor:
+def byte_bag(byte_grad: torch.Tensor, *, n_bytes: int | None = None, byte_vocab: int | None = None) -> torch.Tensor:
     """The bag of bytes revealed by a SEB byte-embedding gradient.
 
     Args:
@@ -126,9 +124,7 @@ def byte_bag(
     if n_bytes is None:
         byte_vocab = rows if byte_vocab is None else byte_vocab
         if rows != byte_vocab:
-            raise DataError(
-                f"byte_grad has {rows} rows but byte_vocab={byte_vocab}; for SEB co pass n_bytes as well"
-            )
+            raise DataError(f"byte_grad has {rows} rows but byte_vocab={byte_vocab}; for SEB co pass n_bytes as well")
         present = torch.zeros(byte_vocab, dtype=torch.bool)
         present[nonzero_rows(byte_grad)] = True
         return present
@@ -138,9 +134,7 @@ def byte_bag(
     return positional_byte_sets(byte_grad, n_bytes, byte_vocab).any(dim=0)
 
 
-def seb_candidates(
-    mapping: torch.Tensor, present: torch.Tensor, *, exclude: Sequence[int] = ()
-) -> torch.Tensor:
+def seb_candidates(mapping: torch.Tensor, present: torch.Tensor, *, exclude: Sequence[int] = ()) -> torch.Tensor:
     """Subwords consistent with the bytes a SEB gradient reveals (vectorised over the vocabulary).
 
     Args:
@@ -216,9 +210,7 @@ def _ids_set(ids: torch.Tensor | Sequence[int]) -> set[int]:
     return set(torch.as_tensor(ids, dtype=torch.long).flatten().tolist())
 
 
-def candidate_recall(
-    candidates: torch.Tensor | Sequence[int], true_ids: torch.Tensor | Sequence[int]
-) -> float:
+def candidate_recall(candidates: torch.Tensor | Sequence[int], true_ids: torch.Tensor | Sequence[int]) -> float:
     """Fraction of the distinct true ids that are among the candidates."""
     true = _ids_set(true_ids)
     if not true:
@@ -226,9 +218,7 @@ def candidate_recall(
     return len(true & _ids_set(candidates)) / len(true)
 
 
-def candidate_precision(
-    candidates: torch.Tensor | Sequence[int], true_ids: torch.Tensor | Sequence[int]
-) -> float:
+def candidate_precision(candidates: torch.Tensor | Sequence[int], true_ids: torch.Tensor | Sequence[int]) -> float:
     """Fraction of the distinct candidates that are true ids (0.0 for no candidates)."""
     cand = _ids_set(candidates)
     return len(cand & _ids_set(true_ids)) / len(cand) if cand else 0.0
@@ -275,9 +265,7 @@ def beam_search(
     if not isinstance(length, int) or length < 1:
         raise ConfigError(f"length must be an int >= 1, got {length=}")
     if beam_width < 1 or not 1 <= n_return <= beam_width:
-        raise ConfigError(
-            f"need beam_width >= 1 and 1 <= n_return <= beam_width, got {beam_width=}, {n_return=}"
-        )
+        raise ConfigError(f"need beam_width >= 1 and 1 <= n_return <= beam_width, got {beam_width=}, {n_return=}")
     if repeat_penalty < 0:
         raise ConfigError(f"repeat_penalty must be >= 0, got {repeat_penalty=}")
     cand_mask = _candidate_mask(candidates, prior.vocab_size)  # (V,)
@@ -415,8 +403,9 @@ def film_recover(
         repeat_penalty=repeat_penalty,
         max_uses=max_uses,
     )
-    return [reorder(prior, toks, max_passes=reorder_passes, max_span=max_span, max_moves=max_moves)[0]
-            for toks, _ in beams]
+    return [
+        reorder(prior, toks, max_passes=reorder_passes, max_span=max_span, max_moves=max_moves)[0] for toks, _ in beams
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,9 +434,7 @@ def best_match(recovered: Sequence[str], originals: Sequence[str]) -> dict[str, 
         ``"mean_rougeL_over_originals"``: each original's best ROUGE-L F over the recovered, averaged.
     """
     if not recovered or not originals:
-        raise DataError(
-            f"best_match needs sentences, got {len(recovered)} recovered, {len(originals)} originals"
-        )
+        raise DataError(f"best_match needs sentences, got {len(recovered)} recovered, {len(originals)} originals")
     table = [[rouge_scores(r, o) for r in recovered] for o in originals]  # [original][recovered]
     best_o, best_r = max(
         ((o, r) for o in range(len(originals)) for r in range(len(recovered))),

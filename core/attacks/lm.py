@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from core.attacks.seb import install_seb
 from core.divergence import DivergenceGuard
 from core.errors import ConfigError, DataError
+from core.models.gpt2 import tiny_gpt2
 
 EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
 
@@ -41,7 +42,8 @@ def build_causal_lm(
     dropout: float = 0.0,
     seed: int = 0,
 ) -> nn.Module:
-    """A randomly initialised ``GPT2LMHeadModel`` (sdpa attention) with the chosen embedding.
+    """A randomly initialised ``GPT2LMHeadModel`` (:func:`core.models.gpt2.tiny_gpt2`, sdpa attention) with the
+    chosen embedding.
 
     ``"subword"``: an ordinary (V, n_embd) ``wte``; with ``tie_subword=False`` the ``lm_head`` is a separate
     matrix, so the ``wte`` gradient is non-zero exactly on the rows of the batch's input tokens (FILM's signal;
@@ -50,8 +52,6 @@ def build_causal_lm(
     ``"seb_ar" | "seb_cr" | "seb_co"``: :func:`core.attacks.seb.install_seb` with ``mapping`` (V, n_bytes) and
     ``output`` (``"seb"``, ``"tied"`` or ``"subword"``). Initialisation is seeded without touching the global RNG.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     if embedding not in EMBEDDINGS:
         raise ConfigError(f"unknown embedding {embedding!r}; choose one of {EMBEDDINGS}")
     if not 0.0 <= dropout < 1.0:
@@ -60,24 +60,19 @@ def build_causal_lm(
         raise ConfigError(
             f"embedding={embedding!r} needs a subword->bytes mapping; pass mapping=build_byte_mapping({vocab_size})"
         )
-    cfg = GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=tie_subword and embedding == "subword",
-        loss_type="ForCausalLM",  # named: left None, transformers warns on every forward with labels
-    )
-    cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT2LMHeadModel(cfg)
+        model = tiny_gpt2(
+            vocab_size,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_positions=n_positions,
+            dropout=dropout,
+            eos_token_id=0,
+            tie_word_embeddings=tie_subword and embedding == "subword",
+            attn_implementation="sdpa",
+        )
         if embedding != "subword":
             variant = embedding.removeprefix("seb_")
             install_seb(
@@ -108,17 +103,13 @@ def embedding_parameter_count(model: nn.Module) -> int:
 
 def _check_data(ids: Tensor, mask: Tensor) -> None:
     if ids.dim() != 2 or mask.shape != ids.shape:
-        raise DataError(
-            f"ids and mask must both be (N, T), got ids {tuple(ids.shape)} and mask {tuple(mask.shape)}"
-        )
+        raise DataError(f"ids and mask must both be (N, T), got ids {tuple(ids.shape)} and mask {tuple(mask.shape)}")
     if ids.shape[0] == 0 or ids.shape[1] < 2:
         raise DataError(f"need at least one sequence of length >= 2, got ids of shape {tuple(ids.shape)}")
     if mask.dtype != torch.bool:
         raise DataError(f"mask must be a bool tensor (True on real tokens), got dtype={mask.dtype}")
     if not bool(next_token_mask(mask).any()):
-        raise DataError(
-            "mask leaves no next-token prediction (no two adjacent real tokens); check the padding"
-        )
+        raise DataError("mask leaves no next-token prediction (no two adjacent real tokens); check the padding")
 
 
 def next_token_mask(mask: Tensor) -> Tensor:
@@ -198,9 +189,7 @@ def train_lm(
     _check_data(ids, mask)
     _check_train_args(steps, batch_size, lr, warmup)
     with flush_denormals(flush_denormal):
-        return _train_loop(
-            model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip
-        )
+        return _train_loop(model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip)
 
 
 def _train_loop(

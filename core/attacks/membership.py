@@ -40,6 +40,7 @@ from scipy import stats
 from sklearn.metrics import roc_auc_score, roc_curve
 
 from core.errors import ConfigError, DataError
+from core.registry import lookup
 
 AttackName = Literal["loss", "lira_online", "lira_offline"]
 ArrayLike = np.ndarray | torch.Tensor | list | tuple
@@ -137,19 +138,25 @@ def split_halves(n: int, k: int, *, seed: int) -> np.ndarray:
 
 def _shadow_arrays(target_stat: Any, shadow_stats: Any, shadow_in: Any, variant: str):
     if shadow_stats is None or shadow_in is None:
-        raise ConfigError(f"{variant} LiRA needs shadow_stats (k, n) and shadow_in (k, n); got "
-                          f"shadow_stats={'None' if shadow_stats is None else 'set'}, "
-                          f"shadow_in={'None' if shadow_in is None else 'set'}; train shadow models on "
-                          "split_halves(n, k, seed=...) or use the 'loss' attack")
+        raise ConfigError(
+            f"{variant} LiRA needs shadow_stats (k, n) and shadow_in (k, n); got "
+            f"shadow_stats={'None' if shadow_stats is None else 'set'}, "
+            f"shadow_in={'None' if shadow_in is None else 'set'}; train shadow models on "
+            "split_halves(n, k, seed=...) or use the 'loss' attack"
+        )
     t = _as_array(target_stat, "target_stat", ndim=1)
     s = _as_array(shadow_stats, "shadow_stats", ndim=2)
     m = _as_array(shadow_in, "shadow_in", ndim=2, dtype=bool)
     if s.shape != m.shape or s.shape[1] != t.shape[0]:
-        raise DataError(f"shapes disagree: target_stat {t.shape}, shadow_stats {s.shape}, shadow_in {m.shape}; "
-                        "expected (n,), (k, n), (k, n)")
+        raise DataError(
+            f"shapes disagree: target_stat {t.shape}, shadow_stats {s.shape}, shadow_in {m.shape}; "
+            "expected (n,), (k, n), (k, n)"
+        )
     if not np.isfinite(s).all() or not np.isfinite(t).all():
-        raise DataError("target_stat and shadow_stats must be finite; clip confidences (logit_confidence) "
-                        "or compute them from logits (logit_confidence_from_logits)")
+        raise DataError(
+            "target_stat and shadow_stats must be finite; clip confidences (logit_confidence) "
+            "or compute them from logits (logit_confidence_from_logits)"
+        )
     return t, s, m
 
 
@@ -162,7 +169,8 @@ def _check_counts(counts: np.ndarray, need: int, side: str, k: int, variant: str
             f"{variant} LiRA needs each example {preposition} >= {need} shadow model(s); example {i} is "
             f"{preposition} {int(counts[i])} of {k} shadows ({bad.size} examples short); train more shadow "
             "models (>= 4 on split_halves, paper: 16+)"
-            + (" or use the offline variant" if variant == "online" and side == "in" else ""))
+            + (" or use the offline variant" if variant == "online" and side == "in" else "")
+        )
 
 
 def _gaussian_fit(stats_: np.ndarray, mask: np.ndarray, fix_variance: bool, side: str) -> tuple:
@@ -173,17 +181,26 @@ def _gaussian_fit(stats_: np.ndarray, mask: np.ndarray, fix_variance: bool, side
     if fix_variance:
         dof = int((count - 1).sum())
         if dof <= 0:
-            raise ConfigError(f"fixed-variance LiRA needs some example with >= 2 {side.upper()} shadow models to "
-                              f"estimate the global variance; every example has at most {int(count.max())}; "
-                              "train more shadow models (>= 4 on split_halves)")
+            raise ConfigError(
+                f"fixed-variance LiRA needs some example with >= 2 {side.upper()} shadow models to "
+                f"estimate the global variance; every example has at most {int(count.max())}; "
+                "train more shadow models (>= 4 on split_halves)"
+            )
         sigma = math.sqrt(sq.sum() / dof)
     else:
         sigma = np.sqrt(sq / (count - 1))
     return mu, np.maximum(sigma, 1e-12)
 
 
-def lira_online(target_stat: ArrayLike, shadow_stats: ArrayLike, shadow_in: ArrayLike, *,
-                fix_variance: bool = True, min_in: int = 1, min_out: int = 1) -> np.ndarray:
+def lira_online(
+    target_stat: ArrayLike,
+    shadow_stats: ArrayLike,
+    shadow_in: ArrayLike,
+    *,
+    fix_variance: bool = True,
+    min_in: int = 1,
+    min_out: int = 1,
+) -> np.ndarray:
     """Online LiRA scores ``(n,)``: log N(phi_t | mu_in, s_in) - log N(phi_t | mu_out, s_out) per example.
 
     Needs every example IN for >= ``min_in`` and OUT for >= ``min_out`` shadows (>= 2 each without
@@ -195,11 +212,17 @@ def lira_online(target_stat: ArrayLike, shadow_stats: ArrayLike, shadow_in: Arra
     _check_counts((~m).sum(axis=0), max(min_out, floor), "out", s.shape[0], "online")
     mu_in, s_in = _gaussian_fit(s, m, fix_variance, "in")
     mu_out, s_out = _gaussian_fit(s, ~m, fix_variance, "out")
-    return (np.log(s_out) - np.log(s_in) - 0.5 * ((t - mu_in) / s_in) ** 2 + 0.5 * ((t - mu_out) / s_out) ** 2)
+    return np.log(s_out) - np.log(s_in) - 0.5 * ((t - mu_in) / s_in) ** 2 + 0.5 * ((t - mu_out) / s_out) ** 2
 
 
-def lira_offline(target_stat: ArrayLike, shadow_stats: ArrayLike, shadow_in: ArrayLike, *,
-                 fix_variance: bool = True, min_out: int = 1) -> np.ndarray:
+def lira_offline(
+    target_stat: ArrayLike,
+    shadow_stats: ArrayLike,
+    shadow_in: ArrayLike,
+    *,
+    fix_variance: bool = True,
+    min_out: int = 1,
+) -> np.ndarray:
     """Offline LiRA scores ``(n,)``: (phi_t - mu_out) / s_out, i.e. Phi^-1(1 - Pr[Z > phi_t]) for
     Z ~ N(mu_out, s_out^2) (monotone in the paper's one-sided p-value; see the module docstring).
     Only OUT shadows are used; IN entries of ``shadow_in`` are ignored."""
@@ -236,17 +259,17 @@ ATTACKS: dict[str, Callable[..., np.ndarray]] = {
 
 def get_attack(name: AttackName) -> Callable[..., np.ndarray]:
     """The attack ``name`` from ``ATTACKS``: ``attack(target_stat, shadow_stats=None, shadow_in=None, **kw)``."""
-    if name not in ATTACKS:
-        raise ConfigError(f"unknown membership attack {name!r}; known: {sorted(ATTACKS)}")
-    return ATTACKS[name]
+    return lookup("membership attack", ATTACKS, name)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
 
 
 def _member_split(scores_members: Any, scores_nonmembers: Any) -> tuple[np.ndarray, np.ndarray]:
-    return (_as_array(scores_members, "scores_members", ndim=1),
-            _as_array(scores_nonmembers, "scores_nonmembers", ndim=1))
+    return (
+        _as_array(scores_members, "scores_members", ndim=1),
+        _as_array(scores_nonmembers, "scores_nonmembers", ndim=1),
+    )
 
 
 def _tpr_at(fpr: np.ndarray, tpr: np.ndarray, target: float) -> float:
@@ -261,8 +284,14 @@ def roc(scores_members: ArrayLike, scores_nonmembers: ArrayLike) -> dict[str, An
     y = np.r_[np.ones(sm.size), np.zeros(sn.size)]
     s = np.r_[sm, sn]
     fpr, tpr, thr = roc_curve(y, s, drop_intermediate=False)
-    return {"fpr": fpr, "tpr": tpr, "thresholds": thr, "auc": float(roc_auc_score(y, s)),
-            "tpr_at_0.1pct_fpr": _tpr_at(fpr, tpr, 1e-3), "tpr_at_1pct_fpr": _tpr_at(fpr, tpr, 1e-2)}
+    return {
+        "fpr": fpr,
+        "tpr": tpr,
+        "thresholds": thr,
+        "auc": float(roc_auc_score(y, s)),
+        "tpr_at_0.1pct_fpr": _tpr_at(fpr, tpr, 1e-3),
+        "tpr_at_1pct_fpr": _tpr_at(fpr, tpr, 1e-2),
+    }
 
 
 def _cp_arrays(k: np.ndarray, n: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -311,8 +340,13 @@ def _eps_at(sm: np.ndarray, sn: np.ndarray, thr: np.ndarray, delta: float, alpha
     tpr, fpr = km / sm.size, kn / sn.size
     tpr_lo, tpr_hi = _cp_arrays(km, sm.size, alpha)
     fpr_lo, fpr_hi = _cp_arrays(kn, sn.size, alpha)
-    return {"tpr": tpr, "fpr": fpr, "eps_lo": _eps_arrays(tpr_lo, fpr_hi, delta),
-            "eps_point": _eps_arrays(tpr, fpr, delta), "eps_hi": _eps_arrays(tpr_hi, fpr_lo, delta)}
+    return {
+        "tpr": tpr,
+        "fpr": fpr,
+        "eps_lo": _eps_arrays(tpr_lo, fpr_hi, delta),
+        "eps_point": _eps_arrays(tpr, fpr, delta),
+        "eps_hi": _eps_arrays(tpr_hi, fpr_lo, delta),
+    }
 
 
 def _candidate_thresholds(sm: np.ndarray, sn: np.ndarray, max_thresholds: int | None) -> np.ndarray:
@@ -326,9 +360,16 @@ def _best(res: dict[str, np.ndarray]) -> int:
     return int(np.lexsort((res["eps_point"], res["eps_lo"]))[-1])  # max eps_lo, ties by the point estimate
 
 
-def empirical_epsilon_lower_bound(scores_members: ArrayLike, scores_nonmembers: ArrayLike, *, delta: float,
-                                  alpha: float = 0.05, max_thresholds: int | None = None, split: bool = False,
-                                  seed: int = 0) -> dict[str, Any]:
+def empirical_epsilon_lower_bound(
+    scores_members: ArrayLike,
+    scores_nonmembers: ArrayLike,
+    *,
+    delta: float,
+    alpha: float = 0.05,
+    max_thresholds: int | None = None,
+    split: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Empirical lower bound on epsilon at ``delta`` from a membership attack's scores (Jagielski et al. 2020).
 
     For each threshold t (every distinct score, or ``max_thresholds`` rank-spaced ones) the test "member iff
@@ -353,7 +394,7 @@ def empirical_epsilon_lower_bound(scores_members: ArrayLike, scores_nonmembers: 
         rng = np.random.default_rng(seed)
         pm, pn = rng.permutation(sm.size), rng.permutation(sn.size)
         sel_m, sel_n = np.sort(sm[pm[: sm.size // 2]]), np.sort(sn[pn[: sn.size // 2]])
-        ev_m, ev_n = np.sort(sm[pm[sm.size // 2:]]), np.sort(sn[pn[sn.size // 2:]])
+        ev_m, ev_n = np.sort(sm[pm[sm.size // 2 :]]), np.sort(sn[pn[sn.size // 2 :]])
         chosen = _eps_at(sel_m, sel_n, _candidate_thresholds(sel_m, sel_n, max_thresholds), delta, alpha)
         thr = _candidate_thresholds(sel_m, sel_n, max_thresholds)[_best(chosen)]
         res, i = _eps_at(ev_m, ev_n, np.array([thr]), delta, alpha), 0
@@ -363,10 +404,19 @@ def empirical_epsilon_lower_bound(scores_members: ArrayLike, scores_nonmembers: 
         res = _eps_at(ev_m, ev_n, cand, delta, alpha)
         i = _best(res)
         thr = cand[i]
-    return {"epsilon_lo": float(res["eps_lo"][i]), "epsilon_point": float(res["eps_point"][i]),
-            "epsilon_hi": float(res["eps_hi"][i]), "threshold": float(thr), "tpr": float(res["tpr"][i]),
-            "fpr": float(res["fpr"][i]), "alpha": alpha, "delta": delta, "split": split,
-            "n_members": int(ev_m.size), "n_nonmembers": int(ev_n.size)}
+    return {
+        "epsilon_lo": float(res["eps_lo"][i]),
+        "epsilon_point": float(res["eps_point"][i]),
+        "epsilon_hi": float(res["eps_hi"][i]),
+        "threshold": float(thr),
+        "tpr": float(res["tpr"][i]),
+        "fpr": float(res["fpr"][i]),
+        "alpha": alpha,
+        "delta": delta,
+        "split": split,
+        "n_members": int(ev_m.size),
+        "n_nonmembers": int(ev_n.size),
+    }
 
 
 def two_sample_test(scores_a: ArrayLike, scores_b: ArrayLike) -> dict[str, float]:
@@ -376,6 +426,10 @@ def two_sample_test(scores_a: ArrayLike, scores_b: ArrayLike) -> dict[str, float
     b = _as_array(scores_b, "scores_b", ndim=1)
     ks = stats.ks_2samp(a, b)
     mw = stats.mannwhitneyu(a, b, alternative="two-sided")
-    return {"ks_statistic": float(ks.statistic), "ks_pvalue": float(ks.pvalue),
-            "mw_statistic": float(mw.statistic), "mw_pvalue": float(mw.pvalue),
-            "auc": float(mw.statistic) / (a.size * b.size)}
+    return {
+        "ks_statistic": float(ks.statistic),
+        "ks_pvalue": float(ks.pvalue),
+        "mw_statistic": float(mw.statistic),
+        "mw_pvalue": float(mw.pvalue),
+        "auc": float(mw.statistic) / (a.size * b.size),
+    }

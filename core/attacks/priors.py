@@ -56,9 +56,7 @@ class HFPrior:
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.max_positions = getattr(cfg, "n_positions", None) or getattr(
-            cfg, "max_position_embeddings", None
-        )
+        self.max_positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
 
     @torch.no_grad()
     def next_log_probs(self, ids: torch.Tensor) -> torch.Tensor:
@@ -136,17 +134,20 @@ class CompactPrior:
         emb = model.get_input_embeddings()
         n_model = getattr(emb, "num_embeddings", None) or getattr(emb, "vocab_size", None)
         if n_model is not None and n_model != vocab.size:
-            raise ConfigError(f"prior model vocabulary ({n_model}) differs from the compact vocabulary "
-                              f"({vocab.size}); load the vocabulary saved with the model")
+            raise ConfigError(
+                f"prior model vocabulary ({n_model}) differs from the compact vocabulary "
+                f"({vocab.size}); load the vocabulary saved with the model"
+            )
         self.model, self.vocab, self.bos_id, self.max_batch = model.eval(), vocab, bos_id, max_batch
         self.vocab_size = vocab.full_size
         self._unseen_shift = math.log(max(vocab.n_unseen, 1))
         self._full_of_compact = vocab.ids  # (V_c - 1,)
         self._n_positions = getattr(model.config, "n_positions", None) or getattr(
-            model.config, "max_position_embeddings", 1 << 30)
+            model.config, "max_position_embeddings", 1 << 30
+        )
 
     def _logits(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
-        ids = self.vocab.encode(ids[:, -self._n_positions:])
+        ids = self.vocab.encode(ids[:, -self._n_positions :])
         out = []
         with torch.no_grad():
             for chunk in ids.split(self.max_batch):

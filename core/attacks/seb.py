@@ -79,9 +79,7 @@ def build_byte_mapping(vocab_size: int, *, n_bytes: int = 8, byte_vocab: int = 2
     """
     _check_positive(vocab_size=vocab_size, n_bytes=n_bytes, byte_vocab=byte_vocab)
     if byte_vocab < 2:
-        raise ConfigError(
-            f"byte_vocab must be >= 2 to tell subwords apart, got {byte_vocab=}; the paper uses 256"
-        )
+        raise ConfigError(f"byte_vocab must be >= 2 to tell subwords apart, got {byte_vocab=}; the paper uses 256")
     slots = byte_vocab**n_bytes
     if slots < vocab_size:
         raise ConfigError(
@@ -114,9 +112,7 @@ def _check_mapping(mapping: Tensor, byte_vocab: int | None) -> int:
         shape = tuple(mapping.shape) if isinstance(mapping, Tensor) else type(mapping).__name__
         raise ConfigError(f"mapping must be a non-empty 2-D (vocab_size, n_bytes) tensor, got {shape}")
     if mapping.dtype.is_floating_point or mapping.dtype == torch.bool:
-        raise ConfigError(
-            f"mapping must hold integer byte ids, got dtype={mapping.dtype}; use build_byte_mapping"
-        )
+        raise ConfigError(f"mapping must hold integer byte ids, got dtype={mapping.dtype}; use build_byte_mapping")
     lo, hi = int(mapping.min()), int(mapping.max())
     vb = hi + 1 if byte_vocab is None else byte_vocab
     if lo < 0 or hi >= vb:

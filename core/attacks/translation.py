@@ -18,12 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.attacks.lm import flush_denormals, lr_factor
+from core.attacks.lm import EMBEDDINGS, flush_denormals, lr_factor
 from core.attacks.seb import SEBEmbedding, SEBLMHead
 from core.divergence import DivergenceGuard
 from core.errors import ConfigError, DataError
-
-EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
 
 
 class Seq2SeqLM(nn.Module):
@@ -91,9 +89,7 @@ class Seq2SeqLM(nn.Module):
     def _embed(self, ids: Tensor) -> Tensor:
         """(B, L) ids -> (B, L, d_model): scaled token embedding + learned position embedding."""
         if ids.shape[1] > self.max_len:
-            raise DataError(
-                f"sequence length {ids.shape[1]} exceeds max_len={self.max_len}; truncate or raise it"
-            )
+            raise DataError(f"sequence length {ids.shape[1]} exceeds max_len={self.max_len}; truncate or raise it")
         pos = self.pos(torch.arange(ids.shape[1], device=ids.device))  # (L, d_model)
         return self.drop(self.tok(ids) * math.sqrt(self.d_model) + pos)
 
@@ -276,9 +272,7 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
     import sacrebleu
 
     if len(hypotheses) != len(references):
-        raise DataError(
-            f"need one reference per hypothesis, got {len(hypotheses)} hypotheses, {len(references)} refs"
-        )
+        raise DataError(f"need one reference per hypothesis, got {len(hypotheses)} hypotheses, {len(references)} refs")
     if not hypotheses:
         raise DataError("no hypotheses to score; pass at least one sentence")
     return float(sacrebleu.corpus_bleu(hypotheses, [references], tokenize="13a", lowercase=False).score)

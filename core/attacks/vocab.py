@@ -14,9 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from core.errors import DataError
-
-GPT2_VOCAB = 50257
-GPT2_EOS = 50256
+from core.models.gpt2 import GPT2_EOS, GPT2_VOCAB
 
 
 class CompactVocab:
@@ -30,8 +28,10 @@ class CompactVocab:
         if kept.numel() == 0:
             raise DataError("a compact vocabulary needs at least one token id; the corpus is empty")
         if int(kept.min()) < 0 or int(kept.max()) >= full_size:
-            raise DataError(f"token ids must lie in [0, {full_size}), got min {int(kept.min())} max {int(kept.max())}; "
-                            "the tokenizer does not match the model's vocabulary")
+            raise DataError(
+                f"token ids must lie in [0, {full_size}), got min {int(kept.min())} max {int(kept.max())}; "
+                "the tokenizer does not match the model's vocabulary"
+            )
         self.full_size, self.unk_full = full_size, unk_full
         self.ids = kept
         self.unk = kept.numel()
@@ -39,8 +39,9 @@ class CompactVocab:
         self._to_compact[kept] = torch.arange(kept.numel())
 
     @classmethod
-    def from_sequences(cls, seqs: Iterable[Sequence[int]], *, always: Sequence[int] = (GPT2_EOS,),
-                       full_size: int = GPT2_VOCAB) -> CompactVocab:
+    def from_sequences(
+        cls, seqs: Iterable[Sequence[int]], *, always: Sequence[int] = (GPT2_EOS,), full_size: int = GPT2_VOCAB
+    ) -> CompactVocab:
         seen = {t for s in seqs for t in s} | set(always)
         return cls(sorted(seen), full_size=full_size)
 

@@ -74,17 +74,13 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 def _read_bytes(path: Path) -> bytes:
     path = Path(path)
     if not path.is_file():
-        raise DataError(
-            f"IDX file {path} does not exist; check the path (Fashion-MNIST: {FASHION_MNIST_DIR})"
-        )
+        raise DataError(f"IDX file {path} does not exist; check the path (Fashion-MNIST: {FASHION_MNIST_DIR})")
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the name says
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as exc:
-            raise DataError(
-                f"IDX file {path} looks gzip-compressed but cannot be decompressed: {exc}"
-            ) from exc
+            raise DataError(f"IDX file {path} looks gzip-compressed but cannot be decompressed: {exc}") from exc
     return raw
 
 
@@ -107,9 +103,7 @@ def _parse_idx(raw: bytes, path: Path) -> tuple[int, np.ndarray]:
         raise DataError(f"IDX file {path} is truncated: {len(raw)} bytes, need a 4-byte magic number")
     if raw[0] != 0 or raw[1] != 0:
         magic = int.from_bytes(raw[:4], "big")
-        raise DataError(
-            f"IDX file {path} has bad magic number 0x{magic:08x}; expected 0x0000TTNN (not an IDX file?)"
-        )
+        raise DataError(f"IDX file {path} has bad magic number 0x{magic:08x}; expected 0x0000TTNN (not an IDX file?)")
     code, ndim = raw[2], raw[3]
     if code not in _IDX_DTYPES:
         raise DataError(
@@ -119,9 +113,7 @@ def _parse_idx(raw: bytes, path: Path) -> tuple[int, np.ndarray]:
         raise DataError(f"IDX file {path} declares ndim=0; an IDX array needs at least one dimension")
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise DataError(
-            f"IDX file {path} is truncated: {len(raw)} bytes, header needs {header} for ndim={ndim}"
-        )
+        raise DataError(f"IDX file {path} is truncated: {len(raw)} bytes, header needs {header} for ndim={ndim}")
     dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     dtype = _IDX_DTYPES[code]
     expected = header + math.prod(dims) * dtype.itemsize
@@ -199,9 +191,7 @@ class ImageDataset:
         return int(self.labels.shape[0])
 
 
-def fashion_mnist_files(
-    root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: Split = "train"
-) -> tuple[Path, Path]:
+def fashion_mnist_files(root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: Split = "train") -> tuple[Path, Path]:
     """Paths ``(images, labels)`` of a Fashion-MNIST split under ``root`` (``.gz`` preferred, plain accepted).
 
     Raises DataError naming the missing file (install Debian's ``dataset-fashion-mnist`` or pass ``root``).
@@ -224,16 +214,12 @@ def fashion_mnist_files(
     return found[0], found[1]
 
 
-def load_fashion_mnist(
-    root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: Split = "train"
-) -> ImageDataset:
+def load_fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: Split = "train") -> ImageDataset:
     """Fashion-MNIST split: images uint8 (N, 28, 28), labels int64 (N,) in [0, 10) (N = 60000 / 10000)."""
     img_path, lbl_path = fashion_mnist_files(root, split)
     images, labels = read_idx_images(img_path), read_idx_labels(lbl_path)
     if images.shape[0] != labels.shape[0]:
-        raise DataError(
-            f"{img_path} holds {images.shape[0]} images but {lbl_path} holds {labels.shape[0]} labels"
-        )
+        raise DataError(f"{img_path} holds {images.shape[0]} images but {lbl_path} holds {labels.shape[0]} labels")
     return ImageDataset(images, labels, n_classes=len(FASHION_MNIST_CLASSES), name=f"fashion-mnist/{split}")
 
 
@@ -246,9 +232,7 @@ def sklearn_digits_path() -> Path:
     """
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "the digits data ships with scikit-learn, which is not installed; pip install scikit-learn"
-        )
+        raise DataError("the digits data ships with scikit-learn, which is not installed; pip install scikit-learn")
     for root in spec.submodule_search_locations:
         cand = Path(root) / "datasets" / "data" / "digits.csv.gz"
         if cand.is_file():
@@ -278,9 +262,7 @@ def load_digits_images(path: str | os.PathLike[str] | None = None) -> ImageDatas
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as exc:
-            raise DataError(
-                f"digits file {path} looks gzip-compressed but cannot be decompressed: {exc}"
-            ) from exc
+            raise DataError(f"digits file {path} looks gzip-compressed but cannot be decompressed: {exc}") from exc
     try:
         table = np.loadtxt(io.BytesIO(raw), delimiter=",", dtype=np.float64, ndmin=2)
     except ValueError as exc:
@@ -294,9 +276,7 @@ def load_digits_images(path: str | os.PathLike[str] | None = None) -> ImageDatas
         raise DataError(f"digits file {path}: pixels must lie in 0..16 and labels be integers")
     images = np.rint(pixels * (255.0 / 16.0)).astype(np.uint8).reshape(-1, 8, 8)
     labels = target.astype(np.int64)
-    return ImageDataset(
-        torch.from_numpy(images), torch.from_numpy(labels), n_classes=10, name="sklearn-digits"
-    )
+    return ImageDataset(torch.from_numpy(images), torch.from_numpy(labels), n_classes=10, name="sklearn-digits")
 
 
 def resize_images(
@@ -341,8 +321,10 @@ def random_subset(ds: ImageDataset, n: int | None, *, seed: int) -> ImageDataset
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError(f"n must be None or an int >= 1, got n={n!r}")
     if n is not None and n > len(ds):
-        raise DataError(f"{ds.name or 'dataset'} has {len(ds)} examples, fewer than the n={n} asked for; "
-                        f"lower n to at most {len(ds)} or use None for all")
+        raise DataError(
+            f"{ds.name or 'dataset'} has {len(ds)} examples, fewer than the n={n} asked for; "
+            f"lower n to at most {len(ds)} or use None for all"
+        )
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[: n or len(ds)]
     return ImageDataset(ds.images[order], ds.labels[order], ds.n_classes, ds.name)
 
@@ -358,5 +340,7 @@ def split_train_test(ds: ImageDataset, test_fraction: float, *, seed: int) -> tu
         raise DataError(f"{ds.name or 'dataset'} has {n} example(s); a train/test split needs at least 2")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     te, tr = order[:n_test], order[n_test:]
-    return (ImageDataset(ds.images[tr], ds.labels[tr], ds.n_classes, f"{ds.name}/train"),
-            ImageDataset(ds.images[te], ds.labels[te], ds.n_classes, f"{ds.name}/test"))
+    return (
+        ImageDataset(ds.images[tr], ds.labels[tr], ds.n_classes, f"{ds.name}/train"),
+        ImageDataset(ds.images[te], ds.labels[te], ds.n_classes, f"{ds.name}/test"),
+    )

@@ -110,9 +110,7 @@ class Interactions:
 
     def take(self, rows: np.ndarray) -> Interactions:
         """The interactions at ``rows`` (a boolean mask or integer indices), in that order."""
-        return Interactions(
-            self.users[rows], self.items[rows], self.ratings[rows], self.timestamps[rows], self.source
-        )
+        return Interactions(self.users[rows], self.items[rows], self.ratings[rows], self.timestamps[rows], self.source)
 
     def same_data(self, other: Interactions) -> bool:
         """Whether both hold the same rows in the same order (``source`` is not compared)."""
@@ -313,9 +311,7 @@ def _parse_reference(path: Path, lines: list[str], layout: _Layout, first_lineno
             continue
         fields = line.split(layout.sep)
         if len(fields) != len(layout.fields):
-            raise DataError(
-                f"{path}:{lineno}: expected {len(layout.fields)} fields {layout.spec!r}, got {_show(line)}"
-            )
+            raise DataError(f"{path}:{lineno}: expected {len(layout.fields)} fields {layout.spec!r}, got {_show(line)}")
         names = layout.fields
         try:
             users.append(to_id(names[layout.user], fields[layout.user]))

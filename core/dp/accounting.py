@@ -87,9 +87,7 @@ def _check_epsilon(name: str, value: float) -> None:
 
 def _check_delta(delta: float) -> None:
     if not (isinstance(delta, numbers.Real) and 0 < delta < 1):
-        raise ConfigError(
-            f"delta must be in (0, 1), got delta={delta!r}; use default_delta(n) for a delta below 1/n"
-        )
+        raise ConfigError(f"delta must be in (0, 1), got delta={delta!r}; use default_delta(n) for a delta below 1/n")
 
 
 def _check_sample_rate(sample_rate: float) -> None:
@@ -106,14 +104,8 @@ def _check_steps(steps: int) -> None:
 
 
 def check_noise_multiplier(noise_multiplier: float) -> None:
-    if not (
-        isinstance(noise_multiplier, numbers.Real)
-        and math.isfinite(noise_multiplier)
-        and noise_multiplier >= 0
-    ):
-        raise ConfigError(
-            f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}"
-        )
+    if not (isinstance(noise_multiplier, numbers.Real) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ConfigError(f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}")
 
 
 def check_clip_norm(clip_norm: float) -> None:

@@ -105,7 +105,8 @@ def check_per_sample_loss(per_sample_loss: Tensor) -> None:
 def _check_norms(norms: Tensor) -> None:
     if not torch.isfinite(norms).all():
         raise PrivacyError(
-            f"non-finite per-sample gradient norm at indices {(~torch.isfinite(norms)).nonzero().flatten()[:10].tolist()}; "
+            f"non-finite per-sample gradient norm at indices "
+            f"{(~torch.isfinite(norms)).nonzero().flatten()[:10].tolist()}; "
             "the gradients overflowed, lower the learning rate or use float32/float64"
         )
 
@@ -214,12 +215,8 @@ class LoopClipper(_DPClipper):
         total = [torch.zeros_like(p) for p in self._params]
         norms = per_sample_loss.new_zeros(B)
         for i in range(B):
-            grads = torch.autograd.grad(
-                per_sample_loss[i], self._params, retain_graph=i < B - 1, allow_unused=True
-            )
-            grads = [
-                torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)
-            ]
+            grads = torch.autograd.grad(per_sample_loss[i], self._params, retain_graph=i < B - 1, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
             norms[i] = torch.sqrt(sum(g.pow(2).sum() for g in grads))
             coef = self.coefficients(norms[i : i + 1])[0]
             for acc, g in zip(total, grads, strict=True):
@@ -313,9 +310,7 @@ class OpacusGhostClipper(_DPClipper):
         self.model.cleanup()
 
 
-def tied_parameter_names(
-    model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None
-) -> list[str]:
+def tied_parameter_names(model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None) -> list[str]:
     """Names of trainable parameters owned by more than one module (of ``module_types`` if given)."""
     owners: dict[int, list[str]] = {}
     for mod_name, module in model.named_modules():

@@ -193,19 +193,13 @@ class DPTrainConfig:
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {name}={value!r}")
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
-            raise ConfigError(
-                f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}"
-            )
+            raise ConfigError(f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0, got seed={self.seed!r}")
         if not _is_real(self.lr) or self.lr <= 0:
-            raise ConfigError(
-                f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3"
-            )
+            raise ConfigError(f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3")
         if not _is_real(self.weight_decay) or self.weight_decay < 0:
-            raise ConfigError(
-                f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}"
-            )
+            raise ConfigError(f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
         if not _is_real(self.warmup_frac) or not 0 <= self.warmup_frac < 1:
             raise ConfigError(
                 f"warmup_frac must be in [0, 1), got warmup_frac={self.warmup_frac!r}; the paper uses 0.2"
@@ -232,8 +226,7 @@ METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "transformer": _POST_LN,
             "dpformer": _POST_LN | {"reattention": True},
             "transformer_opacus_hooks": _POST_LN | {"clipping": "opacus_hooks"},
-            "transformer_opacus_ghost_untied": _POST_LN
-            | {"clipping": "opacus_ghost", "tied": False, "d_model": 32},
+            "transformer_opacus_ghost_untied": _POST_LN | {"clipping": "opacus_ghost", "tied": False, "d_model": 32},
         }.items()
     }
 )
@@ -296,9 +289,7 @@ def build_reattention(
     item_freq = token_presence_frequency(windows, num_embeddings=model.cfg.vocab_size)
     item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
     position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
-    position_var = embedding_error_variance(
-        **sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n
-    )
+    position_var = embedding_error_variance(**sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n)
     v_block = block_error_variance(**sizes)
     block = model.blocks[0]
     device = model.item_emb.weight.device

@@ -119,8 +119,7 @@ def embedding_moments(
     """Lookup ``scale * E[ids]``: mean ``(B, L, d)``, isotropic var ``(B, L, 1) = scale^2 row_var[ids]``."""
     if row_var.shape != (weight.shape[0],):
         raise ConfigError(
-            f"row_var must have shape ({weight.shape[0]},) (one variance per embedding row), "
-            f"got {tuple(row_var.shape)}"
+            f"row_var must have shape ({weight.shape[0]},) (one variance per embedding row), got {tuple(row_var.shape)}"
         )
     mean = weight[input_ids] * scale
     var = row_var.to(device=weight.device, dtype=weight.dtype)[input_ids].unsqueeze(-1) * scale**2
@@ -221,9 +220,7 @@ def layer_norm_moments(
     d = x.mean.shape[-1]
     xhat = lin.xhat
     a_diag = (1 + xhat.pow(2)) / d
-    var = lin.inv_var * (
-        lin.v * (1 - 2 * a_diag) + (lin.s0 + 2 * xhat * lin.s1 + xhat.pow(2) * lin.s2) / d**2
-    )
+    var = lin.inv_var * (lin.v * (1 - 2 * a_diag) + (lin.s0 + 2 * xhat * lin.s1 + xhat.pow(2) * lin.s2) / d**2)
     mean = xhat
     if weight is not None:
         mean = mean * weight
@@ -287,9 +284,7 @@ def softmax_moments(logits: torch.Tensor, logit_var: torch.Tensor, *, dim: int =
     return GaussianMoments(probs, var.clamp_min(0))
 
 
-def attention_moments(
-    weights: torch.Tensor, logit_var: torch.Tensor, value: GaussianMoments
-) -> GaussianMoments:
+def attention_moments(weights: torch.Tensor, logit_var: torch.Tensor, value: GaussianMoments) -> GaussianMoments:
     """First-order moments of ``O = A V``: ``weights (..., Lq, Lk)`` = softmax of the logit means,
     ``logit_var (..., Lq, Lk)``, ``value`` moments ``(..., Lk, dv)`` -> ``(..., Lq, dv)``.
     """
@@ -299,15 +294,11 @@ def attention_moments(
     w2v = w2 * logit_var.expand_as(weights)
     value_term = w2 @ value.full_var()
     # sum_j w2v_ij (V_jc - O_ic)^2, expanded so no (..., Lq, Lk, dv) tensor is formed
-    logit_term = (
-        w2v @ value.mean.pow(2) - 2 * mean * (w2v @ value.mean) + mean.pow(2) * w2v.sum(-1, keepdim=True)
-    )
+    logit_term = w2v @ value.mean.pow(2) - 2 * mean * (w2v @ value.mean) + mean.pow(2) * w2v.sum(-1, keepdim=True)
     return GaussianMoments(mean, (value_term + logit_term.clamp_min(0)))
 
 
-def logit_variance(
-    query: torch.Tensor, key_var: torch.Tensor, *, logit_scale: float | None = None
-) -> torch.Tensor:
+def logit_variance(query: torch.Tensor, key_var: torch.Tensor, *, logit_scale: float | None = None) -> torch.Tensor:
     """``Var[tau <q_i, K_j>] = tau^2 |q_i|^2 sigma_j^2`` (eq. 5.2 with ``tau = 1/sqrt(d_h)`` by default).
 
     ``query (..., Lq, d_h)``, ``key_var (..., Lk)`` (per-coordinate key variance) -> ``(..., Lq, Lk)``.

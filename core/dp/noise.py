@@ -97,9 +97,7 @@ def privatize_grads_(
     denominator regardless of the realised batch size, including on empty batches.
     """
     if not (
-        isinstance(expected_batch_size, numbers.Real)
-        and math.isfinite(expected_batch_size)
-        and expected_batch_size > 0
+        isinstance(expected_batch_size, numbers.Real) and math.isfinite(expected_batch_size) and expected_batch_size > 0
     ):
         raise ConfigError(
             "expected_batch_size must be a finite number > 0, "

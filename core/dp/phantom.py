@@ -323,9 +323,7 @@ class PhantomClipping:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._calls: list[_Call] = []
         self._pending: dict[int, _ParamGrads] | None = None
-        self._handles = [
-            m.register_forward_hook(self._capture, with_kwargs=True) for m in hooked_modules(model)
-        ]
+        self._handles = [m.register_forward_hook(self._capture, with_kwargs=True) for m in hooked_modules(model)]
 
     def __enter__(self) -> Self:
         return self
@@ -402,9 +400,7 @@ class PhantomClipping:
         """
         seen = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
         unseen = [p for p in self._params if id(p) not in seen]
-        grads = torch.autograd.grad(
-            per_sample_loss.sum(), [c.output for c in calls] + unseen, allow_unused=True
-        )
+        grads = torch.autograd.grad(per_sample_loss.sum(), [c.output for c in calls] + unseen, allow_unused=True)
         leaked = [tuple(p.shape) for p, g in zip(unseen, grads[len(calls) :], strict=True) if g is not None]
         if leaked:
             raise PrivacyError(

@@ -136,14 +136,9 @@ def token_presence_frequency(
     """
     if sequences.dim() != 2 or sequences.dtype != torch.long:
         raise DataError(
-            "sequences must be a LongTensor (N, L), "
-            f"got shape {tuple(sequences.shape)}, dtype {sequences.dtype}"
+            f"sequences must be a LongTensor (N, L), got shape {tuple(sequences.shape)}, dtype {sequences.dtype}"
         )
-    if (
-        isinstance(num_embeddings, bool)
-        or not isinstance(num_embeddings, numbers.Integral)
-        or num_embeddings < 1
-    ):
+    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, numbers.Integral) or num_embeddings < 1:
         raise ConfigError(f"num_embeddings must be an integer >= 1, got num_embeddings={num_embeddings!r}")
     n = sequences.shape[0]
     if n == 0:
@@ -194,9 +189,7 @@ def embedding_error_variance(
     if frequencies.dim() != 1 or not frequencies.is_floating_point():
         raise DataError(f"frequencies must be a float tensor (M+1,), got shape {tuple(frequencies.shape)}")
     if not bool(torch.isfinite(frequencies).all()) or bool((frequencies < 0).any() | (frequencies > 1).any()):
-        raise DataError(
-            "frequencies must be probabilities in [0, 1] (fraction of sequences containing the token)"
-        )
+        raise DataError("frequencies must be probabilities in [0, 1] (fraction of sequences containing the token)")
     p = frequencies.clone()
     if min_frequency is not None:
         if not (isinstance(min_frequency, numbers.Real) and 0 < min_frequency <= 1):
@@ -290,8 +283,7 @@ class KeyPropagation:
             _check_nonnegative("position_error_var", self.position_error_var)
         if self.key_weight.dim() != 2 or self.key_weight.shape[1] != self.item_embedding.shape[1]:
             raise ConfigError(
-                f"key_weight must be (d_k, d_model={self.item_embedding.shape[1]}), "
-                f"got {tuple(self.key_weight.shape)}"
+                f"key_weight must be (d_k, d_model={self.item_embedding.shape[1]}), got {tuple(self.key_weight.shape)}"
             )
 
     def _position_moments(self, length: int, like: torch.Tensor) -> GaussianMoments:
@@ -342,9 +334,7 @@ class KeyPropagation:
 # ==================================================================================================
 
 
-def reattention_correction(
-    logits: torch.Tensor, key_var: torch.Tensor, *, scale: float | torch.Tensor
-) -> torch.Tensor:
+def reattention_correction(logits: torch.Tensor, key_var: torch.Tensor, *, scale: float | torch.Tensor) -> torch.Tensor:
     """``S_j <- S_j / exp(C sigma_j^2 / 2)`` in log space: ``logits - scale * key_var_j / 2``.
 
     ``logits (B, [H,] Lq, Lk)`` pre-softmax; ``key_var (B, Lk)`` per-coordinate key variance;
@@ -411,9 +401,7 @@ class ReAttention:
         padding_idx: int | None = 0,
     ) -> None:
         if item_error_var.dim() != 1 or not item_error_var.is_floating_point():
-            raise ConfigError(
-                f"item_error_var must be a float tensor (M+1,), got shape {tuple(item_error_var.shape)}"
-            )
+            raise ConfigError(f"item_error_var must be a float tensor (M+1,), got shape {tuple(item_error_var.shape)}")
         _check_variance_tensor("item_error_var", item_error_var)
         if scale is not None:
             _check_nonnegative("scale", scale)
@@ -430,8 +418,7 @@ class ReAttention:
         """Per-position key variance ``(B, L)`` for ``input_ids (B, L)``."""
         if input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise DataError(
-                "input_ids must be a LongTensor (B, L), "
-                f"got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}"
+                f"input_ids must be a LongTensor (B, L), got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}"
             )
         item_var = self.item_error_var.to(input_ids.device)
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= item_var.shape[0]):

@@ -61,8 +61,7 @@ def poisson_batches(
         raise ConfigError(f"n (dataset size) must be an integer >= 1, got n={n!r}")
     if not (isinstance(sample_rate, numbers.Real) and 0 < sample_rate <= 1):
         raise ConfigError(
-            f"sample_rate must be in (0, 1], got sample_rate={sample_rate!r}; "
-            "use sample_rate_for(batch_size, n)"
+            f"sample_rate must be in (0, 1], got sample_rate={sample_rate!r}; use sample_rate_for(batch_size, n)"
         )
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ConfigError(f"steps must be an integer >= 1, got steps={steps!r}")

@@ -209,9 +209,7 @@ class _EpsilonTracker:
         self._rdp_per_step = None
         if accountant.kind is Accountant.RDP and noise_multiplier > 0:
             self._rdp_per_step = np.asarray(
-                rdp_analysis.compute_rdp(
-                    q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=self._alphas
-                )
+                rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=self._alphas)
             )
 
     def epsilon(self) -> float:
@@ -263,9 +261,7 @@ def _device(cfg: DPTrainConfig) -> torch.device:
 class _Run:
     """State of one training run: model, clipper, optimiser, schedule, accountant, generators."""
 
-    def __init__(
-        self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device
-    ) -> None:
+    def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
         self.t = _tensors(data, cfg.max_len, device)
         model_cfg = SeqRecConfig(
@@ -287,15 +283,9 @@ class _Run:
         self.epsilon: _EpsilonTracker | None = None
         self.reattention: ReAttention | None = None
         if cfg.private:
-            self.accountant = require_accountant(
-                PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta)
-            )
-            self.epsilon = _EpsilonTracker(
-                self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate
-            )
-            self.clipper = make_clipper(
-                cfg.clipping, self.model, clip_norm=cfg.clip_norm, normalize=cfg.normalize
-            )
+            self.accountant = require_accountant(PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta))
+            self.epsilon = _EpsilonTracker(self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate)
+            self.clipper = make_clipper(cfg.clipping, self.model, clip_norm=cfg.clip_norm, normalize=cfg.normalize)
             if cfg.reattention:
                 self.reattention = build_reattention(
                     self.model, self.t.inputs, self.t.targets, noise_multiplier=plan.sigma,
@@ -386,8 +376,7 @@ class _Run:
         norms = torch.stack([p.grad.norm() for p in self.params if p.grad is not None])
         if not bool(torch.isfinite(norms).all()):
             raise TrainingDivergedError(
-                f"training diverged: gradient is not finite at step {self.step} (epoch {self.epoch}); "
-                f"{self.guard.hint}"
+                f"training diverged: gradient is not finite at step {self.step} (epoch {self.epoch}); {self.guard.hint}"
             )
 
     # ---------------------------------------------------------------------------- evaluation
@@ -435,9 +424,7 @@ def _check_call(data: SequentialDataset, cfg: DPTrainConfig) -> None:
     if not isinstance(cfg, DPTrainConfig):
         raise ConfigError(f"cfg must be a DPTrainConfig (see method_config), got {type(cfg).__name__}")
     if not isinstance(data, SequentialDataset):
-        raise DataError(
-            f"data must be a SequentialDataset (build_sequential_dataset), got {type(data).__name__}"
-        )
+        raise DataError(f"data must be a SequentialDataset (build_sequential_dataset), got {type(data).__name__}")
     if data.n_users < 1 or data.n_interactions == 0:
         raise DataError(f"{data.source}: empty dataset ({data.n_users} users); nothing to train on")
     if not bool((data.seq_lens >= 4).any()):  # a training prefix s[:-2] of >= 2 items has a target
@@ -469,11 +456,7 @@ def train_seqrec(
     started = time.perf_counter()
     device = _device(cfg)
     plan = _plan(data, cfg)
-    cuda = (
-        [device.index if device.index is not None else torch.cuda.current_device()]
-        if device.type == "cuda"
-        else []
-    )
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)
         run = _Run(data, cfg, plan, device)

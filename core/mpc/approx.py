@@ -37,6 +37,7 @@ from torch import nn
 from core.divergence import DivergenceGuard
 from core.errors import ConfigError
 from core.mpc.merge_spec import activation
+from core.registry import lookup
 
 SoftmaxKind = Literal["exact", "2relu", "2quad", "thex"]
 ActKind = Literal["gelu_new", "quad", "relu"]
@@ -54,8 +55,11 @@ class Approximation:
     c: float = 0.0
 
     def __post_init__(self) -> None:
-        for field, allowed in (("softmax", ("exact", "2relu", "2quad", "thex")),
-                               ("act", ("gelu_new", "quad", "relu")), ("layernorm", ("exact", "affine"))):
+        for field, allowed in (
+            ("softmax", ("exact", "2relu", "2quad", "thex")),
+            ("act", ("gelu_new", "quad", "relu")),
+            ("layernorm", ("exact", "affine")),
+        ):
             if getattr(self, field) not in allowed:
                 raise ConfigError(f"Approximation.{field} must be one of {allowed}, got {getattr(self, field)!r}")
 
@@ -70,9 +74,7 @@ APPROXIMATIONS: dict[str, Approximation] = {
 
 def get_approximation(name: str) -> Approximation:
     """The registered :class:`Approximation` ``name``; unknown -> :class:`ConfigError` listing the known ones."""
-    if name not in APPROXIMATIONS:
-        raise ConfigError(f"unknown MPC approximation {name!r}; known: {', '.join(APPROXIMATIONS)}")
-    return APPROXIMATIONS[name]
+    return lookup("MPC approximation", APPROXIMATIONS, name)
 
 
 def causal_mask(n: int, device=None) -> torch.Tensor:
@@ -126,8 +128,12 @@ class ApproxGPT2(nn.Module):
         src = hf_model if share else copy.deepcopy(hf_model)
         cfg = src.config
         self.n_head, self.d = cfg.n_head, cfg.n_embd
-        self.wte, self.wpe, self.h, self.ln_f = src.transformer.wte, src.transformer.wpe, src.transformer.h, \
-            src.transformer.ln_f
+        self.wte, self.wpe, self.h, self.ln_f = (
+            src.transformer.wte,
+            src.transformer.wpe,
+            src.transformer.h,
+            src.transformer.ln_f,
+        )
         self.lm_head = src.lm_head
         self.scale = bool(getattr(cfg, "scale_attn_weights", True))
 
@@ -146,8 +152,9 @@ class ApproxGPT2(nn.Module):
         out = (probs @ v).transpose(1, 2).reshape(B, N, self.d)  # (B, N, d)
         return block.attn.resid_dropout(block.attn.c_proj(block.attn.attn_dropout(out))), probs
 
-    def forward(self, input_ids: torch.Tensor | None = None, *,
-                inputs_embeds: torch.Tensor | None = None) -> ApproxOutput:
+    def forward(
+        self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None
+    ) -> ApproxOutput:
         """Either ``input_ids`` (B, N) or token ``inputs_embeds`` (B, N, d) (positions are added here)."""
         if inputs_embeds is None:
             if input_ids is None:
@@ -186,12 +193,17 @@ def layerwise_loss(student: ApproxOutput, teacher: ApproxOutput, mask: torch.Ten
     return loss
 
 
-def logits_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-                   temperature: float = 1.0) -> torch.Tensor:
+def logits_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """MPCFormer stage 2: ``T^2 * KL(softmax(t/T) || softmax(s/T))`` per position, averaged over real positions."""
     t = temperature
-    kl = F.kl_div(F.log_softmax(student_logits / t, -1), F.log_softmax(teacher_logits / t, -1),
-                  log_target=True, reduction="none").sum(-1)  # (B, N)
+    kl = F.kl_div(
+        F.log_softmax(student_logits / t, -1), F.log_softmax(teacher_logits / t, -1), log_target=True, reduction="none"
+    ).sum(-1)  # (B, N)
     if mask is not None:
         return (kl * mask).sum() / mask.sum().clamp_min(1) * t * t
     return kl.mean() * t * t
@@ -204,8 +216,16 @@ def _unpack(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids, mask
 
 
-def distill(teacher: nn.Module, student: ApproxGPT2, batches: Sequence | Iterable, steps: int, lr: float, *,
-            layerwise_fraction: float = 0.5, temperature: float = 1.0) -> list[float]:
+def distill(
+    teacher: nn.Module,
+    student: ApproxGPT2,
+    batches: Sequence | Iterable,
+    steps: int,
+    lr: float,
+    *,
+    layerwise_fraction: float = 0.5,
+    temperature: float = 1.0,
+) -> list[float]:
     """MPCFormer distillation of ``student`` from the frozen fine-tuned ``teacher``.
 
     Args:
@@ -220,8 +240,10 @@ def distill(teacher: nn.Module, student: ApproxGPT2, batches: Sequence | Iterabl
         the loss of every step.
     """
     if steps < 1 or lr <= 0 or not 0 <= layerwise_fraction <= 1:
-        raise ConfigError(f"distill needs steps >= 1, lr > 0, 0 <= layerwise_fraction <= 1; got {steps=}, "
-                          f"{lr=}, {layerwise_fraction=}")
+        raise ConfigError(
+            f"distill needs steps >= 1, lr > 0, 0 <= layerwise_fraction <= 1; got {steps=}, "
+            f"{lr=}, {layerwise_fraction=}"
+        )
     batches = list(batches)
     if not batches:
         raise ConfigError("distill needs at least one batch, got none")

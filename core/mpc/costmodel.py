@@ -34,10 +34,12 @@ class Network:
     rtt_s: float
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.bandwidth_bps, int | float) and math.isfinite(self.bandwidth_bps)
-                and self.bandwidth_bps > 0):
-            raise ConfigError(f"network {self.name!r}: bandwidth_bps must be a finite number > 0, "
-                              f"got {self.bandwidth_bps!r}")
+        if not (
+            isinstance(self.bandwidth_bps, int | float) and math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0
+        ):
+            raise ConfigError(
+                f"network {self.name!r}: bandwidth_bps must be a finite number > 0, got {self.bandwidth_bps!r}"
+            )
         if not (isinstance(self.rtt_s, int | float) and math.isfinite(self.rtt_s) and self.rtt_s >= 0):
             raise ConfigError(f"network {self.name!r}: rtt_s must be a finite number >= 0, got {self.rtt_s!r}")
 
@@ -57,12 +59,17 @@ def project(compute_s: float, bytes_sent: float, rounds: float, network: Network
             raise ConfigError(f"{name} must be a finite number >= 0, got {name}={value!r}")
     transfer = 8.0 * bytes_sent / network.bandwidth_bps
     latency = rounds * network.rtt_s
-    return {"compute_s": float(compute_s), "transfer_s": transfer, "latency_s": latency,
-            "projected_s": float(compute_s) + transfer + latency}
+    return {
+        "compute_s": float(compute_s),
+        "transfer_s": transfer,
+        "latency_s": latency,
+        "projected_s": float(compute_s) + transfer + latency,
+    }
 
 
-def project_all(compute_s: float, per_party: Mapping[int, Mapping[str, float]],
-                networks: Mapping[str, Network] = NETWORKS) -> dict[str, dict[str, float]]:
+def project_all(
+    compute_s: float, per_party: Mapping[int, Mapping[str, float]], networks: Mapping[str, Network] = NETWORKS
+) -> dict[str, dict[str, float]]:
     """Project a run onto every network: ``per_party[rank] = {"bytes": ..., "rounds": ...}``; the busiest
     party's bytes and rounds count (both parties wait for the slower one)."""
     if not per_party:

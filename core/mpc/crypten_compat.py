@@ -51,9 +51,7 @@ def import_crypten() -> Any:
     try:
         import crypten
     except ImportError as exc:
-        raise CryptenUnavailableError(
-            f"CrypTen cannot be imported ({exc}); install it with: {_INSTALL_HINT}"
-        ) from exc
+        raise CryptenUnavailableError(f"CrypTen cannot be imported ({exc}); install it with: {_INSTALL_HINT}") from exc
     crypten.cfg.communicator.verbose = True
     crypten._privbench_ready = True
     return crypten

@@ -32,6 +32,7 @@ from core.mpc import ops
 from core.mpc.accounting import CostMeter, NullMeter, OpCategory
 from core.mpc.crypten_compat import import_crypten
 from core.mpc.parties import CLIENT, MODEL_OWNER
+from core.registry import lookup
 
 GENERATION_MODES: tuple[str, ...] = ("vanilla", "vanilla_kv", "vanilla_er")
 CrypTensor = Any
@@ -99,18 +100,33 @@ def weights_from_hf(model: Any) -> GPT2Weights:
     f = lambda p: p.detach().float().cpu().clone()
     layers = tuple(
         GPT2Layer(
-            ln1_g=f(b.ln_1.weight), ln1_b=f(b.ln_1.bias), attn_w=f(b.attn.c_attn.weight), attn_b=f(b.attn.c_attn.bias),
-            proj_w=f(b.attn.c_proj.weight), proj_b=f(b.attn.c_proj.bias), ln2_g=f(b.ln_2.weight),
-            ln2_b=f(b.ln_2.bias), fc_w=f(b.mlp.c_fc.weight), fc_b=f(b.mlp.c_fc.bias),
-            out_w=f(b.mlp.c_proj.weight), out_b=f(b.mlp.c_proj.bias),
+            ln1_g=f(b.ln_1.weight),
+            ln1_b=f(b.ln_1.bias),
+            attn_w=f(b.attn.c_attn.weight),
+            attn_b=f(b.attn.c_attn.bias),
+            proj_w=f(b.attn.c_proj.weight),
+            proj_b=f(b.attn.c_proj.bias),
+            ln2_g=f(b.ln_2.weight),
+            ln2_b=f(b.ln_2.bias),
+            fc_w=f(b.mlp.c_fc.weight),
+            fc_b=f(b.mlp.c_fc.bias),
+            out_w=f(b.mlp.c_proj.weight),
+            out_b=f(b.mlp.c_proj.bias),
         )
         for b in t.h
     )
     cfg = model.config
     if getattr(cfg, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
         raise ConfigError(f"unsupported activation_function={cfg.activation_function!r} for an MPCVariant")
-    return GPT2Weights(wte=f(t.wte.weight), wpe=f(t.wpe.weight), layers=layers, lnf_g=f(t.ln_f.weight),
-                       lnf_b=f(t.ln_f.bias), n_head=int(cfg.n_head), eps=float(cfg.layer_norm_epsilon))
+    return GPT2Weights(
+        wte=f(t.wte.weight),
+        wpe=f(t.wpe.weight),
+        layers=layers,
+        lnf_g=f(t.ln_f.weight),
+        lnf_b=f(t.ln_f.bias),
+        n_head=int(cfg.n_head),
+        eps=float(cfg.layer_norm_epsilon),
+    )
 
 
 def check_lengths(prefix_len: int, max_new_tokens: int, n_positions: int) -> None:
@@ -122,8 +138,10 @@ def check_lengths(prefix_len: int, max_new_tokens: int, n_positions: int) -> Non
     if prefix_len > n_positions:
         raise ConfigError(f"prefix length {prefix_len} exceeds the model's n_positions={n_positions}")
     if prefix_len + max_new_tokens - 1 > n_positions:
-        raise ConfigError(f"prefix length {prefix_len} + max_new_tokens {max_new_tokens} - 1 exceeds the model's "
-                          f"n_positions={n_positions}; shorten the prefix or generate fewer tokens")
+        raise ConfigError(
+            f"prefix length {prefix_len} + max_new_tokens {max_new_tokens} - 1 exceeds the model's "
+            f"n_positions={n_positions}; shorten the prefix or generate fewer tokens"
+        )
 
 
 def check_mode(mode: str, known: tuple[str, ...] = GENERATION_MODES + ("merge",)) -> str:
@@ -154,15 +172,30 @@ def reveal_tokens(onehots: CrypTensor, rank: int) -> torch.Tensor | None:
 def _finish(rank: int, mode: str, meter: CostMeter, tokens: torch.Tensor | None, setup: dict) -> GenerationResult:
     """Package one party's result after the metered region closed."""
     tot = meter.totals()
-    return GenerationResult(rank=rank, mode=mode, tokens=tokens, costs=meter.as_dict(), total_s=float(tot["total_s"]),
-                            comm_bytes=int(tot["comm_bytes"]), rounds=int(tot["rounds"]), setup=setup)
+    return GenerationResult(
+        rank=rank,
+        mode=mode,
+        tokens=tokens,
+        costs=meter.as_dict(),
+        total_s=float(tot["total_s"]),
+        comm_bytes=int(tot["comm_bytes"]),
+        rounds=int(tot["rounds"]),
+        setup=setup,
+    )
 
 
 class EncryptedGPT2:
     """GPT-2 with secret-shared weights (shared by party 0 on construction); all calls are collective."""
 
-    def __init__(self, weights: GPT2Weights, variant: MPCVariant, *, rank: int, device: str | torch.device = "cpu",
-                 meter: CostMeter | None = None) -> None:
+    def __init__(
+        self,
+        weights: GPT2Weights,
+        variant: MPCVariant,
+        *,
+        rank: int,
+        device: str | torch.device = "cpu",
+        meter: CostMeter | None = None,
+    ) -> None:
         self.variant, self.rank, self.device = variant, rank, torch.device(device)
         self.meter = meter if meter is not None else CostMeter()
         self.vocab_size, self.n_positions, self.n_head = weights.vocab_size, weights.n_positions, weights.n_head
@@ -174,7 +207,9 @@ class EncryptedGPT2:
             self.wte = s(weights.wte)
             self.wte_t = self.wte.t()  # (d, V) tied LM head
             self.wpe = s(weights.wpe)
-            self.layers = [{k: s(getattr(layer, k)) for k in GPT2Layer.__dataclass_fields__} for layer in weights.layers]
+            self.layers = [
+                {k: s(getattr(layer, k)) for k in GPT2Layer.__dataclass_fields__} for layer in weights.layers
+            ]
             self.lnf_g, self.lnf_b = s(weights.lnf_g), s(weights.lnf_b)
         self.setup_costs = setup.totals()
 
@@ -195,8 +230,8 @@ class EncryptedGPT2:
         qkv = ops.linear(a, p["attn_w"], p["attn_b"], m)  # (B, N, 3d)
         with m.op(OpCategory.LINEAR):
             q = qkv[:, :, :d].view(B, N, H, D).transpose(1, 2) * (1.0 / math.sqrt(D))  # (B, H, N, D)
-            k = qkv[:, :, d:2 * d].view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
-            val = qkv[:, :, 2 * d:].view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+            k = qkv[:, :, d : 2 * d].view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+            val = qkv[:, :, 2 * d :].view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
             if past is not None:
                 crypten = import_crypten()
                 k = crypten.cat([past[0], k], dim=2)  # (B, H, T, D)
@@ -219,7 +254,7 @@ class EncryptedGPT2:
         if start + n > self.n_positions:
             raise ConfigError(f"sequence length {start + n} exceeds the model's n_positions={self.n_positions}")
         with self.meter.op(OpCategory.EMBED):
-            h = emb + self.wpe[start:start + n]
+            h = emb + self.wpe[start : start + n]
         caches = []
         for i, p in enumerate(self.layers):
             h, kv = self._block(p, h, None if past is None else past[i])
@@ -236,8 +271,14 @@ class EncryptedGPT2:
         return self.logits(self.hidden(ops.embed(onehot_ids, self.wte, self.meter))[0])
 
     # --- generation --------------------------------------------------------------------------------------
-    def generate(self, prefix_ids: torch.Tensor | None, max_new_tokens: int, *, mode: str = "vanilla",
-                 shape: tuple[int, int] | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prefix_ids: torch.Tensor | None,
+        max_new_tokens: int,
+        *,
+        mode: str = "vanilla",
+        shape: tuple[int, int] | None = None,
+    ) -> GenerationResult:
         """Greedy generation; ``prefix_ids`` (B, N) on the client (others may pass None with ``shape``)."""
         check_mode(mode, GENERATION_MODES)
         shape = tuple(prefix_ids.shape) if prefix_ids is not None else shape
@@ -289,8 +330,9 @@ def _plain_block(layer: GPT2Layer, h: torch.Tensor, n_head: int, eps: float, v: 
     a = ops.plain_layer_norm(h, layer.ln1_g, layer.ln1_b, eps=eps, kind=v.norm)
     q, k, val = (a @ layer.attn_w + layer.attn_b).split(d, dim=-1)
     q, k, val = (t.view(B, N, n_head, D).transpose(1, 2) for t in (q, k, val))  # (B, H, N, D)
-    probs = ops.plain_softmax(q @ k.transpose(2, 3) / math.sqrt(D), kind=v.softmax, mask=ops.causal_mask(N, N),
-                               c=v.softmax_c)
+    probs = ops.plain_softmax(
+        q @ k.transpose(2, 3) / math.sqrt(D), kind=v.softmax, mask=ops.causal_mask(N, N), c=v.softmax_c
+    )
     att = (probs @ val).transpose(1, 2).reshape(B, N, d)
     h = h + att @ layer.proj_w + layer.proj_b
     x = ops.plain_layer_norm(h, layer.ln2_g, layer.ln2_b, eps=eps, kind=v.norm)
@@ -310,8 +352,9 @@ def plaintext_logits(w: GPT2Weights, variant: MPCVariant, ids: torch.Tensor) -> 
     return plaintext_hidden(w, variant, w.wte[ids]) @ w.wte.T
 
 
-def plaintext_reference(w: GPT2Weights, variant: MPCVariant, prefix_ids: torch.Tensor, max_new_tokens: int, *,
-                        mode: str = "vanilla") -> torch.Tensor:
+def plaintext_reference(
+    w: GPT2Weights, variant: MPCVariant, prefix_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "vanilla"
+) -> torch.Tensor:
     """Greedy tokens (B, max_new_tokens) computed in plaintext exactly as :meth:`EncryptedGPT2.generate`."""
     check_mode(mode, GENERATION_MODES)
     check_lengths(prefix_ids.shape[1], max_new_tokens, w.n_positions)
@@ -354,10 +397,22 @@ class EncryptedMerge:
         with setup.region():
             self.lm_head = s(spec.lm_head)  # (V, d), also the prefix embedding table
             self.lm_head_t = self.lm_head.t()  # (d, V)
-            self.wpe, self.lnf_g, self.lnf_b, self.lnf_eps = s(spec.wpe), s(spec.lnf_gamma), s(spec.lnf_beta), spec.lnf_eps
+            self.wpe, self.lnf_g, self.lnf_b, self.lnf_eps = (
+                s(spec.wpe),
+                s(spec.lnf_gamma),
+                s(spec.lnf_beta),
+                spec.lnf_eps,
+            )
             keys = ("C", "ln_gamma", "ln_beta", "M_u", "b_u", "M_a", "b_a", "W_O", "b_O")
-            self.layers = [({k: s(getattr(layer, k)) for k in keys}, layer.ln_eps, _MERGE_ACT[layer.act],
-                            layer.n_heads) for layer in spec.layers]
+            self.layers = [
+                (
+                    {k: s(getattr(layer, k)) for k in keys},
+                    layer.ln_eps,
+                    lookup("MERGE activation", _MERGE_ACT, layer.act),
+                    layer.n_heads,
+                )
+                for layer in spec.layers
+            ]
         self.setup_costs = setup.totals()
         self.meter = CostMeter()
 
@@ -388,8 +443,14 @@ class EncryptedMerge:
             h = self._block(p, eps, act, heads, h)
         return ops.layer_norm(h, self.lnf_g, self.lnf_b, self.meter, eps=self.lnf_eps, kind=self.norm)
 
-    def generate(self, prefix_ids: torch.Tensor | None, max_new_tokens: int, *, mode: str = "merge",
-                 shape: tuple[int, int] | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prefix_ids: torch.Tensor | None,
+        max_new_tokens: int,
+        *,
+        mode: str = "merge",
+        shape: tuple[int, int] | None = None,
+    ) -> GenerationResult:
         """Greedy MERGE generation. ``mode="merge"`` (ER + MM, eq. 3): the last hidden state is resent as the
         next input embedding and tokens are decoded once at the end. ``mode="mm"`` (MM only): every step
         selects a token under MPC (LM head + argmax) and looks its embedding up privately, like vanilla."""

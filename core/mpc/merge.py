@@ -73,8 +73,9 @@ class MMConfig:
             raise ConfigError(f"MMConfig weights must be >= 0 and temperature > 0, got {self}")
 
 
-def augment_embeddings(E: torch.Tensor, *, dropout: float, noise: float,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
+def augment_embeddings(
+    E: torch.Tensor, *, dropout: float, noise: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Eq. 5: ``m * (e + n)`` elementwise, ``m ~ Bernoulli(1 - dropout)``, ``n ~ U(-noise, noise)``.
 
     No 1/(1-p) rescaling (eq. 5 has none). dropout = noise = 0 returns E unchanged.
@@ -140,8 +141,14 @@ class ERLoss:
     ce: torch.Tensor
 
 
-def er_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *, cfg: ERConfig = ERConfig(),
-            generator: torch.Generator | None = None) -> ERLoss:
+def er_loss(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    cfg: ERConfig = ERConfig(),
+    generator: torch.Generator | None = None,
+) -> ERLoss:
     """Eq. 7 on one batch ids (B, N): one forward on the augmented embeddings gives both terms."""
     E = token_embeddings(model, ids)  # (B, N, d)
     E_aug = augment_embeddings(E, dropout=cfg.dropout, noise=cfg.noise, generator=generator)
@@ -162,8 +169,15 @@ def _check_training(steps: int, lr: float, batches: list) -> None:
         raise ConfigError("training needs at least one batch, got none")
 
 
-def train_er(model: nn.Module, batches: Sequence | Iterable, steps: int, lr: float = 8e-5, *,
-             cfg: ERConfig = ERConfig(), seed: int = 0) -> list[dict[str, float]]:
+def train_er(
+    model: nn.Module,
+    batches: Sequence | Iterable,
+    steps: int,
+    lr: float = 8e-5,
+    *,
+    cfg: ERConfig = ERConfig(),
+    seed: int = 0,
+) -> list[dict[str, float]]:
     """ER fine-tuning (eq. 7) with AdamW; batches (ids or (ids, mask)) are cycled. Returns per-step losses."""
     batches = list(batches)
     _check_training(steps, lr, batches)
@@ -243,10 +257,10 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class MergeBlock(nn.Module):
     """One unmerged constant-attention GPT-2 block (eq. 9, pre-LN form), the reference for eq. 10-11::
 
-        g = LN_1(h);  v = g W_V + b_V                # (B, N, d), split into heads (B, H, N, D)
-        a = concat_k(C_k v_k) W_d + b_d;  x = h + a   # constant attention, residual
-        u = (x * gamma_2 + beta_2) W_I + b_I           # f'_ln replaces LN_2
-        out = x + act(u) W_O + b_O
+    g = LN_1(h);  v = g W_V + b_V                # (B, N, d), split into heads (B, H, N, D)
+    a = concat_k(C_k v_k) W_d + b_d;  x = h + a   # constant attention, residual
+    u = (x * gamma_2 + beta_2) W_I + b_I           # f'_ln replaces LN_2
+    out = x + act(u) W_O + b_O
     """
 
     def __init__(self, block: nn.Module, c0: torch.Tensor, act: str):
@@ -256,7 +270,7 @@ class MergeBlock(nn.Module):
         self.act = act
         self.ln_1 = copy.deepcopy(block.ln_1)
         self.att = ConstantAttention(c0)
-        self.W_V, self.b_V = _param(block.attn.c_attn.weight[:, 2 * d:]), _param(block.attn.c_attn.bias[2 * d:])
+        self.W_V, self.b_V = _param(block.attn.c_attn.weight[:, 2 * d :]), _param(block.attn.c_attn.bias[2 * d :])
         self.W_d, self.b_d = _param(block.attn.c_proj.weight), _param(block.attn.c_proj.bias)
         self.gamma_2, self.beta_2 = _param(block.ln_2.weight), _param(block.ln_2.bias)
         self.W_I, self.b_I = _param(block.mlp.c_fc.weight), _param(block.mlp.c_fc.bias)
@@ -296,11 +310,13 @@ class MergeModel(nn.Module):
         cfg = hf_model.config
         act = _HF_ACTS.get(cfg.activation_function)
         if act is None or act not in ACTIVATIONS:
-            raise ConfigError(f"unsupported GPT-2 activation_function={cfg.activation_function!r}; "
-                              f"known: {', '.join(_HF_ACTS)}")
+            raise ConfigError(
+                f"unsupported GPT-2 activation_function={cfg.activation_function!r}; known: {', '.join(_HF_ACTS)}"
+            )
         if c0.shape[:2] != (cfg.n_layer, cfg.n_head):
-            raise ConfigError(f"c0 must have shape (n_layer={cfg.n_layer}, n_head={cfg.n_head}, N_max, N_max), "
-                              f"got {tuple(c0.shape)}")
+            raise ConfigError(
+                f"c0 must have shape (n_layer={cfg.n_layer}, n_head={cfg.n_head}, N_max, N_max), got {tuple(c0.shape)}"
+            )
         tr = hf_model.transformer
         self.wte, self.wpe, self.ln_f = copy.deepcopy(tr.wte), copy.deepcopy(tr.wpe), copy.deepcopy(tr.ln_f)
         self.blocks = nn.ModuleList(MergeBlock(b, c0[i].to(b.ln_1.weight.dtype), act) for i, b in enumerate(tr.h))
@@ -309,8 +325,9 @@ class MergeModel(nn.Module):
     def n_max(self) -> int:
         return min(self.blocks[0].att.n_max, int(self.wpe.weight.shape[0]))
 
-    def forward(self, input_ids: torch.Tensor | None = None, *,
-                inputs_embeds: torch.Tensor | None = None) -> MergeOutput:
+    def forward(
+        self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None
+    ) -> MergeOutput:
         """Token ids (B, N) or token embeddings (B, N, d) -> hidden states and tied-head logits."""
         E = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
         check_length(E.shape[1], self.n_max)
@@ -328,8 +345,14 @@ def build_merge_model(er_model: nn.Module, batches: Sequence | Iterable, n_max: 
     return MergeModel(er_model, average_attention(er_model, batches, n_max))
 
 
-def mm_loss(student: MergeModel, teacher: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *,
-            cfg: MMConfig = MMConfig()) -> torch.Tensor:
+def mm_loss(
+    student: MergeModel,
+    teacher: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    cfg: MMConfig = MMConfig(),
+) -> torch.Tensor:
     """Weighted distillation loss of the MM model from the ER model on ids (B, N)."""
     with torch.no_grad():
         t_hidden, t_logits = forward_embeds(teacher, token_embeddings(teacher, ids))
@@ -344,8 +367,15 @@ def mm_loss(student: MergeModel, teacher: nn.Module, ids: torch.Tensor, mask: to
     return cfg.hidden_weight * mse + cfg.logits_weight * kd
 
 
-def train_mm(student: MergeModel, teacher: nn.Module, batches: Sequence | Iterable, steps: int, lr: float = 8e-5,
-             *, cfg: MMConfig = MMConfig()) -> list[float]:
+def train_mm(
+    student: MergeModel,
+    teacher: nn.Module,
+    batches: Sequence | Iterable,
+    steps: int,
+    lr: float = 8e-5,
+    *,
+    cfg: MMConfig = MMConfig(),
+) -> list[float]:
     """Train the merge module by weighted distillation from the frozen ER model; returns per-step losses."""
     batches = list(batches)
     _check_training(steps, lr, batches)
@@ -373,23 +403,36 @@ def merge_block_spec(block: MergeBlock) -> MergedLayerSpec:
     H, d = block.n_head, block.W_V.shape[0]
     D = d // H
     G = block.gamma_2[:, None] * block.W_I  # (d, d_I)  diag(gamma_2) W_I
-    m_a = torch.cat([block.W_V[:, k * D:(k + 1) * D] @ block.W_d[k * D:(k + 1) * D] for k in range(H)])  # (H d, d)
+    m_a = torch.cat([block.W_V[:, k * D : (k + 1) * D] @ block.W_d[k * D : (k + 1) * D] for k in range(H)])  # (H d, d)
     b_a = block.b_V @ block.W_d + block.b_d  # (d,)  exact: every row of C_k sums to 1
     m_u = torch.cat([m_a @ G, G])  # ((H + 1) d, d_I)
     b_u = b_a @ G + block.beta_2 @ block.W_I + block.b_I  # (d_I,)
-    return MergedLayerSpec(C=block.att.probs().detach().clone(), ln_gamma=block.ln_1.weight.detach().clone(),
-                           ln_beta=block.ln_1.bias.detach().clone(), ln_eps=float(block.ln_1.eps), M_u=m_u,
-                           b_u=b_u, M_a=m_a, b_a=b_a, W_O=block.W_O.detach().clone(),
-                           b_O=block.b_O.detach().clone(), act=block.act)
+    return MergedLayerSpec(
+        C=block.att.probs().detach().clone(),
+        ln_gamma=block.ln_1.weight.detach().clone(),
+        ln_beta=block.ln_1.bias.detach().clone(),
+        ln_eps=float(block.ln_1.eps),
+        M_u=m_u,
+        b_u=b_u,
+        M_a=m_a,
+        b_a=b_a,
+        W_O=block.W_O.detach().clone(),
+        b_O=block.b_O.detach().clone(),
+        act=block.act,
+    )
 
 
 @torch.no_grad()
 def export_spec(model: MergeModel) -> MergeSpec:
     """The :class:`~core.mpc.merge_spec.MergeSpec` the encrypted executor runs (plaintext tensors)."""
-    return MergeSpec(layers=tuple(merge_block_spec(b) for b in model.blocks),
-                     wpe=model.wpe.weight.detach().clone(), lnf_gamma=model.ln_f.weight.detach().clone(),
-                     lnf_beta=model.ln_f.bias.detach().clone(), lnf_eps=float(model.ln_f.eps),
-                     lm_head=model.wte.weight.detach().clone())
+    return MergeSpec(
+        layers=tuple(merge_block_spec(b) for b in model.blocks),
+        wpe=model.wpe.weight.detach().clone(),
+        lnf_gamma=model.ln_f.weight.detach().clone(),
+        lnf_beta=model.ln_f.bias.detach().clone(),
+        lnf_eps=float(model.ln_f.eps),
+        lm_head=model.wte.weight.detach().clone(),
+    )
 
 
 @torch.no_grad()

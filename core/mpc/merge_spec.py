@@ -115,14 +115,20 @@ class MergedLayerSpec:
             raise ConfigError(f"C must have shape (H, N_max, N_max), got {tuple(self.C.shape)}")
         heads, d, d_i = self.C.shape[0], self.ln_gamma.shape[0], self.W_O.shape[0]
         expected = {
-            "ln_beta": (d,), "M_u": ((heads + 1) * d, d_i), "b_u": (d_i,), "M_a": (heads * d, d),
-            "b_a": (d,), "W_O": (d_i, d), "b_O": (d,),
+            "ln_beta": (d,),
+            "M_u": ((heads + 1) * d, d_i),
+            "b_u": (d_i,),
+            "M_a": (heads * d, d),
+            "b_a": (d,),
+            "W_O": (d_i, d),
+            "b_O": (d,),
         }
         for name, shape in expected.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:
-                raise ConfigError(f"MergedLayerSpec.{name} must have shape {shape} (H={heads}, d={d}, "
-                                  f"d_I={d_i}), got {got}")
+                raise ConfigError(
+                    f"MergedLayerSpec.{name} must have shape {shape} (H={heads}, d={d}, d_I={d_i}), got {got}"
+                )
         if self.act not in ACTIVATIONS:
             raise ConfigError(f"unknown activation {self.act!r}; known: {', '.join(ACTIVATIONS)}")
 
@@ -160,8 +166,10 @@ class MergeSpec:
             raise ConfigError("MergeSpec.layers must hold at least one merged block, got 0")
         d = self.lm_head.shape[1]
         if self.wpe.shape[1] != d or self.lnf_gamma.shape != (d,) or self.layers[0].ln_gamma.shape != (d,):
-            raise ConfigError(f"MergeSpec hidden sizes disagree: lm_head d={d}, wpe {tuple(self.wpe.shape)}, "
-                              f"lnf_gamma {tuple(self.lnf_gamma.shape)}")
+            raise ConfigError(
+                f"MergeSpec hidden sizes disagree: lm_head d={d}, wpe {tuple(self.wpe.shape)}, "
+                f"lnf_gamma {tuple(self.lnf_gamma.shape)}"
+            )
 
     @property
     def n_max(self) -> int:
@@ -176,8 +184,10 @@ class MergeSpec:
 def check_length(n: int, n_max: int) -> None:
     """Raise :class:`ConfigError` naming both numbers when a sequence is longer than the constant attention."""
     if n > n_max:
-        raise ConfigError(f"sequence length {n} exceeds the constant attention size N_max={n_max}; "
-                          f"export the model with a larger max length or shorten the input")
+        raise ConfigError(
+            f"sequence length {n} exceeds the constant attention size N_max={n_max}; "
+            f"export the model with a larger max length or shorten the input"
+        )
     if n < 1:
         raise ConfigError(f"sequence length must be >= 1, got {n}")
 
@@ -222,9 +232,7 @@ def merged_logits(spec: MergeSpec, hidden: torch.Tensor) -> torch.Tensor:
     return hidden @ spec.lm_head.T
 
 
-def merge_generate_plain(
-    spec: MergeSpec, prefix_embeds: torch.Tensor, n_new: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_generate_plain(spec: MergeSpec, prefix_embeds: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy generation by embedding resending (eq. 3), no embedding-table query.
 
     Args:

@@ -3,13 +3,13 @@ and which generation procedure, and the plaintext twin of each (the decrypted MP
 
 | method | model | under MPC | generation |
 |---|---|---|---|
-| ``vanilla`` | fine-tuned GPT-2 | exact softmax, GELU, LayerNorm | recompute the whole sequence every step (the paper's baseline) |
+| ``vanilla`` | fine-tuned GPT-2 | exact softmax, GELU, LayerNorm | whole sequence per step (the baseline) |
 | ``vanilla_kv`` | fine-tuned GPT-2 | exact | KV cache: only the new position per step (stronger baseline) |
 | ``mpcformer_2relu`` | distilled student | softmax -> 2ReLU, GELU -> quad | as vanilla |
 | ``mpcformer_2quad`` | distilled student | softmax -> 2Quad (c = 5), GELU -> quad | as vanilla |
 | ``thex`` | distilled student | softmax -> ReLU(x + 3) normalised, GELU -> ReLU, LayerNorm -> x*g+b | as vanilla |
 | ``merge_er`` | ER-trained GPT-2 | exact | embedding resending (eq. 3): no token selection or lookup per step |
-| ``merge_mm`` | merge module from the fine-tuned model | constant attention, merged products (eq. 10-11) | token per step, as vanilla |
+| ``merge_mm`` | merge module of the fine-tuned model | constant attention, merged products (eq. 10-11) | as vanilla |
 | ``merge`` | merge module from the ER model | constant attention, merged products | embedding resending (MERGE) |
 
 ``payload`` is a :class:`core.mpc.gpt2.GPT2Weights` for the ``gpt2`` engine and a
@@ -26,6 +26,7 @@ import torch
 from core.errors import ConfigError
 from core.mpc import gpt2 as G
 from core.mpc.merge_spec import MergeSpec, merge_generate_plain, mm_generate_plain
+from core.registry import lookup
 
 __all__ = ["METHODS", "MethodSpec", "generate_plain", "method_spec", "run_method_party"]
 
@@ -48,12 +49,30 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec("vanilla", "gpt2", "vanilla", "finetuned", G.MPCVariant()),
     "vanilla_kv": MethodSpec("vanilla_kv", "gpt2", "vanilla_kv", "finetuned", G.MPCVariant()),
-    "mpcformer_2relu": MethodSpec("mpcformer_2relu", "gpt2", "vanilla", "distilled",
-                                  G.MPCVariant(softmax="2relu", activation="quad", softmax_c=0.0), "mpcformer_2relu"),
-    "mpcformer_2quad": MethodSpec("mpcformer_2quad", "gpt2", "vanilla", "distilled",
-                                  G.MPCVariant(softmax="2quad", activation="quad", softmax_c=5.0), "mpcformer_2quad"),
-    "thex": MethodSpec("thex", "gpt2", "vanilla", "distilled",
-                       G.MPCVariant(softmax="2relu", activation="relu", norm="approx", softmax_c=3.0), "thex"),
+    "mpcformer_2relu": MethodSpec(
+        "mpcformer_2relu",
+        "gpt2",
+        "vanilla",
+        "distilled",
+        G.MPCVariant(softmax="2relu", activation="quad", softmax_c=0.0),
+        "mpcformer_2relu",
+    ),
+    "mpcformer_2quad": MethodSpec(
+        "mpcformer_2quad",
+        "gpt2",
+        "vanilla",
+        "distilled",
+        G.MPCVariant(softmax="2quad", activation="quad", softmax_c=5.0),
+        "mpcformer_2quad",
+    ),
+    "thex": MethodSpec(
+        "thex",
+        "gpt2",
+        "vanilla",
+        "distilled",
+        G.MPCVariant(softmax="2relu", activation="relu", norm="approx", softmax_c=3.0),
+        "thex",
+    ),
     "merge_er": MethodSpec("merge_er", "gpt2", "vanilla_er", "er", G.MPCVariant()),
     "merge_mm": MethodSpec("merge_mm", "merge", "mm", "mm"),
     "merge": MethodSpec("merge", "merge", "merge", "merge"),
@@ -62,13 +81,12 @@ METHODS: dict[str, MethodSpec] = {
 
 def method_spec(name: str) -> MethodSpec:
     """The registry entry of ``name``; ConfigError listing the known methods otherwise."""
-    if name not in METHODS:
-        raise ConfigError(f"unknown secure-inference method {name!r}; known: {', '.join(METHODS)}")
-    return METHODS[name]
+    return lookup("secure-inference method", METHODS, name)
 
 
-def run_method_party(ctx: Any, method: str, payload: Any, prefix_ids: torch.Tensor | None, n_new: int,
-                     shape: tuple[int, int]) -> G.GenerationResult:
+def run_method_party(
+    ctx: Any, method: str, payload: Any, prefix_ids: torch.Tensor | None, n_new: int, shape: tuple[int, int]
+) -> G.GenerationResult:
     """One party's share of an encrypted generation with ``method`` (call inside ``parties.run_local``).
 
     ``prefix_ids`` (B, N) is used only by the client (party 1); the model owner (party 0) passes its
@@ -78,8 +96,9 @@ def run_method_party(ctx: Any, method: str, payload: Any, prefix_ids: torch.Tens
     if spec.engine == "merge":
         if not isinstance(payload, MergeSpec):
             raise ConfigError(f"method {method!r} runs a MergeSpec, got {type(payload).__name__}")
-        return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(ids, n_new, mode=spec.mode,
-                                                                                     shape=shape)
+        return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(
+            ids, n_new, mode=spec.mode, shape=shape
+        )
     if not isinstance(payload, G.GPT2Weights):
         raise ConfigError(f"method {method!r} runs GPT2Weights, got {type(payload).__name__}")
     model = G.EncryptedGPT2(payload, spec.variant, rank=ctx.rank, device=ctx.device)

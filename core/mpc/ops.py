@@ -11,7 +11,8 @@ below (tests/core/mpc/test_ops.py states the tolerances it checks):
 * :func:`embed`, :func:`linear`: exact up to truncation, |err| <~ 1e-4 for d <= 64.
 * :func:`layer_norm` (exact, eq. 2): mean, variance, ``inv_sqrt`` by Newton-Raphson (CrypTen's initial guess,
   ``nr_iters`` iterations, default 10): relative error of 1/sqrt <~ 5e-3 for variances in [4e-4, 100]
-  (measured); above ~200 the initial guess diverges (prescale the input). ``norm="approx"`` is MERGE/THE-X's ``x * gamma + beta`` (exact).
+  (measured); above ~200 the initial guess diverges (prescale the input). ``norm="approx"`` is MERGE/THE-X's ``x *
+  gamma + beta`` (exact).
 * :func:`softmax` ``exact``: ``max`` by log-reduction comparisons, CrypTen ``exp`` ((1 + x/2^8)^(2^8)), sum,
   ``reciprocal`` (Newton-Raphson, input known positive); |err| <~ 5e-3 on probabilities. The causal mask
   adds ``-MASK_VALUE`` (a large public constant) before the max and multiplies ``exp`` by the public 0/1
@@ -142,8 +143,14 @@ def _normalize(num: CrypTensor, count: torch.Tensor, eps: float) -> CrypTensor:
         return num * den.reciprocal()
 
 
-def softmax(scores: CrypTensor, meter: CostMeter, *, kind: str = "exact", mask: torch.Tensor | None = None,
-            c: float | None = None) -> CrypTensor:
+def softmax(
+    scores: CrypTensor,
+    meter: CostMeter,
+    *,
+    kind: str = "exact",
+    mask: torch.Tensor | None = None,
+    c: float | None = None,
+) -> CrypTensor:
     """Softmax (or an MPCFormer approximation) over the last dim with an optional public 0/1 mask (Nq, Nk)."""
     check_choice("softmax", kind, SOFTMAXES)
     with meter.op(OpCategory.SOFTMAX):
@@ -202,8 +209,9 @@ def argmax_onehot(logits: CrypTensor, meter: CostMeter) -> CrypTensor:
         return to_fixed_point(logits.argmax(dim=-1, keepdim=True, one_hot=True))
 
 
-def plain_softmax(scores: torch.Tensor, *, kind: str = "exact", mask: torch.Tensor | None = None,
-                  c: float | None = None) -> torch.Tensor:
+def plain_softmax(
+    scores: torch.Tensor, *, kind: str = "exact", mask: torch.Tensor | None = None, c: float | None = None
+) -> torch.Tensor:
     """Plaintext twin of :func:`softmax` (same approximations) for references and tests."""
     check_choice("softmax", kind, SOFTMAXES)
     keep = mask if mask is not None else torch.ones(scores.shape[-1])
@@ -233,8 +241,9 @@ def plain_activation(x: torch.Tensor, *, kind: str = "gelu") -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(inner))
 
 
-def plain_layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, *, eps: float = 1e-5,
-                     kind: str = "exact") -> torch.Tensor:
+def plain_layer_norm(
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, *, eps: float = 1e-5, kind: str = "exact"
+) -> torch.Tensor:
     """Plaintext twin of :func:`layer_norm`."""
     check_choice("norm", kind, NORMS)
     if kind == "approx":

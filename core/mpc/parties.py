@@ -95,8 +95,7 @@ def _child(fn, rank, world_size, rendezvous, device, threads, conn, args, kwargs
     status, payload = "ok", b""
     try:
         os.environ.update(
-            {"DISTRIBUTED_BACKEND": "gloo", "RENDEZVOUS": rendezvous, "WORLD_SIZE": str(world_size),
-             "RANK": str(rank)}
+            {"DISTRIBUTED_BACKEND": "gloo", "RENDEZVOUS": rendezvous, "WORLD_SIZE": str(world_size), "RANK": str(rank)}
         )
         if threads:
             torch.set_num_threads(threads)
@@ -237,8 +236,12 @@ def run_party_from_env(
         raise ConfigError(f"RANK must be in [0, WORLD_SIZE), got RANK={rank}, WORLD_SIZE={world_size}")
     dev = resolve_device(device)
     os.environ.update(
-        {"DISTRIBUTED_BACKEND": env.get("DISTRIBUTED_BACKEND", "gloo"),
-         "RENDEZVOUS": f"tcp://{env['MASTER_ADDR']}:{port}", "WORLD_SIZE": str(world_size), "RANK": str(rank)}
+        {
+            "DISTRIBUTED_BACKEND": env.get("DISTRIBUTED_BACKEND", "gloo"),
+            "RENDEZVOUS": f"tcp://{env['MASTER_ADDR']}:{port}",
+            "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+        }
     )
     ctx = PartyContext(rank=rank, world_size=world_size, device=dev)
     try:

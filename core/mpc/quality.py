@@ -37,7 +37,8 @@ def rouge_l(candidates: Sequence[str], references: Sequence[str]) -> float:
     _check(candidates, references)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return sum(scorer.score(r, c)["rougeL"].fmeasure for c, r in zip(candidates, references, strict=True)) / len(
-        candidates)
+        candidates
+    )
 
 
 def chrf(candidates: Sequence[str], references: Sequence[str]) -> float:
@@ -72,11 +73,19 @@ def embedding_f1(candidates: Sequence[Sequence[int]], references: Sequence[Seque
     return total / len(candidates)
 
 
-def text_quality(candidate_ids: Sequence[Sequence[int]], reference_ids: Sequence[Sequence[int]],
-                 decode: Callable[[Sequence[int]], str], table: Tensor) -> dict[str, float]:
+def text_quality(
+    candidate_ids: Sequence[Sequence[int]],
+    reference_ids: Sequence[Sequence[int]],
+    decode: Callable[[Sequence[int]], str],
+    table: Tensor,
+) -> dict[str, float]:
     """All four scores for token-id candidates and references: ``rouge_l``, ``chrf``, ``bleu``,
     ``embedding_f1``."""
     cands = [decode(c).strip() for c in candidate_ids]
     refs = [decode(r).strip() for r in reference_ids]
-    return {"rouge_l": rouge_l(cands, refs), "chrf": chrf(cands, refs), "bleu": bleu(cands, refs),
-            "embedding_f1": embedding_f1(candidate_ids, reference_ids, table)}
+    return {
+        "rouge_l": rouge_l(cands, refs),
+        "chrf": chrf(cands, refs),
+        "bleu": bleu(cands, refs),
+        "embedding_f1": embedding_f1(candidate_ids, reference_ids, table),
+    }

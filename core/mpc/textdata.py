@@ -80,8 +80,7 @@ def _build_gpt2_tokenizer(vocab: Path, merges: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     eos = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos,
-                                   unk_token=eos)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos, unk_token=eos)
 
 
 # --- corpora ---------------------------------------------------------------------------------------------
@@ -193,9 +192,7 @@ def text_pairs(corpus: str = "auto", *, max_pairs: int | None = None) -> tuple[s
     return corpus, pairs[:max_pairs] if max_pairs else pairs
 
 
-def encode_pairs(
-    tokenizer, pairs: Sequence[tuple[str, str]], *, max_len: int
-) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], *, max_len: int) -> list[tuple[list[int], list[int]]]:
     """Token ids of each pair: prefix ``p`` (ending in EOS as a separator) and response ``y`` (ending in EOS).
 
     The prefix keeps its last tokens and the response its first ones so that ``len(p) + len(y) <= max_len``
@@ -206,15 +203,16 @@ def encode_pairs(
     eos = tokenizer.eos_token_id
     out = []
     for prefix, response in pairs:
-        p = tokenizer.encode(prefix)[-(max_len // 2 - 1):] + [eos]
+        p = tokenizer.encode(prefix)[-(max_len // 2 - 1) :] + [eos]
         y = (tokenizer.encode(response) + [eos])[: max_len - len(p)]
         if len(p) > 1 and y:
             out.append((p, y))
     return out
 
 
-def lm_sequences(encoded: Sequence[tuple[list[int], list[int]]], *, max_len: int,
-                 pad_id: int = EOS_ID) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_sequences(
+    encoded: Sequence[tuple[list[int], list[int]]], *, max_len: int, pad_id: int = EOS_ID
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Language-modelling batches: each pair as one sequence ``p + y`` right-padded to ``max_len``.
 
     Returns:

@@ -14,9 +14,9 @@ That argument ignores side information P2 realistically has:
   hidden states (mean, scale, tails, outlier dimensions) are characteristic
   of a model and can be matched against reference activations of the public
   model on public text.
-* :func:`token_frequency_attack` -- if the vocabulary is permuted instead,
-  frequency analysis (plus optional bigram context) of the observed token
-  stream undoes a substitution cipher.
+* :func:`core.stip.vocab_attack.token_frequency_attack` -- if the vocabulary
+  is permuted instead, frequency analysis (plus optional bigram context) of
+  the observed token stream undoes a substitution cipher.
 * :func:`what_it_reveals` -- turns a recovered ``pi`` into recovered user
   tokens by nearest-neighbour decoding against the public embedding table.
 
@@ -45,15 +45,15 @@ from core.errors import ConfigError
 __all__ = [
     "ActivationAttackResult",
     "RevealResult",
-    "TokenFrequencyResult",
     "WeightMatchingResult",
     "activation_statistics_attack",
+    "as_permutation",
     "coordinate_statistics",
     "guess_probability",
+    "hungarian",
     "model_dim_axes",
     "permute_state",
     "recovery_rate",
-    "token_frequency_attack",
     "weight_matching_attack",
     "what_it_reveals",
 ]
@@ -73,7 +73,9 @@ def guess_probability(d: int) -> float:
     return -math.lgamma(int(d) + 1) / math.log(10.0)
 
 
-def _as_perm(perm: object, d: int, what: str, allow_unknown: bool = False) -> np.ndarray:
+def as_permutation(perm: object, d: int, what: str, allow_unknown: bool = False) -> np.ndarray:
+    """``perm`` (tensor or array) as an int64 permutation of ``range(d)`` (``-1``: unknown, with
+    ``allow_unknown``); ConfigError naming ``what`` otherwise."""
     arr = perm.detach().cpu().numpy() if isinstance(perm, torch.Tensor) else np.asarray(perm)
     arr = arr.astype(np.int64).reshape(-1)
     if arr.shape[0] != d:
@@ -95,7 +97,7 @@ def recovery_rate(recovered: object, truth: object) -> float:
     return float(np.mean(r == t)) if t.size else 0.0
 
 
-def _hungarian(cost: np.ndarray) -> tuple[np.ndarray, float]:
+def hungarian(cost: np.ndarray) -> tuple[np.ndarray, float]:
     """Row i -> column assignment minimising total cost; returns (cols, mean cost)."""
     cost = np.nan_to_num(np.asarray(cost, dtype=np.float64), nan=1e30, posinf=1e30, neginf=-1e30)
     rows, cols = linear_sum_assignment(cost)
@@ -186,15 +188,13 @@ def _resolve_axes(axes: AxesSpec, state: Mapping[str, torch.Tensor]) -> dict[str
     raise ConfigError(f"axes must be an arch name, a {{name: axis}} mapping or a callable, got {type(axes)}")
 
 
-def permute_state(
-    state: Mapping[str, torch.Tensor], perm: object, axes: AxesSpec
-) -> dict[str, torch.Tensor]:
+def permute_state(state: Mapping[str, torch.Tensor], perm: object, axes: AxesSpec) -> dict[str, torch.Tensor]:
     """Apply STIP's transform to a plain state dict: every model-dim axis indexed by ``perm``."""
     ax = _resolve_axes(axes, state)
     if not ax:
         raise ConfigError("permute_state: no tensor has a model-dimension axis under the given axes")
     d = state[next(iter(ax))].shape[next(iter(ax.values()))]
-    p = torch.as_tensor(_as_perm(perm, d, "perm"))
+    p = torch.as_tensor(as_permutation(perm, d, "perm"))
     out = {}
     for name, t in state.items():
         out[name] = t.index_select(ax[name], p) if name in ax else t
@@ -297,8 +297,8 @@ def weight_matching_attack(
         vb = (nb - sb**2 / length).clamp_min(0)
         cost = -cov / (va.sqrt()[:, None] * vb.sqrt()[None, :] + 1e-30)
     cost_np = cost.numpy()
-    rec, mean_cost = _hungarian(cost_np)
-    rate = None if true_perm is None else recovery_rate(rec, _as_perm(true_perm, d, "true_perm"))
+    rec, mean_cost = hungarian(cost_np)
+    rate = None if true_perm is None else recovery_rate(rec, as_permutation(true_perm, d, "true_perm"))
     return WeightMatchingResult(
         recovered=rec,
         recovery_rate=rate,
@@ -403,7 +403,7 @@ def _match_stats(fp: np.ndarray, fr: np.ndarray) -> tuple[np.ndarray, float]:
     a = (fp - mu) / sd
     b = (fr - mu) / sd
     cost = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T
-    rec, _ = _hungarian(cost)
+    rec, _ = hungarian(cost)
     return rec, _margin(cost, rec)
 
 
@@ -435,7 +435,7 @@ def activation_statistics_attack(
             "sizes must match (same layer of the same architecture)"
         )
     d = xp.shape[1]
-    truth = None if true_perm is None else _as_perm(true_perm, d, "true_perm")
+    truth = None if true_perm is None else as_permutation(true_perm, d, "true_perm")
     fr = coordinate_statistics(xr, features, outlier_sigma)
     fp = coordinate_statistics(xp, features, outlier_sigma)
     rec, margin = _match_stats(fp, fr)
@@ -456,156 +456,6 @@ def activation_statistics_attack(
         features=list(features),
         margin=margin,
         recovery_by_queries=curve,
-    )
-
-
-# ---------------------------------------------------------------------------
-# (c) token frequency analysis of a permuted vocabulary
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class TokenFrequencyResult:
-    """Outcome of :func:`token_frequency_attack`.
-
-    ``recovered[t]`` is the guessed observed id of true token ``t`` (the
-    estimate of ``sigma``); ``decode[o]`` the guessed true token of observed
-    id ``o``.
-    """
-
-    recovered: np.ndarray
-    decode: np.ndarray
-    recovery_rate: float | None  # fraction of the whole vocabulary mapped right
-    coverage_recovery: dict[float, float]  # X -> fraction right among the top tokens covering X of the stream
-    stream_decoding_rate: float | None  # fraction of observed stream positions decoded to the true token
-    n_observed_types: int
-    n_stream: int
-
-
-def _as_ids(x: object, what: str, vocab_size: int) -> np.ndarray:
-    arr = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x).astype(np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-        raise ConfigError(
-            f"{what} holds ids in [{arr.min()}, {arr.max()}] but vocab_size={vocab_size}; ids must be in "
-            f"[0, {vocab_size})"
-        )
-    return arr
-
-
-def _bigram_context(stream: np.ndarray, anchors: np.ndarray, vocab_size: int) -> np.ndarray:
-    """(V, 2K) counts of each token followed by / preceded by each anchor, row-normalised."""
-    k = anchors.shape[0]
-    slot = np.full(vocab_size, -1, dtype=np.int64)
-    slot[anchors] = np.arange(k)
-    ctx = np.zeros((vocab_size, 2 * k))
-    left, right = stream[:-1], stream[1:]
-    m = slot[right] >= 0
-    np.add.at(ctx, (left[m], slot[right[m]]), 1.0)
-    m = slot[left] >= 0
-    np.add.at(ctx, (right[m], k + slot[left[m]]), 1.0)
-    tot = ctx.sum(1, keepdims=True)
-    return ctx / np.where(tot > 0, tot, 1.0)
-
-
-def token_frequency_attack(
-    observed_token_stream: object,
-    reference_frequencies: object,
-    vocab_size: int,
-    *,
-    true_sigma: object | None = None,
-    coverage: Sequence[float] = (0.5, 0.8, 0.9, 0.95),
-    reference_stream: object | None = None,
-    n_anchors: int = 64,
-    refine_top: int = 1000,
-    bigram_weight: float = 1.0,
-) -> TokenFrequencyResult:
-    """Undo a secret vocabulary permutation ``sigma`` by frequency analysis.
-
-    ``observed_token_stream`` holds ``sigma[t]`` for the user's tokens ``t``;
-    ``reference_frequencies`` (size ``vocab_size``, counts or probabilities)
-    is the unigram distribution of a public corpus. Observed ids ranked by
-    count are paired with reference tokens ranked by frequency. With
-    ``reference_stream`` (public token ids) the top ``refine_top`` observed
-    types are re-matched by Hungarian assignment on a cost mixing the
-    log-frequency gap and the distance between bigram-context profiles
-    against the ``n_anchors`` most frequent (rank-matched) tokens.
-
-    With ``true_sigma``: ``recovery_rate`` over the whole vocabulary,
-    ``coverage_recovery[X]`` the fraction right among the most frequent
-    observed types that together cover a fraction X of the stream, and
-    ``stream_decoding_rate`` the fraction of stream positions decoded to the
-    right token (what the attack reveals of the user's text).
-    """
-    if int(vocab_size) != vocab_size or vocab_size < 1:
-        raise ConfigError(f"vocab_size must be a positive integer, got vocab_size={vocab_size!r}")
-    v = int(vocab_size)
-    obs = _as_ids(observed_token_stream, "observed_token_stream", v)
-    if obs.size == 0:
-        raise ConfigError("observed_token_stream is empty; the attack needs observed tokens")
-    ref = np.asarray(
-        reference_frequencies.cpu() if isinstance(reference_frequencies, torch.Tensor) else reference_frequencies,
-        dtype=np.float64,
-    ).reshape(-1)
-    if ref.shape[0] != v:
-        raise ConfigError(
-            f"reference_frequencies has size {ref.shape[0]} but vocab_size={v}; sizes must match"
-        )
-    obs_counts = np.bincount(obs, minlength=v).astype(np.float64)
-    # stable ranking: ties broken by id, deterministic
-    obs_rank = np.lexsort((np.arange(v), -obs_counts))
-    ref_rank = np.lexsort((np.arange(v), -ref))
-    sigma_hat = np.empty(v, dtype=np.int64)
-    sigma_hat[ref_rank] = obs_rank
-
-    if reference_stream is not None:
-        rstream = _as_ids(reference_stream, "reference_stream", v)
-        top = int(min(refine_top, int((obs_counts > 0).sum()), v))
-        k = int(min(n_anchors, top))
-        if top >= 2 and k >= 1 and rstream.size > 1:
-            ref_anchor = ref_rank[:k]
-            obs_anchor = sigma_hat[ref_anchor]
-            ctx_o = _bigram_context(obs, obs_anchor, v)
-            ctx_r = _bigram_context(rstream, ref_anchor, v)
-            o_ids = obs_rank[:top]
-            r_ids = ref_rank[:top]
-            lo = np.log(obs_counts[o_ids] / obs_counts.sum())
-            rp = ref / ref.sum()
-            lr = np.log(np.maximum(rp[r_ids], 1e-300))
-            a, b = ctx_o[o_ids], ctx_r[r_ids]
-            ctx_cost = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T
-            scale = np.median(np.abs(lo[:, None] - lr[None, :])) + 1e-12
-            ctx_scale = np.median(ctx_cost) + 1e-12
-            cost = np.abs(lo[:, None] - lr[None, :]) / scale + bigram_weight * ctx_cost / ctx_scale
-            assign, _ = _hungarian(cost)  # observed row i -> reference column
-            sigma_hat[r_ids[assign]] = o_ids
-
-    decode = np.empty(v, dtype=np.int64)
-    decode[sigma_hat] = np.arange(v)
-    rate = None
-    cov: dict[float, float] = {}
-    stream_rate = None
-    if true_sigma is not None:
-        sig = _as_perm(true_sigma, v, "true_sigma")
-        rate = recovery_rate(sigma_hat, sig)
-        true_decode = np.empty(v, dtype=np.int64)
-        true_decode[sig] = np.arange(v)
-        correct_obs = decode == true_decode  # per observed id
-        stream_rate = float(correct_obs[obs].mean())
-        counts_sorted = obs_counts[obs_rank]
-        cum = np.cumsum(counts_sorted) / counts_sorted.sum()
-        for x in coverage:
-            if not 0 < x <= 1:
-                raise ConfigError(f"coverage levels must be in (0, 1], got {x}")
-            n_types = int(np.searchsorted(cum, x - 1e-12) + 1)
-            cov[float(x)] = float(correct_obs[obs_rank[:n_types]].mean())
-    return TokenFrequencyResult(
-        recovered=sigma_hat,
-        decode=decode,
-        recovery_rate=rate,
-        coverage_recovery=cov,
-        stream_decoding_rate=stream_rate,
-        n_observed_types=int((obs_counts > 0).sum()),
-        n_stream=int(obs.size),
     )
 
 
@@ -644,8 +494,10 @@ def what_it_reveals(
     ``embedding_table`` ``(V, d)`` restricted to the placed coordinates.
     """
     x = _flatten_acts(permuted_embeddings, "permuted_embeddings", min_rows=1)
-    table = embedding_table.detach() if isinstance(embedding_table, torch.Tensor) else torch.as_tensor(
-        np.asarray(embedding_table)
+    table = (
+        embedding_table.detach()
+        if isinstance(embedding_table, torch.Tensor)
+        else torch.as_tensor(np.asarray(embedding_table))
     )
     table = table.to(torch.float64)
     if table.dim() != 2:
@@ -653,10 +505,9 @@ def what_it_reveals(
     d = x.shape[1]
     if table.shape[1] != d:
         raise ConfigError(
-            f"permuted_embeddings has d={d} coordinates but embedding_table has d={table.shape[1]}; "
-            "sizes must match"
+            f"permuted_embeddings has d={d} coordinates but embedding_table has d={table.shape[1]}; sizes must match"
         )
-    perm = _as_perm(recovered_perm, d, "recovered_perm", allow_unknown=True)
+    perm = as_permutation(recovered_perm, d, "recovered_perm", allow_unknown=True)
     known = np.nonzero(perm >= 0)[0]
     if known.size == 0:
         raise ConfigError("recovered_perm places no coordinate (all -1); nothing to decode with")

@@ -11,7 +11,7 @@ correctness and costs, and the three attacks on the permutation with what each r
 * :func:`attack_activation_stats`: P2 sees the permuted inputs X[:, pi] of ``n_queries`` queries; the attacker
   has the base model's inputs on other text; coordinates are matched by their statistics.
 * :func:`attack_token_frequency`: permuted-vocabulary design; P2 sees a substituted token stream and knows
-  public unigram frequencies.
+  public unigram frequencies (:func:`corpus_streams`: the stream and the public text, from the offline corpus).
 """
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ from torch import nn
 from core.stip import attacks as A
 from core.stip.parties import run_stip, run_stip_inprocess
 from core.stip.transform import _arch, base_model_of, random_permutation
+from core.stip.vocab_attack import token_frequency_attack
 
-__all__ = ["attack_activation_stats", "attack_token_frequency", "attack_weight_matching", "embedding_table",
-           "model_dim", "protocol_costs", "simulate_finetune"]
+__all__ = [
+    "attack_activation_stats",
+    "attack_token_frequency",
+    "attack_weight_matching",
+    "corpus_streams",
+    "embedding_table",
+    "model_dim",
+    "protocol_costs",
+    "simulate_finetune",
+]
 
 
 def model_dim(model: nn.Module) -> int:
@@ -40,8 +49,9 @@ def embedding_table(model: nn.Module) -> torch.Tensor:
     return model.get_input_embeddings().weight.detach()
 
 
-def protocol_costs(model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, seed: int, repeats: int,
-                   timeout_s: float) -> dict[str, Any]:
+def protocol_costs(
+    model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, seed: int, repeats: int, timeout_s: float
+) -> dict[str, Any]:
     """Correctness and costs of one design (see the module docstring)."""
     res = run_stip(model, prompt, n_new, design=design, seed=seed, timeout_s=timeout_s)
     ratios, fractions, p2s, plains = [], [], [], []
@@ -51,12 +61,22 @@ def protocol_costs(model: nn.Module, prompt: torch.Tensor, n_new: int, *, design
         fractions.append(ip.p3_seconds / (ip.p2_seconds + ip.p3_seconds))
         p2s.append(ip.p2_seconds)
         plains.append(ip.plain_seconds)
-    return {"design": design, "tokens_match": float(res.tokens_match), "max_abs_err": res.max_abs_logit_error,
-            "server_over_plaintext_time": statistics.median(ratios), "user_overhead_fraction": statistics.median(fractions),
-            "p2_s": statistics.median(p2s), "plaintext_s": statistics.median(plains),
-            "bytes_up_per_token": res.bytes_up_per_token, "bytes_down_per_token": res.bytes_down_per_token,
-            "setup_bytes_to_cloud": res.setup_bytes_p1_to_p2, "setup_bytes_to_user": res.setup_bytes_p1_to_p3,
-            "three_process_wall_s": res.wall_seconds, "tokens": res.tokens, "plain_tokens": res.plain_tokens}
+    return {
+        "design": design,
+        "tokens_match": float(res.tokens_match),
+        "max_abs_err": res.max_abs_logit_error,
+        "server_over_plaintext_time": statistics.median(ratios),
+        "user_overhead_fraction": statistics.median(fractions),
+        "p2_s": statistics.median(p2s),
+        "plaintext_s": statistics.median(plains),
+        "bytes_up_per_token": res.bytes_up_per_token,
+        "bytes_down_per_token": res.bytes_down_per_token,
+        "setup_bytes_to_cloud": res.setup_bytes_p1_to_p2,
+        "setup_bytes_to_user": res.setup_bytes_p1_to_p3,
+        "three_process_wall_s": res.wall_seconds,
+        "tokens": res.tokens,
+        "plain_tokens": res.plain_tokens,
+    }
 
 
 def simulate_finetune(model: nn.Module, rel_noise: float, seed: int) -> nn.Module:
@@ -75,8 +95,9 @@ def simulate_finetune(model: nn.Module, rel_noise: float, seed: int) -> nn.Modul
 def _block_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What P2 holds in the user_embed design: every parameter but the token embedding and the LM head."""
     skip = ("wte", "embed_tokens", "lm_head")
-    return {k: v.detach() for k, v in model.state_dict().items() if not any(s in k for s in skip)
-            and v.is_floating_point()}
+    return {
+        k: v.detach() for k, v in model.state_dict().items() if not any(s in k for s in skip) and v.is_floating_point()
+    }
 
 
 def _user_inputs(model: nn.Module, n: int, length: int, seed: int) -> torch.Tensor:
@@ -98,9 +119,15 @@ def attack_weight_matching(base: nn.Module, *, rel_noise: float, seed: int) -> d
     ids = _user_inputs(base, 1, 16, seed + 7)[0]
     table = embedding_table(deployed)
     reveal = A.what_it_reveals(res.recovered, table[ids][:, pi], table, true_tokens=ids)
-    return {"recovery_rate": res.recovery_rate, "input_tokens_recovered": reveal.token_recovery_rate,
-            "margin": res.margin, "attack_s": seconds, "d": d, "rel_noise": rel_noise,
-            "log10_guess_probability": A.guess_probability(d)}
+    return {
+        "recovery_rate": res.recovery_rate,
+        "input_tokens_recovered": reveal.token_recovery_rate,
+        "margin": res.margin,
+        "attack_s": seconds,
+        "d": d,
+        "rel_noise": rel_noise,
+        "log10_guess_probability": A.guess_probability(d),
+    }
 
 
 @torch.no_grad()
@@ -113,8 +140,9 @@ def _input_activations(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def attack_activation_stats(base: nn.Module, *, n_queries: int, seq_len: int, rel_noise: float,
-                            seed: int) -> dict[str, Any]:
+def attack_activation_stats(
+    base: nn.Module, *, n_queries: int, seq_len: int, rel_noise: float, seed: int
+) -> dict[str, Any]:
     deployed = simulate_finetune(base, rel_noise, seed)
     d = model_dim(base)
     pi = random_permutation(d, seed + 1)
@@ -131,17 +159,46 @@ def attack_activation_stats(base: nn.Module, *, n_queries: int, seq_len: int, re
     if hasattr(b, "wpe"):
         offset = b.wpe.weight.detach()[: ids.shape[0]]
     reveal = A.what_it_reveals(res.recovered, x, table, true_tokens=ids, offset=offset)
-    return {"recovery_rate": res.recovery_rate, "input_tokens_recovered": reveal.token_recovery_rate,
-            "n_queries": n_queries, "rows": int(seen.shape[0]), "attack_s": seconds, "d": d}
+    return {
+        "recovery_rate": res.recovery_rate,
+        "input_tokens_recovered": reveal.token_recovery_rate,
+        "n_queries": n_queries,
+        "rows": int(seen.shape[0]),
+        "attack_s": seconds,
+        "d": d,
+    }
 
 
-def attack_token_frequency(stream: torch.Tensor, reference: torch.Tensor, vocab_size: int, *, seed: int) -> dict[str, Any]:
+def attack_token_frequency(
+    stream: torch.Tensor, reference: torch.Tensor, vocab_size: int, *, seed: int
+) -> dict[str, Any]:
     """``stream``: the user's token ids (substituted here with a secret sigma); ``reference``: public text ids."""
     sigma = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
     freqs = torch.bincount(reference, minlength=vocab_size).double()
     t0 = time.perf_counter()
-    res = A.token_frequency_attack(sigma[stream], freqs / freqs.sum(), vocab_size, true_sigma=sigma,
-                                   reference_stream=reference)
-    return {"recovery_rate": res.stream_decoding_rate, "vocabulary_recovered": res.recovery_rate,
-            "coverage_recovery": res.coverage_recovery, "n_stream": int(stream.numel()),
-            "attack_s": time.perf_counter() - t0}
+    res = token_frequency_attack(
+        sigma[stream], freqs / freqs.sum(), vocab_size, true_sigma=sigma, reference_stream=reference
+    )
+    return {
+        "recovery_rate": res.stream_decoding_rate,
+        "vocabulary_recovered": res.recovery_rate,
+        "coverage_recovery": res.coverage_recovery,
+        "n_stream": int(stream.numel()),
+        "attack_s": time.perf_counter() - t0,
+    }
+
+
+def corpus_streams(stream_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Public text as GPT-2 BPE token ids (the offline dialogue corpus): the user's stream (``stream_tokens``
+    ids, substituted by the attack) and a disjoint reference half whose unigram frequencies the attacker knows.
+    The substitution attack acts on the vocabulary alone, so GPT-2's tokenizer stands in for every model."""
+    from core.models.gpt2 import GPT2_VOCAB
+    from core.mpc.textdata import gpt2_tokenizer, text_pairs
+
+    tok = gpt2_tokenizer()
+    _, pairs = text_pairs("auto")
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+    halves = [order[0::2], order[1::2]]  # seeded random halves: both from the same distribution of topics
+    user = torch.tensor([t for i in halves[0] for t in tok.encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
+    public = torch.tensor([t for i in halves[1] for t in tok.encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
+    return user[:stream_tokens], public, GPT2_VOCAB

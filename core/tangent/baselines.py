@@ -151,9 +151,7 @@ def forget_by_retraining(
     k = shard_index.shard_of(sample)
     rest = shard_index.without(sample)
     if rest.numel() == 0:
-        raise DataError(
-            f"shard {k} is empty after forgetting sample {sample}; remove it with forget_by_subtraction"
-        )
+        raise DataError(f"shard {k} is empty after forgetting sample {sample}; remove it with forget_by_subtraction")
     model = _fresh(make_model)
     train_tangent(model, cached[rest], labels[rest], _shard_cfg(cfg, k))
     return model.get_delta(), k, rest

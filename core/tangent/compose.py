@@ -46,9 +46,7 @@ def _flatten(delta: Delta, what: str) -> tuple[list[str] | None, list[Tensor]]:
         tensors = list(delta)
         names = [str(i) for i in range(len(tensors))]
     else:
-        raise DataError(
-            f"{what} must be a list of tensors or a dict name->tensor, got {type(delta).__name__}"
-        )
+        raise DataError(f"{what} must be a list of tensors or a dict name->tensor, got {type(delta).__name__}")
     for name, t in zip(names, tensors, strict=True):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             desc = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -74,17 +72,13 @@ def _match(
                 sorted(map(str, set(ref_keys) - set(keys))),
                 sorted(map(str, set(keys) - set(ref_keys))),
             )
-            raise DataError(
-                f"{what} has different keys: missing {missing}, extra {extra}; deltas must share names"
-            )
+            raise DataError(f"{what} has different keys: missing {missing}, extra {extra}; deltas must share names")
         by_key = dict(zip(keys, ts, strict=True))
         ts = [by_key[k] for k in ref_keys]
         names = [repr(k) for k in ref_keys]
     else:
         if len(ts) != len(ref):
-            raise DataError(
-                f"{what} has {len(ts)} tensors, expected {len(ref)}; deltas must have the same structure"
-            )
+            raise DataError(f"{what} has {len(ts)} tensors, expected {len(ref)}; deltas must have the same structure")
         names = [str(i) for i in range(len(ts))]
     for name, a, b in zip(names, ref, ts, strict=True):
         if a.shape != b.shape:
@@ -189,9 +183,7 @@ def add_component(composed: Delta, component: Delta, n_components: int) -> Delta
     return _rebuild(keys, out)
 
 
-def ensemble_logits(
-    logits: Sequence[Tensor], weights: WeightsLike = None, *, normalize: bool = True
-) -> Tensor:
+def ensemble_logits(logits: Sequence[Tensor], weights: WeightsLike = None, *, normalize: bool = True) -> Tensor:
     """Output ensemble ``sum_i lambda_i f_lin^i(x)`` (left-hand side of eq. 13).
 
     For tangent models this equals the logits of the model with delta ``compose(deltas, weights)``.

@@ -177,12 +177,11 @@ class TangentAttention(nn.Module):
     ``S = Q K^T * scale``, ``jvp_S = (jvp_Q K^T + Q jvp_K^T) * scale`` (eq. 7, the second product
     accumulated into the first by ``baddbmm``); ``A = softmax(S)``,
     ``jvp_A = A * (jvp_S - sum_j A * jvp_S)`` (eq. 6, the softmax JVP);
-    ``O = A V``, ``jvp_O = jvp_A V + A jvp_V`` (likewise accumulated); then the output projection. Shapes: ``x: (B, N, D)`` -> ``(B, N, D)``.
+    ``O = A V``, ``jvp_O = jvp_A V + A jvp_V`` (likewise accumulated); then the output projection. Shapes: ``x: (B,
+    N, D)`` -> ``(B, N, D)``.
     """
 
-    def __init__(
-        self, q: TangentLinear, k: TangentLinear, v: TangentLinear, o: TangentLinear, num_heads: int
-    ) -> None:
+    def __init__(self, q: TangentLinear, k: TangentLinear, v: TangentLinear, o: TangentLinear, num_heads: int) -> None:
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         self.num_heads = int(num_heads)

@@ -52,13 +52,9 @@ ParamsLike = Tensor | Iterable[Tensor] | Mapping[str, Tensor]
 
 def _check_hyper(alpha: float, kappa: float) -> None:
     if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
-        raise ConfigError(
-            f"RSL alpha must be a finite number > 0, got alpha={alpha!r}; the paper's default is 1.0"
-        )
+        raise ConfigError(f"RSL alpha must be a finite number > 0, got alpha={alpha!r}; the paper's default is 1.0")
     if not (isinstance(kappa, int | float) and math.isfinite(kappa)):
-        raise ConfigError(
-            f"RSL kappa must be a finite number, got kappa={kappa!r}; the paper uses 15 (App. A)"
-        )
+        raise ConfigError(f"RSL kappa must be a finite number, got kappa={kappa!r}; the paper uses 15 (App. A)")
 
 
 def rescaled_square_loss(
@@ -126,14 +122,10 @@ class RescaledSquareLoss:
     def __post_init__(self) -> None:
         _check_hyper(self.alpha, self.kappa)
         if self.reduction not in get_args(Reduction):
-            raise ConfigError(
-                f"unknown reduction={self.reduction!r}; known: {', '.join(get_args(Reduction))}"
-            )
+            raise ConfigError(f"unknown reduction={self.reduction!r}; known: {', '.join(get_args(Reduction))}")
 
     def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return rescaled_square_loss(
-            logits, labels, alpha=self.alpha, kappa=self.kappa, reduction=self.reduction
-        )
+        return rescaled_square_loss(logits, labels, alpha=self.alpha, kappa=self.kappa, reduction=self.reduction)
 
 
 def _as_list(params: ParamsLike, what: str) -> list[Tensor]:
@@ -145,9 +137,7 @@ def _as_list(params: ParamsLike, what: str) -> list[Tensor]:
         items = list(params)
     for i, p in enumerate(items):
         if not isinstance(p, Tensor):
-            raise DataError(
-                f"{what}: item {i} is a {type(p).__name__}, not a tensor; pass tensors/parameters"
-            )
+            raise DataError(f"{what}: item {i} is a {type(p).__name__}, not a tensor; pass tensors/parameters")
         if not p.is_floating_point():
             raise DataError(f"{what}: item {i} has dtype {p.dtype}; parameters must be floating point")
     return items
@@ -188,9 +178,7 @@ def project_to_ball_(params: ParamsLike, radius: float) -> float:
         the norm before projection (a Python float).
     """
     if not (isinstance(radius, int | float) and math.isfinite(radius) and radius > 0):
-        raise ConfigError(
-            f"projection radius must be a finite number > 0, got radius={radius!r}; App. B uses 1 or 10"
-        )
+        raise ConfigError(f"projection radius must be a finite number > 0, got radius={radius!r}; App. B uses 1 or 10")
     items = _as_list(params, "project_to_ball_")
     if not items:
         return 0.0

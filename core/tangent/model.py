@@ -34,10 +34,19 @@ from core.tangent.layers import (
     tangent_add,
 )
 
-__all__ = ["SUPPORTED_BLOCKS", "TangentBlock", "TangentModel", "linearize_block", "reinit_block_"]
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "TangentBlock",
+    "TangentModel",
+    "force_eager_attention_",
+    "linearize_block",
+    "reinit_block_",
+]
 
 SUPPORTED_BLOCKS = ("Dinov2Layer (MLP with erf GELU, no SwiGLU)", "ViTLayer (erf GELU)")
 SUPPORTED_MODELS = ("Dinov2Model", "ViTModel")
+# TangentAttention projection -> the HF attention submodule it linearises
+_ATTN_PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
 
 class TangentBlock(nn.Module):
@@ -145,7 +154,7 @@ def linearize_block(block: nn.Module) -> tuple[TangentBlock, dict[str, str]]:
             continue
         top, _, rest = sub_name.partition(".")
         hf_prefix = names[top] + (
-            "." + {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}[rest] if rest else ""
+            "." + _ATTN_PROJ[rest] if rest else ""  # rest: one of TangentAttention's own four projections
         )
         for d_name, src in sub.source_names.items():
             mapping[f"{sub_name}.{d_name}"] = f"{hf_prefix}.{src}"
@@ -240,9 +249,7 @@ class TangentModel(nn.Module):
             self.source_names.update({f"blocks.{j}.{a}": f"{hf_prefix}.{i}.{b}" for a, b in mapping.items()})
         self.blocks = nn.ModuleList(blocks)
         self.layernorm = TangentLayerNorm.from_module(backbone.layernorm)
-        self.source_names.update(
-            {"layernorm.d_weight": "layernorm.weight", "layernorm.d_bias": "layernorm.bias"}
-        )
+        self.source_names.update({"layernorm.d_weight": "layernorm.weight", "layernorm.d_bias": "layernorm.bias"})
         if head is None:
             gen = torch.Generator().manual_seed(seed)
             head = nn.Linear(dim, num_classes)
@@ -323,9 +330,7 @@ class TangentModel(nn.Module):
         if isinstance(delta, Tensor):
             total = sum(p.numel() for p in params.values())
             if delta.dim() != 1 or delta.numel() != total:
-                raise ConfigError(
-                    f"flat delta must be 1-D with {total} entries, got shape {tuple(delta.shape)}"
-                )
+                raise ConfigError(f"flat delta must be 1-D with {total} entries, got shape {tuple(delta.shape)}")
             off = 0
             for p in params.values():
                 p.copy_(delta[off : off + p.numel()].view_as(p))  # (numel,) -> param shape
@@ -336,7 +341,20 @@ class TangentModel(nn.Module):
             raise ConfigError(f"delta keys mismatch: missing={sorted(missing)}, unexpected={sorted(extra)}")
         for n, p in params.items():
             if tuple(delta[n].shape) != tuple(p.shape):
-                raise ConfigError(
-                    f"delta[{n!r}] must have shape {tuple(p.shape)}, got {tuple(delta[n].shape)}"
-                )
+                raise ConfigError(f"delta[{n!r}] must have shape {tuple(p.shape)}, got {tuple(delta[n].shape)}")
             p.copy_(delta[n])
+
+
+def force_eager_attention_(module: nn.Module) -> nn.Module:
+    """Switch every HF attention in ``module`` to the eager implementation, in place.
+
+    ``torch.func.vmap`` has no batching rule for the fused SDPA kernels and falls back to a slow
+    per-example loop (with a warning); eager attention is plain matmul + softmax, the same function.
+    Only the configs held by ``module``'s submodules are changed (a ``NonlinearSuffix`` holds deep
+    copies, so the backbone is untouched). Returns ``module``.
+    """
+    for sub in module.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", "eager") != "eager":
+            cfg._attn_implementation = "eager"
+    return module

@@ -32,41 +32,33 @@ Choices (the caption of Table 3 leaves them open):
 * A TangentModel's ``d_cls`` (CLS-token shift, ``linearize_cls_token``) has no counterpart in the
   regular model, so no regime trains it (it stays at zero).
 
-:func:`train_dp` is DP-SGD on any named subset of parameters (per-example gradients by
-``vmap(grad(functional_call))``, Poisson sampling, clipping, Gaussian noise calibrated by the
-accountant; :func:`core.tangent.train.dp_sgd`). :func:`train_regime_dp` builds the model of one
-Table 3 cell and trains the regime's parameters. App. A: DP uses cross-entropy (``loss="ce"``),
-predicts with the JVP output only (``predict_jvp_only``), 50 epochs without lr decay.
+:func:`build_regime_model` builds the model of one Table 3 cell and :func:`regime_parameter_names` picks the
+regime's parameters; :func:`core.tangent.train.train_dp` trains them under DP-SGD (per-example gradients by
+``vmap(grad(functional_call))``, Poisson sampling, clipping, Gaussian noise calibrated by the accountant).
+App. A: DP uses cross-entropy (``loss="ce"``), predicts with the JVP output only (``predict_jvp_only``), 50
+epochs without lr decay.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from core.dp.accounting import PrivacyLedger
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError
 from core.tangent.baselines import NonlinearSuffix
 from core.tangent.layers import TangentLayerNorm
-from core.tangent.model import TangentModel
-from core.tangent.train import TangentTrainConfig, TrainStats, check_data, dp_sgd
+from core.tangent.model import TangentModel, force_eager_attention_
 
 __all__ = [
     "REGIMES",
     "RegimeName",
-    "RegimeResult",
     "build_regime_model",
-    "force_eager_attention_",
     "regime_parameter_names",
     "regular_names",
-    "train_dp",
-    "train_regime_dp",
 ]
 
 RegimeName = Literal["full", "bitfit", "layernorm", "fc"]
@@ -138,89 +130,6 @@ def regime_parameter_names(model: TangentModel | NonlinearSuffix, regime: str) -
     return [n for n, r in regular_names(model).items() if _selected(model, n, r, regime)]
 
 
-def force_eager_attention_(module: nn.Module) -> nn.Module:
-    """Switch every HF attention in ``module`` to the eager implementation, in place.
-
-    ``torch.func.vmap`` has no batching rule for the fused SDPA kernels and falls back to a slow
-    per-example loop (with a warning); eager attention is plain matmul + softmax, the same function.
-    Only the configs held by ``module``'s submodules are changed (a ``NonlinearSuffix`` holds deep
-    copies, so the backbone is untouched). Returns ``module``.
-    """
-    for sub in module.modules():
-        cfg = getattr(sub, "config", None)
-        if cfg is not None and getattr(cfg, "_attn_implementation", "eager") != "eager":
-            cfg._attn_implementation = "eager"
-    return module
-
-
-def train_dp(
-    module: nn.Module,
-    trainable_names: Sequence[str],
-    cached: Tensor,
-    labels: Tensor,
-    cfg: TangentTrainConfig,
-    *,
-    target_epsilon: float,
-    clip_norm: float,
-    delta: float | None = None,
-    accountant: str = "rdp",
-    generator: torch.Generator | None = None,
-    max_physical_batch: int | None = 256,
-) -> tuple[TrainStats, PrivacyLedger]:
-    """DP-SGD on the parameters ``trainable_names`` of ``module``, in place (Sec. 3.4).
-
-    ``module`` has ``forward_from_cache(h): (B, N, D) -> (B, C)`` (TangentModel or NonlinearSuffix).
-    Per-example gradients ``vmap(grad(functional_call))``; Poisson batches of expected size
-    ``q n = cfg.batch_size``; each clipped to norm ``clip_norm``; ``N(0, sigma^2 C^2)`` noise with
-    ``sigma`` calibrated so the accountant spends ``<= target_epsilon`` at ``delta`` (default
-    ``1/(10n)``); the sum divided by ``q n``; then Adam/SGD (:func:`core.tangent.train.dp_sgd`).
-    ``cfg.ridge``/``cfg.ball_radius`` act around the parameters' values at the start of training.
-    Every other parameter stays bit-identical; HF attention is switched to eager
-    (:func:`force_eager_attention_`) and the module runs in eval mode (no dropout).
-
-    Returns the (non-private, monitoring) stats and the privacy ledger. Raises
-    :class:`ConfigError` for an empty or unknown name set, a bad epsilon/clip norm/batch size.
-    """
-    if not hasattr(module, "forward_from_cache"):
-        raise ConfigError(f"train_dp needs a module with forward_from_cache, got {type(module).__name__}")
-    names = list(trainable_names)
-    if not names:
-        raise ConfigError("train_dp: trainable_names is empty; pass e.g. regime_parameter_names(model, 'fc')")
-    check_data(cached, labels)
-    named = dict(module.named_parameters())
-    unknown = [n for n in names if n not in named]
-    if unknown:
-        raise ConfigError(f"train_dp: unknown parameter names {unknown} for {type(module).__name__}")
-    force_eager_attention_(module)
-    center = {n: named[n].detach().clone() for n in names}
-    return dp_sgd(
-        module,
-        names,
-        cached,
-        labels,
-        cfg,
-        target_epsilon=target_epsilon,
-        clip_norm=clip_norm,
-        delta=delta,
-        accountant=accountant,
-        generator=generator,
-        center=center,
-        max_physical_batch=max_physical_batch,
-    )
-
-
-@dataclass(frozen=True)
-class RegimeResult:
-    """One Table 3 cell: the trained model, its stats and ledger, and what was trained."""
-
-    model: TangentModel | NonlinearSuffix
-    stats: TrainStats
-    ledger: PrivacyLedger
-    trainable: int  # number of trained scalars
-    regime: str
-    tangent: bool
-
-
 def build_regime_model(
     backbone: nn.Module,
     head: nn.Linear,
@@ -249,63 +158,3 @@ def build_regime_model(
         model = force_eager_attention_(NonlinearSuffix(backbone, head, k))
     dtype = dtype if dtype is not None else next(backbone.parameters()).dtype
     return model.to(dtype).eval()
-
-
-def train_regime_dp(
-    backbone: nn.Module,
-    head: nn.Linear,
-    cached: Tensor,
-    labels: Tensor,
-    *,
-    regime: str,
-    tangent: bool,
-    cfg: TangentTrainConfig,
-    target_epsilon: float,
-    clip_norm: float,
-    k: int = 1,
-    seed: int = 0,
-    delta: float | None = None,
-    accountant: str = "rdp",
-    predict_jvp_only: bool = True,
-    max_physical_batch: int | None = 256,
-) -> RegimeResult:
-    """Train one Table 3 cell: ``regime`` x (``tangent``: "Ours" / else "Reg") under DP-SGD.
-
-    Args:
-        backbone: ``Dinov2Model``/``ViTModel``, the pretrained point (not modified).
-        head: the initial classifier ``nn.Linear(D, C)`` (copied; shared by both kinds).
-        cached: frozen prefix activations of the first ``L - k`` blocks, ``(n, N, D)``
-            (``TangentModel(backbone, C, k).cache_frozen(x)``); both kinds share this cache.
-        labels: ``(n,)`` classes in ``[0, C)``.
-        regime: one of :data:`REGIMES`.
-        cfg: optimisation settings (App. A: ``loss="ce"``, 50 epochs, no lr decay).
-        target_epsilon, clip_norm, delta, accountant: the DP-SGD mechanism (:func:`train_dp`).
-        k: number of fine-tuned (linearised) last blocks.
-        seed: noise/sampling seed (``cfg.seed`` is ignored here for them) and the TangentModel seed.
-        predict_jvp_only: tangent logits ``J Delta-w`` only (App. A; True as in the paper).
-    """
-    regime = _check_regime(regime)
-    check_data(cached, labels)
-    model = build_regime_model(
-        backbone, head, tangent=tangent, k=k, predict_jvp_only=predict_jvp_only, seed=seed, dtype=cached.dtype
-    )
-    d = model.head.weight.shape[1]
-    if cached.dim() != 3 or cached.shape[-1] != d:
-        raise DataError(f"cached must be (n, N, D={d}) prefix activations, got {tuple(cached.shape)}")
-    names = regime_parameter_names(model, regime)
-    named = dict(model.named_parameters())
-    stats, ledger = train_dp(
-        model,
-        names,
-        cached,
-        labels,
-        cfg,
-        target_epsilon=target_epsilon,
-        clip_norm=clip_norm,
-        delta=delta,
-        accountant=accountant,
-        generator=torch.Generator().manual_seed(seed),
-        max_physical_batch=max_physical_batch,
-    )
-    trainable = sum(named[n].numel() for n in names)
-    return RegimeResult(model, stats, ledger, trainable, regime, tangent)

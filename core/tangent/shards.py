@@ -75,9 +75,7 @@ class ShardIndex:
 
     def __post_init__(self) -> None:
         if isinstance(self.shards, Tensor) or not isinstance(self.shards, Sequence):
-            raise ConfigError(
-                f"shards must be a sequence of 1-D index tensors, got {type(self.shards).__name__}"
-            )
+            raise ConfigError(f"shards must be a sequence of 1-D index tensors, got {type(self.shards).__name__}")
         shards = tuple(self.shards)
         if not shards:
             raise ConfigError("ShardIndex needs at least one shard, got 0; pass split_shards(...) output")
@@ -87,9 +85,7 @@ class ShardIndex:
                 desc = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, Tensor) else type(s).__name__
                 raise DataError(f"shard {k} must be a 1-D integer tensor, got {desc}")
             if s.numel() == 0:
-                raise DataError(
-                    f"shard {k} is empty; every shard needs at least one sample (use fewer shards)"
-                )
+                raise DataError(f"shard {k} is empty; every shard needs at least one sample (use fewer shards)")
             for i in s.tolist():
                 if i < 0:
                     raise DataError(f"shard {k} holds a negative sample index {i}; indices must be >= 0")

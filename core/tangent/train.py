@@ -9,10 +9,11 @@ TAFT trains only ``Delta-w`` of the linearised suffix ``f_lin(x) = f_w(x) + J_w 
 
 optionally with projected gradient descent onto ``{dw : ||dw||_2 <= R}`` after every step (App. B).
 
-:func:`train_tangent_dp` is the DP-SGD variant (Sec. 3.4): per-example gradients by
+:func:`train_dp` is the DP-SGD variant (Sec. 3.4): per-example gradients by
 ``vmap(grad)`` on the cached features, Poisson sampling, clipping, Gaussian noise and an accountant
-from :mod:`core.dp`. Sharded training, composition (eq. 13), forgetting, and the non-linear
-baselines (NLFT-k, FC, SISA, Model Soup) live in :mod:`core.tangent.baselines`.
+from :mod:`core.dp`. Sharded training, forgetting, and the non-linear baselines (NLFT-k, FC, SISA,
+Model Soup) live in :mod:`core.tangent.baselines`, composition (eq. 13) in :mod:`core.tangent.compose`,
+and the stage's experiment procedures (Tables 1-3, Fig. 1) in :mod:`core.tangent.experiments`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from core.dp.noise import privatize_grads_
 from core.dp.sampling import poisson_batches, sample_rate_for
 from core.errors import ConfigError, DataError
 from core.tangent.loss import l2_penalty, project_to_ball_, rescaled_square_loss
-from core.tangent.model import TangentModel
+from core.tangent.model import TangentModel, force_eager_attention_
 
 __all__ = [
     "EpochStats",
@@ -49,8 +50,8 @@ __all__ = [
     "fit",
     "objective",
     "per_sample_grads",
+    "train_dp",
     "train_tangent",
-    "train_tangent_dp",
 ]
 
 LossName = Literal["rsl", "ce"]
@@ -110,9 +111,7 @@ class TangentTrainConfig:
         if self.loss not in get_args(LossName):
             raise ConfigError(f"unknown loss={self.loss!r}; known: {', '.join(get_args(LossName))}")
         if self.optimizer not in get_args(OptimizerName):
-            raise ConfigError(
-                f"unknown optimizer={self.optimizer!r}; known: {', '.join(get_args(OptimizerName))}"
-            )
+            raise ConfigError(f"unknown optimizer={self.optimizer!r}; known: {', '.join(get_args(OptimizerName))}")
         if not _is_real(self.alpha) or self.alpha <= 0:
             raise ConfigError(f"alpha must be a finite number > 0, got alpha={self.alpha!r}")
         if not _is_real(self.kappa):
@@ -120,9 +119,7 @@ class TangentTrainConfig:
         if not _is_real(self.ridge) or self.ridge < 0:
             raise ConfigError(f"ridge must be a finite number >= 0, got ridge={self.ridge!r}")
         if self.ball_radius is not None and (not _is_real(self.ball_radius) or self.ball_radius <= 0):
-            raise ConfigError(
-                f"ball_radius must be None or a finite number > 0, got ball_radius={self.ball_radius!r}"
-            )
+            raise ConfigError(f"ball_radius must be None or a finite number > 0, got ball_radius={self.ball_radius!r}")
         ms = self.lr_milestones
         if (
             not isinstance(ms, tuple)
@@ -168,9 +165,7 @@ class TrainStats:
 def check_data(cached: Tensor, labels: Tensor, what: str = "cached") -> None:
     """Validate ``cached: (n, ...)`` floating features and ``labels: (n,)`` integer classes, ``n >= 1``."""
     if not isinstance(cached, Tensor) or not cached.is_floating_point() or cached.dim() < 2:
-        desc = (
-            f"{cached.dtype} {tuple(cached.shape)}" if isinstance(cached, Tensor) else type(cached).__name__
-        )
+        desc = f"{cached.dtype} {tuple(cached.shape)}" if isinstance(cached, Tensor) else type(cached).__name__
         raise DataError(f"{what} must be a floating (n, ...) tensor of frozen features, got {desc}")
     if cached.shape[0] == 0:
         raise DataError(f"{what} is empty (n=0); training needs at least one sample (empty shard?)")
@@ -273,9 +268,7 @@ def train_tangent(
         )
     model.train()
     try:
-        return fit(
-            model.forward_from_cache, model.tangent_parameters(), cached, labels, cfg, on_epoch=on_epoch
-        )
+        return fit(model.forward_from_cache, model.tangent_parameters(), cached, labels, cfg, on_epoch=on_epoch)
     finally:
         model.eval()
 
@@ -410,35 +403,51 @@ def _project_around_(params: Sequence[Tensor], center: Sequence[Tensor], radius:
         p.copy_(c + d)
 
 
-def dp_sgd(
+def train_dp(
     module: nn.Module,
-    names: Sequence[str],
     cached: Tensor,
     labels: Tensor,
     cfg: TangentTrainConfig,
     *,
     target_epsilon: float,
     clip_norm: float,
+    names: Sequence[str] | None = None,
     delta: float | None = None,
     accountant: str = "rdp",
     generator: torch.Generator | None = None,
-    center: dict[str, Tensor] | None = None,
-    max_physical_batch: int | None = None,
+    max_physical_batch: int | None = 256,
 ) -> tuple[TrainStats, PrivacyLedger]:
-    """DP-SGD on the parameters ``names`` of ``module`` (anything with ``forward_from_cache``);
-    see :func:`train_tangent_dp` for the mechanism. Every other parameter is left untouched.
+    """DP-SGD (Sec. 3.4, Table 3) on the parameters ``names`` of ``module``, in place; the one DP entry point.
 
-    ``center``: the point the ridge (``ridge * ||theta - center||^2``) and the ball
-    (``||theta - center|| <= R``) are taken around; ``None`` means the origin (the TAFT delta).
-    ``max_physical_batch``: per-example gradients are computed in chunks of at most this many
-    examples (memory bound; the result is the same sum). ``module`` runs in eval mode (no dropout)
-    and is restored to its previous mode afterwards.
+    ``module`` has ``forward_from_cache(h): (B, N, D) -> (B, C)`` (a :class:`TangentModel` or a
+    ``NonlinearSuffix``); ``names`` defaults to a TangentModel's ``Delta-w`` (a Table 3 regime's subset:
+    :func:`core.tangent.regimes.regime_parameter_names`). Poisson batches of expected size
+    ``q n = cfg.batch_size``, ``T = epochs * ceil(n / batch_size)`` steps, per-example gradients by
+    ``vmap(grad(functional_call))`` clipped to ``C = clip_norm``:
+
+        ``G = ( sum_{i in B} g_i min(1, C / ||g_i||) + N(0, sigma^2 C^2 I) ) / (q n)``,
+
+    with ``sigma`` calibrated so that the accountant spends at most ``target_epsilon`` at ``delta``
+    (default ``1/(10 n)``); then Adam/SGD. The ridge gradient ``2 lambda (theta - theta_0)`` (data
+    independent) is added after the noise and the ball ``||theta - theta_0|| <= R`` is post-processing, both
+    around the parameters' values ``theta_0`` at the start of training (for a fresh TangentModel the origin
+    ``Delta-w = 0``). Sampling and noise come from ``generator`` (default: seeded with ``cfg.seed``).
+    Per-example gradients are computed in chunks of at most ``max_physical_batch`` examples (a memory bound;
+    the sum is the same). Every other parameter stays bit-identical; HF attention is switched to eager
+    (:func:`~core.tangent.model.force_eager_attention_`) and ``module`` runs in eval mode (no dropout),
+    restored to its previous mode afterwards. Use ``loss="ce"`` and ``predict_jvp_only`` as App. A.
+
+    Returns the stats (losses are *not* private, for monitoring) and the privacy ledger. Raises
+    :class:`ConfigError` for an empty or unknown name set, a bad epsilon/clip norm/batch size.
     """
+    if not hasattr(module, "forward_from_cache"):
+        raise ConfigError(f"train_dp needs a module with forward_from_cache, got {type(module).__name__}")
     check_data(cached, labels)
     check_clip_norm(clip_norm)
-    names = _resolve_names(module, names, "dp_sgd")
+    names = _resolve_names(module, names, "train_dp")
     if max_physical_batch is not None and (not _is_int(max_physical_batch) or max_physical_batch < 1):
         raise ConfigError(f"max_physical_batch must be None or an int >= 1, got {max_physical_batch=!r}")
+    force_eager_attention_(module)
     n = cached.shape[0]
     q = sample_rate_for(cfg.batch_size, n)
     per_epoch = math.ceil(n / cfg.batch_size)
@@ -451,12 +460,10 @@ def dp_sgd(
     gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
     named = dict(module.named_parameters())
     params = [named[nm] for nm in names]
-    centers = None if center is None else [center[nm].to(p) for nm, p in zip(names, params, strict=True)]
+    centers = [p.detach().clone() for p in params]
     opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)(params, lr=cfg.lr)
     labels = labels.long()
-    guard = DivergenceGuard(
-        hint=f"lower the learning rate (lr={cfg.lr:g}) or the clip norm (clip_norm={clip_norm:g})"
-    )
+    guard = DivergenceGuard(hint=f"lower the learning rate (lr={cfg.lr:g}) or the clip norm (clip_norm={clip_norm:g})")
     stats: list[EpochStats] = []
     was_training = module.training
     module.eval()
@@ -473,33 +480,23 @@ def dp_sgd(
                     loss = objective(module.forward_from_cache(cached[idx]), labels[idx], cfg)
                 total += guard.check(loss, step=t + 1, epoch=epoch + 1)  # DivergedError: NaN/inf or exploding
                 count += 1
-                g = clipped_grad_sum(
-                    module, names, cached[idx], labels[idx], cfg, clip_norm, chunk=max_physical_batch
-                )
+                g = clipped_grad_sum(module, names, cached[idx], labels[idx], cfg, clip_norm, chunk=max_physical_batch)
                 for nm, p in zip(names, params, strict=True):
                     p.grad = g[nm].to(p.dtype)
             privatize_grads_(
                 params, noise_multiplier=sigma, clip_norm=clip_norm, expected_batch_size=q * n, generator=gen
             )
             if cfg.ridge > 0:
-                for i, p in enumerate(params):
-                    p.grad.add_(
-                        p.detach() if centers is None else p.detach() - centers[i], alpha=2 * cfg.ridge
-                    )
+                for p, c in zip(params, centers, strict=True):
+                    p.grad.add_(p.detach() - c, alpha=2 * cfg.ridge)
             opt.step()
             if cfg.ball_radius is not None:
-                if centers is None:
-                    project_to_ball_(params, cfg.ball_radius)
-                else:
-                    _project_around_(params, centers, cfg.ball_radius)
+                _project_around_(params, centers, cfg.ball_radius)
             acct.step(noise_multiplier=sigma, sample_rate=q)
             if (t + 1) % per_epoch == 0:
-                moved = [p.detach().double() - (0 if centers is None else centers[i].double())
-                         for i, p in enumerate(params)]  # fmt: skip
+                moved = [p.detach().double() - c.double() for p, c in zip(params, centers, strict=True)]
                 norm = float(l2_penalty(moved).sqrt())
-                es = EpochStats(
-                    epoch, total / max(count, 1), norm, cfg.lr_at(epoch), time.perf_counter() - t0
-                )
+                es = EpochStats(epoch, total / max(count, 1), norm, cfg.lr_at(epoch), time.perf_counter() - t0)
                 stats.append(es)
                 t0, total, count = time.perf_counter(), 0.0, 0
     finally:
@@ -507,41 +504,3 @@ def dp_sgd(
     ledger = acct.ledger(clip_norm=clip_norm, target_epsilon=target_epsilon)
     acct.check_budget(target_epsilon=target_epsilon)
     return TrainStats(tuple(stats), steps, time.perf_counter() - start), ledger
-
-
-def train_tangent_dp(
-    model: TangentModel,
-    cached: Tensor,
-    labels: Tensor,
-    cfg: TangentTrainConfig,
-    *,
-    target_epsilon: float,
-    clip_norm: float,
-    delta: float | None = None,
-    accountant: str = "rdp",
-    generator: torch.Generator | None = None,
-) -> tuple[TrainStats, PrivacyLedger]:
-    """DP-SGD on ``Delta-w`` (Sec. 3.4, Table 3): Poisson batches of expected size
-    ``q n = cfg.batch_size``, ``T = epochs * ceil(n / batch_size)`` steps, per-example clipping
-
-        ``G = ( sum_{i in B} g_i min(1, C / ||g_i||) + N(0, sigma^2 C^2 I) ) / (q n)``,
-
-    with ``sigma`` calibrated so that the accountant spends at most ``target_epsilon`` at ``delta``
-    (default ``1/(10 n)``). The ridge gradient ``2 lambda dw`` (data independent) is added after the
-    noise; the ball projection is post-processing. Use ``loss="ce"`` and ``predict_jvp_only`` as
-    App. A. Returns the stats (losses are *not* private, for monitoring) and the privacy ledger.
-    Training a subset of the deltas (Table 3 regimes): :mod:`core.tangent.regimes`.
-    """
-    check_data(cached, labels)
-    return dp_sgd(
-        model,
-        _delta_names(model, "train_tangent_dp"),
-        cached,
-        labels,
-        cfg,
-        target_epsilon=target_epsilon,
-        clip_norm=clip_norm,
-        delta=delta,
-        accountant=accountant,
-        generator=generator,
-    )

@@ -159,8 +159,9 @@ def resolve_setting(profile: str, options: Mapping[str, Any]) -> Setting:
         if isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap) or cap < 0:
             raise ConfigError(f"max_batch_mem_mb must be a number >= 0 (0 = no search), got {cap!r}")
         if cap > 0 and profile != "paper":
-            raise ConfigError("the max-batch search (--max-batch-mem-mb) runs only in the paper profile; "
-                              "add --profile paper")
+            raise ConfigError(
+                "the max-batch search (--max-batch-mem-mb) runs only in the paper profile; add --profile paper"
+            )
         setting = replace(setting, max_batch_mem_mb=float(cap))
     return setting
 
@@ -170,9 +171,14 @@ def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]
     if out["max_batch_mem_mb"] is None:
         out["max_batch_mem_mb"] = CPU_DEFAULT_CAP_MB if device == "cpu" else "device"
     out["worker_env"] = _worker_env(setting, device)
-    out.update(device=device, threads=threads,
-               methods={name: asdict(m) for name, m in METHODS.items()},
-               noise_multiplier=1.0, clip_norm=1.0, optimizer="Adam(lr=1e-3)")
+    out.update(
+        device=device,
+        threads=threads,
+        methods={name: asdict(m) for name, m in METHODS.items()},
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        optimizer="Adam(lr=1e-3)",
+    )
     return out
 
 
@@ -184,43 +190,84 @@ def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return _setting_json(resolve_setting(profile, options), bench_device(), bench_threads())
 
 
-def _worker_kwargs(setting: Setting, method: str, *, batch: int, device: str, threads: int,
-                   warmup: int, steps: int, fit_trial: bool = False,
-                   mem_cap_mb: float | None = None) -> dict[str, Any]:
+def _worker_kwargs(
+    setting: Setting,
+    method: str,
+    *,
+    batch: int,
+    device: str,
+    threads: int,
+    warmup: int,
+    steps: int,
+    fit_trial: bool = False,
+    mem_cap_mb: float | None = None,
+) -> dict[str, Any]:
     m = METHODS[method]
     return {
-        "method": method, "clipping": m.clipping, "tied": m.tied,
-        "d_model": max(int(m.d_model_factor * setting.d_model), 1), "items": setting.items,
-        "seq_len": setting.seq_len, "batch": batch, "n_layers": setting.n_layers,
-        "n_heads": setting.n_heads, "dropout": setting.dropout, "warmup": warmup, "steps": steps,
-        "seed": setting.seed, "device": device, "threads": threads, "fit_trial": fit_trial,
+        "method": method,
+        "clipping": m.clipping,
+        "tied": m.tied,
+        "d_model": max(int(m.d_model_factor * setting.d_model), 1),
+        "items": setting.items,
+        "seq_len": setting.seq_len,
+        "batch": batch,
+        "n_layers": setting.n_layers,
+        "n_heads": setting.n_heads,
+        "dropout": setting.dropout,
+        "warmup": warmup,
+        "steps": steps,
+        "seed": setting.seed,
+        "device": device,
+        "threads": threads,
+        "fit_trial": fit_trial,
         "mem_cap_mb": mem_cap_mb,
     }
 
 
-@register(NAME, "one DP-SGD step per clipping method (nonprivate, phantom, opacus hooks, opacus ghost "
-                "untied): time and peak memory, fresh process each, interleaved rounds (paper Fig. 3)",
-          options=("max_batch_mem_mb",), setting=_config)
+@register(
+    NAME,
+    "one DP-SGD step per clipping method (nonprivate, phantom, opacus hooks, opacus ghost "
+    "untied): time and peak memory, fresh process each, interleaved rounds (paper Fig. 3)",
+    options=("max_batch_mem_mb",),
+    setting=_config,
+)
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     setting = resolve_setting(profile, options)
     device, threads = bench_device(), bench_threads()
-    progress.print(f"[bold]{NAME}[/] ({profile}): items={setting.items} L={setting.seq_len} "
-                   f"batch={setting.batch} d={setting.d_model} on {device}, {threads} threads, "
-                   f"{setting.repeats} rounds x {len(METHODS)} fresh processes")
+    progress.print(
+        f"[bold]{NAME}[/] ({profile}): items={setting.items} L={setting.seq_len} "
+        f"batch={setting.batch} d={setting.d_model} on {device}, {threads} threads, "
+        f"{setting.repeats} rounds x {len(METHODS)} fresh processes"
+    )
 
     def measure(method: str) -> dict[str, Any]:
-        kwargs = _worker_kwargs(setting, method, batch=setting.batch, device=device, threads=threads,
-                                warmup=setting.warmup, steps=setting.steps)
-        return run_in_fresh_process(WORKER_TARGET, kwargs, label=f"method {method!r}",
-                                    timeout=setting.timeout_s, threads=threads,
-                                    extra_env=_worker_env(setting, device))
+        kwargs = _worker_kwargs(
+            setting,
+            method,
+            batch=setting.batch,
+            device=device,
+            threads=threads,
+            warmup=setting.warmup,
+            steps=setting.steps,
+        )
+        return run_in_fresh_process(
+            WORKER_TARGET,
+            kwargs,
+            label=f"method {method!r}",
+            timeout=setting.timeout_s,
+            threads=threads,
+            extra_env=_worker_env(setting, device),
+        )
 
     def report(r: int, method: str, out: dict[str, Any]) -> None:
-        progress.print(f"  round {r + 1}/{setting.repeats} {method:<20} step {out['step_s'] * 1e3:9.1f} ms"
-                       f"   peak +{out['peak_mem_mb']:8.1f} MB")
+        progress.print(
+            f"  round {r + 1}/{setting.repeats} {method:<20} step {out['step_s'] * 1e3:9.1f} ms"
+            f"   peak +{out['peak_mem_mb']:8.1f} MB"
+        )
 
-    runs = interleave({m: functools.partial(measure, m) for m in METHODS}, setting.repeats,
-                      rotate=True, on_sample=report)
+    runs = interleave(
+        {m: functools.partial(measure, m) for m in METHODS}, setting.repeats, rotate=True, on_sample=report
+    )
     methods: dict[str, Any] = {}
     for name, spec in METHODS.items():
         first = runs.rounds[0][name]
@@ -245,9 +292,11 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         "ratios": ratios,
         "ratio_samples": {key: runs.ratio_samples(*spec) for key, spec in RATIOS.items()},
         "order": runs.order,
-        "notes": ("step_s and peak_mem_mb: medians over rounds (one fresh process per method and round); "
-                  "ratios: median over rounds of the per-round ratio (methods of a round run back to back, "
-                  "order rotated each round); peak_mem_mb: growth over the state after model/data setup"),
+        "notes": (
+            "step_s and peak_mem_mb: medians over rounds (one fresh process per method and round); "
+            "ratios: median over rounds of the per-round ratio (methods of a round run back to back, "
+            "order rotated each round); peak_mem_mb: growth over the state after model/data setup"
+        ),
     }
     if setting.max_batch_mem_mb != 0:
         result.update(_max_batch_search(setting, device, threads, progress))
@@ -261,24 +310,30 @@ def _max_batch_search(setting: Setting, device: str, threads: int, progress: Pro
     cap = setting.max_batch_mem_mb
     if cap is None:
         cap = CPU_DEFAULT_CAP_MB if device == "cpu" else None  # None on CUDA: the whole device
-    progress.print(f"[bold]max batch[/] under {f'{cap:.0f} MB' if cap else 'the device memory'} per method "
-                   f"(fresh process per trial)")
+    progress.print(
+        f"[bold]max batch[/] under {f'{cap:.0f} MB' if cap else 'the device memory'} per method "
+        f"(fresh process per trial)"
+    )
     best: dict[str, int] = {}
     trials: dict[str, list[dict[str, Any]]] = {}
     for method in METHODS:
         best[method], trials[method] = _search_one(setting, method, cap, device, threads, progress)
-    return {"max_batch": best, "max_batch_trials": trials,
-            "max_batch_cap_mb": cap if cap is not None else "device"}
+    return {"max_batch": best, "max_batch_trials": trials, "max_batch_cap_mb": cap if cap is not None else "device"}
 
 
-def _trial(setting: Setting, method: str, batch: int, cap: float | None, device: str,
-           threads: int) -> dict[str, Any]:
-    kwargs = _worker_kwargs(setting, method, batch=batch, device=device, threads=threads, warmup=1, steps=1,
-                            fit_trial=True, mem_cap_mb=cap)
+def _trial(setting: Setting, method: str, batch: int, cap: float | None, device: str, threads: int) -> dict[str, Any]:
+    kwargs = _worker_kwargs(
+        setting, method, batch=batch, device=device, threads=threads, warmup=1, steps=1, fit_trial=True, mem_cap_mb=cap
+    )
     try:
-        out = run_in_fresh_process(WORKER_TARGET, kwargs, label=f"method {method!r} (batch {batch})",
-                                   timeout=setting.timeout_s, threads=threads,
-                                   extra_env=_worker_env(setting, device))
+        out = run_in_fresh_process(
+            WORKER_TARGET,
+            kwargs,
+            label=f"method {method!r} (batch {batch})",
+            timeout=setting.timeout_s,
+            threads=threads,
+            extra_env=_worker_env(setting, device),
+        )
     except BenchmarkError as exc:
         if exc.timed_out or (exc.returncode is not None and exc.returncode < 0):
             return {"batch": batch, "fits": False, "error": str(exc).splitlines()[0]}
@@ -292,8 +347,9 @@ def _trial(setting: Setting, method: str, batch: int, cap: float | None, device:
     return trial
 
 
-def _search_one(setting: Setting, method: str, cap: float | None, device: str, threads: int,
-                progress: Progress) -> tuple[int, list[dict[str, Any]]]:
+def _search_one(
+    setting: Setting, method: str, cap: float | None, device: str, threads: int, progress: Progress
+) -> tuple[int, list[dict[str, Any]]]:
     trials: list[dict[str, Any]] = []
 
     def fits(batch: int) -> bool:
@@ -383,9 +439,24 @@ def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any,
 
 
 def measure_step(
-    *, method: str, clipping: str, tied: bool, d_model: float, items: int, seq_len: int, batch: int,
-    n_layers: int, n_heads: int, dropout: float, warmup: int, steps: int, seed: int, device: str,
-    threads: int, fit_trial: bool = False, mem_cap_mb: float | None = None,
+    *,
+    method: str,
+    clipping: str,
+    tied: bool,
+    d_model: float,
+    items: int,
+    seq_len: int,
+    batch: int,
+    n_layers: int,
+    n_heads: int,
+    dropout: float,
+    warmup: int,
+    steps: int,
+    seed: int,
+    device: str,
+    threads: int,
+    fit_trial: bool = False,
+    mem_cap_mb: float | None = None,
 ) -> dict[str, Any]:
     """Worker side: time ``steps`` DP-SGD steps of one method after ``warmup``; peak memory growth.
 
@@ -405,8 +476,15 @@ def measure_step(
     torch.manual_seed(seed)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    cfg = SeqRecConfig(num_items=items, max_len=seq_len, d_model=int(d_model), n_heads=n_heads,
-                       n_layers=n_layers, dropout=dropout, tied=tied)
+    cfg = SeqRecConfig(
+        num_items=items,
+        max_len=seq_len,
+        d_model=int(d_model),
+        n_heads=n_heads,
+        n_layers=n_layers,
+        dropout=dropout,
+        tied=tied,
+    )
     model = build_seqrec(cfg).to(dev).train()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     clipper = make_clipper(clipping, model, clip_norm=1.0, normalize=False)
@@ -422,8 +500,9 @@ def measure_step(
         del logits
         clipper.backward(loss)
         if private:
-            privatize_grads_(params, noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=batch,
-                             generator=generator)
+            privatize_grads_(
+                params, noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=batch, generator=generator
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -480,9 +559,18 @@ def measure_step(
         peak = max(peak_total - baseline, 0.0)
     clipper.close()
     out: dict[str, Any] = {
-        "method": method, "ok": error is None, "batch": batch, "n_params": n_params, "d_model": int(d_model),
-        "peak_mem_mb": peak, "peak_total_mb": peak_total, "baseline_mb": baseline, "mem_source": mem_source,
-        "threads": torch.get_num_threads(), "pid": os.getpid(), "setup_s": setup_s,
+        "method": method,
+        "ok": error is None,
+        "batch": batch,
+        "n_params": n_params,
+        "d_model": int(d_model),
+        "peak_mem_mb": peak,
+        "peak_total_mb": peak_total,
+        "baseline_mb": baseline,
+        "mem_source": mem_source,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        "setup_s": setup_s,
     }
     if error is not None:
         out["error"] = error

@@ -52,8 +52,9 @@ _REPO = Path(__file__).resolve().parents[2]
 class BenchmarkError(PrivbenchError):
     """A benchmark could not measure what it was asked to (worker failed, timed out, ...)."""
 
-    def __init__(self, message: str, *, label: str | None = None, returncode: int | None = None,
-                 timed_out: bool = False) -> None:
+    def __init__(
+        self, message: str, *, label: str | None = None, returncode: int | None = None, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
         self.label, self.returncode, self.timed_out = label, returncode, timed_out
 
@@ -279,7 +280,7 @@ def interleave(
 def _marked(stdout: str, marker: str) -> Any:
     for line in reversed(stdout.splitlines()):
         if line.startswith(marker):
-            return json.loads(line[len(marker):])
+            return json.loads(line[len(marker) :])
     return None
 
 
@@ -321,7 +322,8 @@ def run_in_fresh_process(
         raise BenchmarkError(
             f"benchmark worker for {label} timed out after {timeout:g} s ({target}); raise the timeout or "
             f"shrink the setting{tail}",
-            label=label, timed_out=True,
+            label=label,
+            timed_out=True,
         ) from None
     result = _marked(proc.stdout, RESULT_MARKER)
     if proc.returncode == 0 and isinstance(result, dict):
@@ -343,7 +345,8 @@ def run_in_fresh_process(
     raise BenchmarkError(
         f"benchmark worker for {label} failed ({why}); target {target}"
         + (f"\n--- worker stderr (tail) ---\n{stderr}" if stderr else ""),
-        label=label, returncode=proc.returncode,
+        label=label,
+        returncode=proc.returncode,
     )
 
 
@@ -385,8 +388,9 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def run_benchmark(name: str, *, profile: str = "quick", progress: Progress | None = None,
-                  **options: Any) -> dict[str, Any]:
+def run_benchmark(
+    name: str, *, profile: str = "quick", progress: Progress | None = None, **options: Any
+) -> dict[str, Any]:
     """Run benchmark ``name`` and record it (one run); returns the JSON object the CLI prints.
 
     Keys added around the benchmark's own dict: ``benchmark``, ``profile``, ``started_at``,
@@ -399,8 +403,9 @@ def run_benchmark(name: str, *, profile: str = "quick", progress: Progress | Non
         raise ConfigError(f"unknown profile {profile!r} for benchmark {name}; known: {', '.join(PROFILES)}")
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        raise ConfigError(f"benchmark {name} has no option(s) {', '.join(unknown)}; "
-                          f"known: {', '.join(spec.options) or '(none)'}")
+        raise ConfigError(
+            f"benchmark {name} has no option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or '(none)'}"
+        )
     if progress is None:
         from rich.console import Console
 

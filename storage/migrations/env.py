@@ -28,7 +28,7 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _run(connection)
 else:
-    from privbench.settings import get_settings
+    from pbconfig.settings import get_settings
     from storage.db import normalize_url
 
     engine = create_engine(normalize_url(get_settings().db_url))

@@ -70,8 +70,12 @@ def test_custom_error_class_and_bad_arguments() -> None:
 
     with pytest.raises(MyDiverged):
         DivergenceGuard(error=MyDiverged).check(math.nan, step=1)
-    for kwargs, match in [({"factor": 1.0}, "factor"), ({"factor": math.inf}, "factor"),
-                          ({"margin": -1.0}, "margin"), ({"error": ValueError}, "DivergedError subclass")]:
+    for kwargs, match in [
+        ({"factor": 1.0}, "factor"),
+        ({"factor": math.inf}, "factor"),
+        ({"margin": -1.0}, "margin"),
+        ({"error": ValueError}, "DivergedError subclass"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             DivergenceGuard(**kwargs)
     assert issubclass(DivergedError, PrivbenchError) and issubclass(DivergedError, ValueError)
@@ -162,16 +166,28 @@ def _tangent_fit(lr: float) -> None:
     from core.tangent.train import TangentTrainConfig, fit
 
     model, (h, y) = _Linear(), _features()
-    fit(model.forward_from_cache, list(model.parameters()), h, y,
-        TangentTrainConfig(epochs=2, batch_size=16, lr=lr, loss="ce", optimizer="sgd"))
+    fit(
+        model.forward_from_cache,
+        list(model.parameters()),
+        h,
+        y,
+        TangentTrainConfig(epochs=2, batch_size=16, lr=lr, loss="ce", optimizer="sgd"),
+    )
 
 
-def _tangent_dp_sgd(lr: float) -> None:
-    from core.tangent.train import TangentTrainConfig, dp_sgd
+def _tangent_train_dp(lr: float) -> None:
+    from core.tangent.train import TangentTrainConfig, train_dp
 
     model, (h, y) = _Linear(), _features()
-    dp_sgd(model, ["fc.weight", "fc.bias"], h, y, TangentTrainConfig(epochs=2, batch_size=16, lr=lr),
-           target_epsilon=8.0, clip_norm=1.0)
+    train_dp(
+        model,
+        h,
+        y,
+        TangentTrainConfig(epochs=2, batch_size=16, lr=lr),
+        names=["fc.weight", "fc.bias"],
+        target_epsilon=8.0,
+        clip_norm=1.0,
+    )
 
 
 def _lm(lr: float) -> None:
@@ -190,16 +206,25 @@ def _translation(lr: float) -> None:
     model = Seq2SeqLM(24, pad_id=0, dropout=0.0, d_model=16, nhead=2, num_layers=1, ff=32, max_len=16)
     g = torch.Generator().manual_seed(0)
     src = [torch.randint(3, 24, (5,), generator=g).tolist() for _ in range(16)]
-    train_translation(model, src, [s[::-1] for s in src], steps=6, batch_size=4, lr=lr, bos_id=1, eos_id=2,
-                      pad_id=0)
+    train_translation(model, src, [s[::-1] for s in src], steps=6, batch_size=4, lr=lr, bos_id=1, eos_id=2, pad_id=0)
 
 
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=50,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -213,6 +238,12 @@ def _distill(lr: float) -> None:
 
     teacher = _tiny_gpt2()
     distill(teacher, ApproxGPT2(teacher, "mpcformer_2quad"), _batches(), steps=6, lr=lr, layerwise_fraction=0.5)
+
+
+def _finetune(lr: float) -> None:
+    from core.mpc.finetune import finetune_lm
+
+    finetune_lm(_tiny_gpt2(), [(b, torch.ones_like(b, dtype=torch.bool)) for b in _batches()], steps=6, lr=lr)
 
 
 def _merge_er(lr: float) -> None:
@@ -229,8 +260,13 @@ def _merge_mm(lr: float) -> None:
 
 
 LOOPS: dict[str, Callable[[float], None]] = {
-    "tangent.fit": _tangent_fit, "tangent.dp_sgd": _tangent_dp_sgd, "attacks.train_lm": _lm,
-    "attacks.train_translation": _translation, "mpc.distill": _distill, "mpc.train_er": _merge_er,
+    "tangent.fit": _tangent_fit,
+    "tangent.train_dp": _tangent_train_dp,
+    "attacks.train_lm": _lm,
+    "attacks.train_translation": _translation,
+    "mpc.finetune_lm": _finetune,
+    "mpc.distill": _distill,
+    "mpc.train_er": _merge_er,
     "mpc.train_mm": _merge_mm,
 }
 
@@ -242,5 +278,7 @@ def test_every_training_loop_stops_a_diverging_learning_rate(name: str, monkeypa
     # a fixed noise multiplier instead of the (seconds-long) calibration; the budget is still checked
     monkeypatch.setattr(core.tangent.train, "calibrate_noise_multiplier", lambda **kw: 3.0)
     LOOPS[name](1e-3)  # a healthy learning rate trains
-    with pytest.raises(DivergedError, match=r"training diverged.* at step \d+.*lower the .*learning rate \(lr=1e\+12\)"):
+    with pytest.raises(
+        DivergedError, match=r"training diverged.* at step \d+.*lower the .*learning rate \(lr=1e\+12\)"
+    ):
         LOOPS[name](1e12)

@@ -36,23 +36,13 @@ def test_hand_worked_ranks_and_metrics() -> None:
     ranks = rank_of_target(SCORES, TARGETS)
     assert ranks.tolist() == [2, 2, 0]  # padding's 9.0 in row 0 is ignored
     # NDCG@10: 1/log2(2 + 2) = 0.5, 0.5, 1/log2(0 + 2) = 1
-    torch.testing.assert_close(
-        ndcg_at_k(SCORES, TARGETS, k=10), torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)
-    )
-    torch.testing.assert_close(
-        hit_at_k(SCORES, TARGETS, k=10), torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(ndcg_at_k(SCORES, TARGETS, k=10), torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(hit_at_k(SCORES, TARGETS, k=10), torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64))
     # k = 2: rank 2 is outside the top 2
-    torch.testing.assert_close(
-        ndcg_at_k(SCORES, TARGETS, k=2), torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
-    )
-    torch.testing.assert_close(
-        hit_at_k(SCORES, TARGETS, k=2), torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(ndcg_at_k(SCORES, TARGETS, k=2), torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(hit_at_k(SCORES, TARGETS, k=2), torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
     # k = 3: rank 2 is in
-    torch.testing.assert_close(
-        hit_at_k(SCORES, TARGETS, k=3), torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(hit_at_k(SCORES, TARGETS, k=3), torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64))
     assert float(ndcg_at_k(SCORES, TARGETS, k=10).mean()) == pytest.approx(2 / 3)
 
 

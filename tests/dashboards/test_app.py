@@ -1,13 +1,17 @@
-"""The Streamlit app headless (``streamlit.testing.v1.AppTest``): empty states on an empty store; charts,
-MLflow links and working filters on the filled store."""
+"""The Streamlit app headless (``streamlit.testing.v1.AppTest``): empty states on an empty store; the
+leaderboards (the values of ``storage.leaderboard``), charts, MLflow links and working filters on the filled
+store."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboards import tables
+from storage import leaderboard as lb
 from tests.filled_store import FilledStore
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "app.py")
@@ -31,6 +35,15 @@ def _infos(at: AppTest) -> list[str]:
     return [i.value for i in at.info]
 
 
+def _runs(at: AppTest) -> pd.DataFrame:
+    """The overview's table of runs (after the leaderboards)."""
+    return next(d.value for d in at.dataframe if "status" in d.value.columns)
+
+
+def _boards(at: AppTest) -> list[pd.DataFrame]:
+    return [d.value for d in at.dataframe if list(d.value.columns) == tables.LEADERBOARD_TABLE_COLUMNS]
+
+
 def test_empty_store_shows_what_to_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PRIVBENCH_HOME", str(tmp_path / ".privbench"))
     monkeypatch.delenv("PRIVBENCH_DB_URL", raising=False)
@@ -42,8 +55,9 @@ def test_empty_store_shows_what_to_run(tmp_path: Path, monkeypatch: pytest.Monke
     assert not at.get("plotly_chart") and not at.dataframe
 
 
-def test_filled_store_renders_every_stage_with_links_and_filters(filled_store: FilledStore,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filled_store_renders_every_stage_with_links_and_filters(
+    filled_store: FilledStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for key, value in filled_store.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -53,7 +67,22 @@ def test_filled_store_renders_every_stage_with_links_and_filters(filled_store: F
     expected_empty = ["No secure-inference runs yet"] if "secure-inference" in filled_store.skipped else []
     assert [i for i in _infos(at) if not any(i.startswith(e) for e in expected_empty)] == []  # all have data
     assert len(at.get("plotly_chart")) >= 11
-    runs = at.dataframe[0].value
+    assert [h.value for h in at.subheader][:2] == ["Which method wins", "Recent runs"]
+    # the leaderboards lead, one per stage with results, each on its key metric, with the store's values
+    expected = lb.leaderboard(filled_store.db_url)
+    boards = [b for b in lb.BOARDS if b.name in set(expected["board"])]
+    assert {"train-dp", "tangent", "stip", "film", "membership", "dp-clipping"} <= {b.name for b in boards}
+    shown = _boards(at)
+    assert len(shown) == len(boards)
+    for board, table in zip(boards, shown, strict=True):
+        key = expected[(expected["board"] == board.name) & (expected["metric"] == board.metrics[0].name)]
+        assert len(table) == len(key) > 0, board.name
+        assert table["setting"].tolist() == key["context"].tolist(), board.name
+        assert table["mean ± 95% CI"].tolist() == [tables.fmt(m) for m in key["mean"]], board.name  # n = 1
+        assert all(pd.notna(float(v.split(" ± ")[0])) for v in table["mean ± 95% CI"])  # numbers, not blanks
+        assert (table["n"] >= 1).all() and set(table["best"]) <= {"", "★", "★ clear win"}
+        assert table["mlflow"].str.startswith("http://mlflow.test:5000/#/compare-runs?runs=").all(), board.name
+    runs = _runs(at)
     tracked = runs.dropna(subset=["mlflow"])
     assert len(tracked) > 0 and len(runs) > len(tracked) - 1
     link = tracked["mlflow"].iloc[0]
@@ -61,7 +90,8 @@ def test_filled_store_renders_every_stage_with_links_and_filters(filled_store: F
 
     at.selectbox(key="dataset").select("ml-1m-tiny").run()
     assert not at.exception
-    assert set(at.dataframe[0].value["dataset"]) == {"ml-1m-tiny"}
+    assert set(_runs(at)["dataset"]) == {"ml-1m-tiny"}
+    assert set(_boards(at)[0]["setting"]) <= {"ml-1m-tiny, non-private", "ml-1m-tiny, ε=8"}
     infos = _infos(at)
     assert any(i.startswith("No STIP runs yet") and "widen the filters" in i for i in infos)
     assert not any(i.startswith("No private-training runs yet") for i in infos)
@@ -69,5 +99,6 @@ def test_filled_store_renders_every_stage_with_links_and_filters(filled_store: F
     at.selectbox(key="dataset").select("(all)").run()
     at.text_input(key="root").input(filled_store.flow_runs["stip"]).run()
     assert not at.exception
-    assert set(at.dataframe[0].value["stage"]) == {"stip"}
+    assert set(_runs(at)["stage"]) == {"stip"}
+    assert [b["setting"].iloc[0] for b in _boards(at)] == ["gpt2-tiny"]  # only the STIP board is left
     assert any(i.startswith("No private-training runs yet") for i in _infos(at))

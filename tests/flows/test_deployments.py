@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from privbench.config import load_config
+from pbconfig.benchmark import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,19 +12,41 @@ from typing import Any
 import pytest
 
 from flows.train_dp import train_dp_flow, train_dp_runner
-from privbench.config import BenchmarkConfig, validate
+from pbconfig.benchmark import BenchmarkConfig, validate
 from storage.repository import ResultsRepository
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-SWEEP = validate(BenchmarkConfig, {
-    "profile": "tiny",
-    "prepare": {"datasets": [{"name": "ml-1m-tiny", "source": "synthetic",
-                              "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3}}]},
-    "train_dp": {"datasets": [{"name": "ml-1m-tiny"}], "methods": ["gru"], "epsilons": [8], "nonprivate": False,
-                 "peers": [], "epochs": 1, "lrs": [0.005, 1e12], "batch_sizes": [64], "max_len": 16,
-                 "d_model": 16, "eval_every": 1, "workers": 2},
-}, origin="test")
+SWEEP = validate(
+    BenchmarkConfig,
+    {
+        "profile": "tiny",
+        "prepare": {
+            "datasets": [
+                {
+                    "name": "ml-1m-tiny",
+                    "source": "synthetic",
+                    "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
+                }
+            ]
+        },
+        "train_dp": {
+            "datasets": [{"name": "ml-1m-tiny"}],
+            "methods": ["gru"],
+            "epsilons": [8],
+            "nonprivate": False,
+            "peers": [],
+            "epochs": 1,
+            "lrs": [0.005, 1e12],
+            "batch_sizes": [64],
+            "max_len": 16,
+            "d_model": 16,
+            "eval_every": 1,
+            "workers": 2,
+        },
+    },
+    origin="test",
+)
 
 
 def _runs_by_lr(repo: ResultsRepository) -> dict[float, dict[str, Any]]:
@@ -64,8 +86,11 @@ def test_a_run_whose_every_point_diverged_fails(home: Path) -> None:
 
     assert SWEEP.train_dp is not None
     only = SWEEP.train_dp.model_copy(update={"lrs": (1e12,), "workers": 1})
-    with pytest.raises(DivergedError, match=r"every grid point diverged \(1\): TrainingDivergedError: training "
-                                            r"diverged at step 2"):
+    with pytest.raises(
+        DivergedError,
+        match=r"every grid point diverged \(1\): TrainingDivergedError: training "
+        r"diverged at step 2",
+    ):
         train_dp_flow.with_options(task_runner=train_dp_runner(only))(only, SWEEP.prepare, profile="tiny")
     repo = ResultsRepository()
     flows = repo.list_runs(stage="train-dp", technique="flow", limit=None)

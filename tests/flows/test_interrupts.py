@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.system  # real servers / signals to real process trees: minutes
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """
 profile: tiny
@@ -92,8 +94,14 @@ class Command:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"{self.name} exited early:\n{self.output()}"
-            points = [r for r in self.rows() if r["technique"] != "flow" and r["stage"] == "train-dp"
-                      and r["status"] == "running" and r["mlflow_run_id"]]
+            points = [
+                r
+                for r in self.rows()
+                if r["technique"] != "flow"
+                and r["stage"] == "train-dp"
+                and r["status"] == "running"
+                and r["mlflow_run_id"]
+            ]
             if points:
                 self.tree = psutil.Process(self.proc.pid).children(recursive=True)
                 assert any(p.pid == points[0]["pid"] for p in self.tree)
@@ -133,33 +141,50 @@ class Command:
         """flow name -> state type of each flow run in this command's own Prefect database."""
         con = sqlite3.connect(f"file:{self.home / 'prefect' / 'prefect.db'}?mode=ro", uri=True, timeout=30)
         try:
-            return dict(con.execute("select f.name, r.state_type from flow_run r join flow f on f.id = r.flow_id "
-                                    "order by r.created"))
+            return dict(
+                con.execute(
+                    "select f.name, r.state_type from flow_run r join flow f on f.id = r.flow_id order by r.created"
+                )
+            )
         finally:
             con.close()
 
 
-def start(name: str, base: Path, config: str = CONFIG, home: Path | None = None,
-          extra_env: dict[str, str] | None = None) -> Command:
+def start(
+    name: str, base: Path, config: str = CONFIG, home: Path | None = None, extra_env: dict[str, str] | None = None
+) -> Command:
     home = home or base / name
     home.mkdir(parents=True, exist_ok=True)
     cfg = home / f"{name}.yaml"
     cfg.write_text(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PRIVBENCH_"))}
-    env |= {"PRIVBENCH_HOME": str(home), "PREFECT_HOME": str(home / "prefect"), "PYTHONPATH": str(ROOT),
-            "COLUMNS": "200", "PRIVBENCH_HEARTBEAT_SECONDS": "2"} | (extra_env or {})
+    env |= {
+        "PRIVBENCH_HOME": str(home),
+        "PREFECT_HOME": str(home / "prefect"),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "200",
+        "PRIVBENCH_HEARTBEAT_SECONDS": "2",
+    } | (extra_env or {})
     out = open(home / "out.txt", "a")  # noqa: SIM115 -- closed with the process
-    proc = subprocess.Popen([sys.executable, "-m", "privbench", "run", "train-dp" if config is CONFIG else "prepare",
-                             "-c", str(cfg)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group, as under a terminal
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "privbench", "run", "train-dp" if config is CONFIG else "prepare", "-c", str(cfg)],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own process group, as under a terminal
     return Command(name, home, proc, env)
 
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("signals")
-    started = {name: start(name, base) for name in ("group-sigint", "main-sigint", "group-sigterm", "group-sigkill",
-                                                    "main-sigkill")}
+    started = {
+        name: start(name, base)
+        for name in ("group-sigint", "main-sigint", "group-sigterm", "group-sigkill", "main-sigkill")
+    }
     yield started
     for c in started.values():
         if c.proc.poll() is None:
@@ -197,15 +222,19 @@ def test_one_ctrl_c_to_the_process_group_stops_everything_and_exits_130(commands
     assert "Traceback" not in c.output()
 
 
-def test_sigint_to_the_main_process_stops_the_children_before_failing_the_parent(
-        commands: dict[str, Command]) -> None:
+def test_sigint_to_the_main_process_stops_the_children_before_failing_the_parent(commands: dict[str, Command]) -> None:
     c = commands["main-sigint"]
     c.wait_until_training()
     assert c.signal_and_wait(signal.SIGINT, group=False) == 130, c.output()
     rows = check_interrupted(c, "SIGINT")
     parents = {r["id"]: r for r in rows if r["technique"] == "flow" and r["status"] == "failed"}
-    late = [r for r in rows if r["parent_id"] in parents and r["status"] == "finished"
-            and r["finished_at"] > parents[r["parent_id"]]["finished_at"]]
+    late = [
+        r
+        for r in rows
+        if r["parent_id"] in parents
+        and r["status"] == "finished"
+        and r["finished_at"] > parents[r["parent_id"]]["finished_at"]
+    ]
     assert not late, f"children finished after their parent was failed: {late}"
 
 
@@ -239,7 +268,8 @@ def test_sigkill_of_the_process_group_is_reaped_by_the_next_flow_start(commands:
 
 
 def test_sigkill_of_the_main_process_takes_its_tree_down_and_results_reap_closes_the_rows(
-        commands: dict[str, Command]) -> None:
+    commands: dict[str, Command],
+) -> None:
     """Only the supervisor is killed: the flow process notices, kills its workers and exits; nothing trains on
     unsupervised, and ``privbench results reap`` marks the rows they held."""
     c = commands["main-sigkill"]
@@ -248,8 +278,15 @@ def test_sigkill_of_the_main_process_takes_its_tree_down_and_results_reap_closes
     assert not c.survivors(within=30), f"processes outlived their supervisor: {c.survivors()}"
     left = [r for r in c.rows() if r["status"] == "running"]
     assert left
-    out = subprocess.run([sys.executable, "-m", "privbench", "results", "reap", "--json"], cwd=ROOT, env=c.env,
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "privbench", "results", "reap", "--json"],
+        cwd=ROOT,
+        env=c.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert {r["run_id"] for r in json.loads(out.stdout)} == {r["id"] for r in left}
     assert not [r for r in c.rows() if r["status"] == "running"]

@@ -22,10 +22,19 @@ import psutil
 import pytest
 import yaml
 
+pytestmark = pytest.mark.system  # real servers / signals to real process trees: minutes
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-TINY = ["train_dp.datasets=[{name: ml-100k}]", "train_dp.methods=[transformer]", "train_dp.nonprivate=false",
-        "train_dp.peers=[]", "train_dp.workers=1", "train_dp.max_len=20", "train_dp.d_model=32"]
+TINY = [
+    "train_dp.datasets=[{name: ml-100k}]",
+    "train_dp.methods=[transformer]",
+    "train_dp.nonprivate=false",
+    "train_dp.peers=[]",
+    "train_dp.workers=1",
+    "train_dp.max_len=20",
+    "train_dp.d_model=32",
+]
 HEARTBEAT_S, ZOMBIE_AFTER_S = 30, 90  # Prefect's shortest heartbeat period; 3 missed heartbeats crash a run (its docs)
 
 
@@ -81,15 +90,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PRIVBENCH_", "MLFLOW_"))}
     env |= {
-        "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1", "PREFECT_LOCAL_STORAGE_PATH": str(tmp / "results"), "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_HOME": str(tmp / "prefect"),
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_LOCAL_STORAGE_PATH": str(tmp / "results"),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
-        "PRIVBENCH_HOME": str(tmp / "pb"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        "PRIVBENCH_HOME": str(tmp / "pb"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }
     log = open(tmp / "server.log", "w")  # noqa: SIM115 -- the server writes to it until the fixture ends
-    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def healthy() -> bool:
         try:
@@ -101,8 +120,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     try:
         _wait(healthy, 180, "the Prefect server")
-        done = subprocess.run([str(BIN / "privbench"), "deploy", "--zombie-after", str(ZOMBIE_AFTER_S)], env=env,
-                              cwd=tmp, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [str(BIN / "privbench"), "deploy", "--zombie-after", str(ZOMBIE_AFTER_S)],
+            env=env,
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         yield Server(url, env, tmp)
     finally:
@@ -114,8 +139,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def worker(server: Server, pool: str = "cpu") -> Iterator[subprocess.Popen]:
     """A process worker started outside the checkout: the deployments' pull step finds the code."""
     log = open(server.tmp / f"worker-{pool}.log", "a")  # noqa: SIM115 -- open while the worker runs
-    proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
-                            env=server.env, cwd=server.tmp, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+        env=server.env,
+        cwd=server.tmp,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         yield proc
     finally:
@@ -154,8 +184,9 @@ def _trigger(server: Server, overrides: list[str]) -> str:
     from prefect.deployments import run_deployment
 
     with api(server):
-        run = run_deployment("train-dp-profile/train-dp", parameters={"profile": "quick", "overrides": overrides},
-                             timeout=0)
+        run = run_deployment(
+            "train-dp-profile/train-dp", parameters={"profile": "quick", "overrides": overrides}, timeout=0
+        )
     return str(run.id)
 
 
@@ -179,8 +210,13 @@ def _retry(server: Server, run_id: str) -> None:
     with api(server) as client:
         runs_before = client.read_flow_run(run_id).run_count
     for _ in range(3):
-        done = subprocess.run([str(BIN / "prefect"), "flow-run", "retry", run_id], env=server.env,
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [str(BIN / "prefect"), "flow-run", "retry", run_id],
+            env=server.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
         def started() -> bool | None:
@@ -213,33 +249,59 @@ def test_deploy_registers_every_deployment_with_schedules_pools_and_limits(serve
     crons = {name: [s.schedule.cron for s in d.schedules] for name, d in deployments.items() if d.schedules}
     assert crons == {"benchmark-quick": ["0 2 * * *"], "benchmark-paper": ["0 4 * * 6"]}
     assert {n for n, d in deployments.items() if d.work_pool_name == "gpu"} == {
-        "benchmark-paper", "secure-inference-gpu", "stip-gpu"}
+        "benchmark-paper",
+        "secure-inference-gpu",
+        "stip-gpu",
+    }
     with api(server) as client:
         (zombie,) = client.read_automations_by_name("privbench: crash flow runs that stopped heartbeating")
     assert zombie.enabled and zombie.trigger.within.total_seconds() == ZOMBIE_AFTER_S
     assert zombie.trigger.after == {"prefect.flow-run.heartbeat"} and zombie.trigger.posture == "Proactive"
     assert [(a.type, a.state.value) for a in zombie.actions] == [("change-flow-run-state", "CRASHED")]
     # deploying again updates the one automation instead of adding a second
-    done = subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "600"],
-                          env=server.env, cwd=server.tmp, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "600"],
+        env=server.env,
+        cwd=server.tmp,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0 and "updated automation" in done.stderr, done.stderr
     with api(server) as client:
         (zombie,) = client.read_automations_by_name("privbench: crash flow runs that stopped heartbeating")
     assert zombie.trigger.within.total_seconds() == 600
-    done = subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "10"],
-                          env=server.env, cwd=server.tmp, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "10"],
+        env=server.env,
+        cwd=server.tmp,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 2 and "--zombie-after 10 s is shorter than the heartbeat period" in done.stderr
     assert "deployed" not in done.stderr  # refused before anything was registered
-    subprocess.run([str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", str(ZOMBIE_AFTER_S)],
-                   env=server.env, cwd=server.tmp, check=True, capture_output=True)
+    subprocess.run(
+        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", str(ZOMBIE_AFTER_S)],
+        env=server.env,
+        cwd=server.tmp,
+        check=True,
+        capture_output=True,
+    )
 
 
 def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Server) -> None:
     with worker(server):
         first = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=2"])
         # the second run comes while the first runs (triggered together, the worker may submit either first)
-        assert _wait(lambda: _state(server, first) in {"RUNNING", "COMPLETED", "FAILED", "CRASHED"}, 120,
-                     "the first run to start") and _state(server, first) == "RUNNING"
+        assert (
+            _wait(
+                lambda: _state(server, first) in {"RUNNING", "COMPLETED", "FAILED", "CRASHED"},
+                120,
+                "the first run to start",
+            )
+            and _state(server, first) == "RUNNING"
+        )
         second = _trigger(server, [*TINY, "train_dp.epsilons=[8]", "train_dp.epochs=1"])
         assert _final_state(server, first) == "COMPLETED"
         assert _final_state(server, second) == "CANCELLED"
@@ -300,8 +362,13 @@ def test_privbench_serve_runs_a_triggered_deployment_from_outside_the_checkout(s
     before = {r[0] for r in server.sqlite("select id from runs")}
     log_path = server.tmp / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(BIN / "privbench"), "serve", "--only", "train-dp", "--no-schedules"],
-                                env=server.env, cwd=server.tmp, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [str(BIN / "privbench"), "serve", "--only", "train-dp", "--no-schedules"],
+            env=server.env,
+            cwd=server.tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             _wait(lambda: "being served" in log_path.read_text() or proc.poll() is not None, 120, "privbench serve")
             assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -316,9 +383,15 @@ def test_privbench_serve_runs_a_triggered_deployment_from_outside_the_checkout(s
         finally:
             assert _stop(proc, signal.SIGINT, timeout=90) is not None
             _settle(server)
-            subprocess.run([str(BIN / "privbench"), "deploy", "--only", "train-dp", "--zombie-after",
-                            str(ZOMBIE_AFTER_S)], env=server.env, cwd=server.tmp, check=True, capture_output=True)
-    new = [(st, t, s) for i, st, t, s in server.sqlite("select id, stage, technique, status from runs")
-           if i not in before]
+            subprocess.run(
+                [str(BIN / "privbench"), "deploy", "--only", "train-dp", "--zombie-after", str(ZOMBIE_AFTER_S)],
+                env=server.env,
+                cwd=server.tmp,
+                check=True,
+                capture_output=True,
+            )
+    new = [
+        (st, t, s) for i, st, t, s in server.sqlite("select id, stage, technique, status from runs") if i not in before
+    ]
     assert {(t, s) for st, t, s in new if st == "train-dp"} == {("flow", "finished"), ("transformer", "finished")}
     assert {s for _, _, s in new} == {"finished"}

@@ -9,18 +9,25 @@ import pytest
 
 from core.errors import DataError
 from flows.prepare import prepare_flow
-from privbench.config import PrepareConfig
+from pbconfig.data import PrepareConfig
 from storage.repository import ResultsRepository
 from tasks.prepare import load_prepared
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-TINY = PrepareConfig.model_validate({"datasets": [
-    {"name": "ml-100k", "source": "recbole-ml100k"},
-    {"name": "ml-1m-tiny", "source": "synthetic", "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 1}},
-    {"name": "amazon-tiny", "source": "synthetic",
-     "synthetic": {"preset": "amazon-games", "format": "amazon-jsonl", "scale": 0.02, "seed": 1}},
-]})
+TINY = PrepareConfig.model_validate(
+    {
+        "datasets": [
+            {"name": "ml-100k", "source": "recbole-ml100k"},
+            {"name": "ml-1m-tiny", "source": "synthetic", "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 1}},
+            {
+                "name": "amazon-tiny",
+                "source": "synthetic",
+                "synthetic": {"preset": "amazon-games", "format": "amazon-jsonl", "scale": 0.02, "seed": 1},
+            },
+        ]
+    }
+)
 
 
 def test_prepare_flow_records_every_dataset_once(home: Path, mlflow_uri: str) -> None:
@@ -42,22 +49,26 @@ def test_prepare_flow_records_every_dataset_once(home: Path, mlflow_uri: str) ->
     assert data.content_hash() == summary["datasets"]["ml-100k"]["content_hash"]
 
     mlflow.set_tracking_uri(mlflow_uri)
-    found = mlflow.search_runs(search_all_experiments=True,
-                               filter_string=f"tags.`privbench.run_id` = '{ml100k['id']}'")
+    found = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.`privbench.run_id` = '{ml100k['id']}'")
     assert len(found) == 1 and found.iloc[0]["tags.mlflow.parentRunId"] == flow_run["mlflow_run_id"]
 
     again = prepare_flow(TINY, profile="quick")
     assert all(d["cached"] for d in again["datasets"].values())
-    assert {k: d["content_hash"] for k, d in again["datasets"].items()} == \
-        {k: d["content_hash"] for k, d in summary["datasets"].items()}
+    assert {k: d["content_hash"] for k, d in again["datasets"].items()} == {
+        k: d["content_hash"] for k, d in summary["datasets"].items()
+    }
     _, rows = repo.query("select count(*) from datasets")
     assert rows == [(3,)]
 
 
 def test_missing_file_fails_the_flow_and_leaves_nothing_running(home: Path, tmp_path: Path) -> None:
-    config = PrepareConfig.model_validate({"datasets": [
-        {"name": "gone", "source": "file", "format": "ml-1m", "path": str(tmp_path / "nope" / "ratings.dat")},
-    ]})
+    config = PrepareConfig.model_validate(
+        {
+            "datasets": [
+                {"name": "gone", "source": "file", "format": "ml-1m", "path": str(tmp_path / "nope" / "ratings.dat")},
+            ]
+        }
+    )
     with pytest.raises(DataError, match="nope/ratings.dat' does not exist"):
         prepare_flow(config, profile="quick")
     runs = ResultsRepository().list_runs(limit=None)
@@ -68,8 +79,9 @@ def test_missing_file_fails_the_flow_and_leaves_nothing_running(home: Path, tmp_
 def test_malformed_file_gives_file_and_line(home: Path, tmp_path: Path) -> None:
     bad = tmp_path / "ratings.dat"
     bad.write_text("1::10::5::978300760\n1::11::oops::978300761\n", encoding="latin-1")
-    config = PrepareConfig.model_validate({"datasets": [
-        {"name": "bad", "source": "file", "format": "ml-1m", "path": str(bad)}]})
+    config = PrepareConfig.model_validate(
+        {"datasets": [{"name": "bad", "source": "file", "format": "ml-1m", "path": str(bad)}]}
+    )
     with pytest.raises(DataError, match=r"ratings.dat:2"):
         prepare_flow(config, profile="quick")
     (failed_child,) = [r for r in ResultsRepository().list_runs(limit=None) if r["technique"] == "seqrec-prep"]

@@ -12,16 +12,33 @@ from core.mpc.crypten_compat import crypten_available
 from core.mpc.methods import run_method_party
 from core.mpc.parties import PartyError
 from flows.secure_inference import secure_inference_flow
-from privbench.config import SecureInferenceConfig
+from pbconfig.secure_inference import SecureInferenceConfig
 from storage.repository import ResultsRepository
 
-pytestmark = [pytest.mark.usefixtures("prefect_harness"),
-              pytest.mark.skipif(not crypten_available(), reason="CrypTen is not installed")]
+pytestmark = [
+    pytest.mark.usefixtures("prefect_harness"),
+    pytest.mark.skipif(not crypten_available(), reason="CrypTen is not installed"),
+]
 
-TINY = SecureInferenceConfig(methods=("vanilla", "mpcformer_2quad", "merge"), n_layer=1, n_embd=16, n_head=2,
-                             n_positions=16, max_len=16, batch_size=8, max_pairs=400, train_steps=5, distill_steps=2,
-                             er_steps=2, mm_steps=2, prefix_len=3, gen_len=2, n_prompts=2, scaling_gen_lens=(1,),
-                             scaling_methods=("merge",))
+TINY = SecureInferenceConfig(
+    methods=("vanilla", "mpcformer_2quad", "merge"),
+    n_layer=1,
+    n_embd=16,
+    n_head=2,
+    n_positions=16,
+    max_len=16,
+    batch_size=8,
+    max_pairs=400,
+    train_steps=5,
+    distill_steps=2,
+    er_steps=2,
+    mm_steps=2,
+    prefix_len=3,
+    gen_len=2,
+    n_prompts=2,
+    scaling_gen_lens=(1,),
+    scaling_methods=("merge",),
+)
 
 
 def test_secure_inference_flow_records_every_method(home: Path) -> None:
@@ -30,9 +47,19 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
     assert repo.get_run(summary["run_id"])["status"] == "finished"
     _, rows = repo.query("select technique, status from runs where stage = 'secure-inference' order by technique")
     assert all(s == "finished" for _, s in rows)
-    assert sorted(t for t, _ in rows) == sorted(["flow", "lm-train", "distill-mpcformer_2quad", "merge-er-train",
-                                                 "merge-mm-train", "vanilla", "mpcformer_2quad", "merge",
-                                                 "scaling-merge"])
+    assert sorted(t for t, _ in rows) == sorted(
+        [
+            "flow",
+            "lm-train",
+            "distill-mpcformer_2quad",
+            "merge-er-train",
+            "merge-mm-train",
+            "vanilla",
+            "mpcformer_2quad",
+            "merge",
+            "scaling-merge",
+        ]
+    )
     for method in TINY.methods:
         run_id = next(c["id"] for c in repo.get_run(summary["run_id"])["children"] if c["technique"] == method)
         run = repo.get_run(run_id)
@@ -66,7 +93,8 @@ def test_a_party_that_dies_fails_the_run_cleanly(home: Path, monkeypatch: pytest
     with pytest.raises(PartyError, match="party 0"):
         secure_inference_flow(cfg, profile="tiny")
     _, rows = ResultsRepository().query(
-        "select technique, status, error from runs where stage = 'secure-inference' order by started_at")
+        "select technique, status, error from runs where stage = 'secure-inference' order by started_at"
+    )
     status = {t: (s, e) for t, s, e in rows}
     assert status["vanilla"][0] == "failed" and "party 0" in status["vanilla"][1]
     assert status["flow"][0] == "failed" and all(s != "running" for _, s, _ in rows)

@@ -14,7 +14,7 @@ from transformers import Dinov2Config, Dinov2Model
 
 from core.errors import DataError
 from flows.tangent import tangent_flow, tangent_runner
-from privbench.config import BenchmarkConfig, validate
+from pbconfig.benchmark import BenchmarkConfig, validate
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.prepare_images import prepare_image_dataset, write_prepared_model
@@ -23,24 +23,42 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
 def _config(**tangent: object) -> BenchmarkConfig:
-    base = {"dataset": "tiny-images", "model": "tiny-vit", "epochs": 1, "batch_size": 16, "shards": [2, 3],
-            "fig1_shards": 3, "fig1_trials": 2, "forget_fractions": [0.5], "task_runner": "thread", "workers": 2,
-            "dp": {"regimes": ["full", "fc"], "epsilons": [8], "epochs": 1, "batch_size": 16}}
-    return validate(BenchmarkConfig, {
-        "profile": "tiny",
-        "prepare": {"images": [{"name": "tiny-images", "source": "idx", "path": "/x", "image_size": 28}],
-                    "models": [{"name": "tiny-vit"}]},
-        "tangent": base | tangent,
-    }, origin="test")
+    base = {
+        "dataset": "tiny-images",
+        "model": "tiny-vit",
+        "epochs": 1,
+        "batch_size": 16,
+        "shards": [2, 3],
+        "fig1_shards": 3,
+        "fig1_trials": 2,
+        "forget_fractions": [0.5],
+        "task_runner": "thread",
+        "workers": 2,
+        "dp": {"regimes": ["full", "fc"], "epsilons": [8], "epochs": 1, "batch_size": 16},
+    }
+    return validate(
+        BenchmarkConfig,
+        {
+            "profile": "tiny",
+            "prepare": {
+                "images": [{"name": "tiny-images", "source": "idx", "path": "/x", "image_size": 28}],
+                "models": [{"name": "tiny-vit"}],
+            },
+            "tangent": base | tangent,
+        },
+        origin="test",
+    )
 
 
 def _write_idx(folder: Path, prefix: str, n: int, gen: torch.Generator) -> None:
     labels = torch.arange(n) % 4
     images = (torch.rand(n, 28, 28, generator=gen) * 60 + labels.view(n, 1, 1) * 50).to(torch.uint8)  # learnable
     (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(
-        gzip.compress(struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes()))
+        gzip.compress(struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes())
+    )
     (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
-        gzip.compress(struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes()))
+        gzip.compress(struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes())
+    )
 
 
 @pytest.fixture
@@ -60,11 +78,20 @@ def prepare_tiny_inputs(folder: Path, home: Path, parent_ref: Any) -> dict[str, 
     cfg = _config()
     images = prepare_image_dataset.fn(cfg.prepare.images[0].model_copy(update={"path": str(folder)}), parent_ref)
     torch.manual_seed(0)
-    vit = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                   image_size=28, patch_size=14)).eval()
+    vit = Dinov2Model(
+        Dinov2Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=28,
+            patch_size=14,
+        )
+    ).eval()
     model_dir = home / "models" / "tiny-vit"
-    write_prepared_model(vit, model_dir, name="tiny-vit", cache_key="k", source="test", source_sha256="s", spec={},
-                         stats={})
+    write_prepared_model(
+        vit, model_dir, name="tiny-vit", cache_key="k", source="test", source_sha256="s", spec={}, stats={}
+    )
     return {"images": images.path, "model": str(model_dir)}
 
 
@@ -72,17 +99,34 @@ def test_tangent_flow_records_all_four_result_groups(prepared: dict[str, str]) -
     cfg = _config()
     assert cfg.tangent is not None
     summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+    )
     repo = ResultsRepository()
     flow_run = repo.get_run(summary["run_id"])
     assert flow_run["status"] == "finished"
-    _, rows = repo.query("select r.technique, r.status, count(*) from runs r where r.stage = 'tangent' "
-                         "group by r.technique, r.status order by r.technique")
+    _, rows = repo.query(
+        "select r.technique, r.status, count(*) from runs r where r.stage = 'tangent' "
+        "group by r.technique, r.status order by r.technique"
+    )
     counts = {t: c for t, s, c in rows if s == "finished"}
     assert all(s == "finished" for _, s, _ in rows)
-    assert counts == {"feature-cache": 1, "taft-1": 1, "nlft-1": 1, "fc": 1, "taft-shard": 5, "nlft-shard": 5,
-                      "taft-composed": 2, "model-soup": 2, "sisa": 2, "forget-subtraction": 1, "forget-retrain": 1,
-                      "forget-fraction": 1, "dp-full": 2, "dp-fc": 2, "flow": 1}
+    assert counts == {
+        "feature-cache": 1,
+        "taft-1": 1,
+        "nlft-1": 1,
+        "fc": 1,
+        "taft-shard": 5,
+        "nlft-shard": 5,
+        "taft-composed": 2,
+        "model-soup": 2,
+        "sisa": 2,
+        "forget-subtraction": 1,
+        "forget-retrain": 1,
+        "forget-fraction": 1,
+        "dp-full": 2,
+        "dp-fc": 2,
+        "flow": 1,
+    }
 
     assert set(summary["table1"]) == {"taft-1", "nlft-1", "fc"}
     assert set(summary["table2"]) == {"2", "3"} and set(summary["table2"]["3"]) == {"taft", "soup", "sisa"}
@@ -94,11 +138,14 @@ def test_tangent_flow_records_all_four_result_groups(prepared: dict[str, str]) -
     assert all(r["taft"]["composition_max_abs_err_float32"] < 1e-4 for r in summary["details"]["table2"])
     assert "Table 3" in summary["markdown"] and "| 2 |" in summary["markdown"]
 
-    _, ledger = repo.query("select r.technique, p.epsilon, p.target_epsilon from runs r join privacy_ledger p "
-                           "on p.run_id = r.id where r.stage = 'tangent'")
+    _, ledger = repo.query(
+        "select r.technique, p.epsilon, p.target_epsilon from runs r join privacy_ledger p "
+        "on p.run_id = r.id where r.stage = 'tangent'"
+    )
     assert len(ledger) == 4 and all(0 < eps <= target == 8.0 for _, eps, target in ledger)
-    _, groups = repo.query("select count(*) from runs where stage = 'tangent' and technique <> 'flow' "
-                           "and technique <> 'feature-cache'")
+    _, groups = repo.query(
+        "select count(*) from runs where stage = 'tangent' and technique <> 'flow' and technique <> 'feature-cache'"
+    )
     assert groups[0][0] == 26
     assert not (Path(prepared["model"]).parent.parent / "cache" / "tangent" / f"run-{summary['run_id']}").exists()
 
@@ -108,20 +155,24 @@ def test_more_shards_than_images_fails_with_the_fix_and_leaves_nothing_running(p
     assert cfg.tangent is not None
     with pytest.raises(DataError, match="cannot split 48 training images into 49 shards"):
         tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-            cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
+            cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+        )
     _, rows = ResultsRepository().query("select technique, status, error from runs where stage = 'tangent'")
     assert rows and all(status in ("finished", "failed") for _, status, _ in rows)
     flow_row = next(r for r in rows if r[0] == "flow")
     assert flow_row[1] == "failed" and "49 shards" in flow_row[2]
 
 
+@pytest.mark.system
 def test_dask_task_runner_trains_the_shards(prepared: dict[str, str]) -> None:
     """The several-machines option: the same flow on a local Dask cluster (two worker processes)."""
     cfg = _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=None, task_runner="dask")
     assert cfg.tangent is not None
     summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared)
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+    )
     assert set(summary["table2"]) == {"2"} and summary["fig1"]["unlearning_max_abs_err"] < 1e-6
-    _, rows = ResultsRepository().query("select count(*) from runs where technique = 'taft-shard' "
-                                        "and status = 'finished'")
+    _, rows = ResultsRepository().query(
+        "select count(*) from runs where technique = 'taft-shard' and status = 'finished'"
+    )
     assert rows == [(2,)]

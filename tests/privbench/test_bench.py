@@ -34,8 +34,18 @@ RATIOS = {
 SETTING_KEYS = {"items", "seq_len", "batch", "d_model", "repeats", "device", "threads"}
 # big enough that every step allocates fresh pages (logits 8 x 16 x 2001 floats = 1 MB), so that the
 # peak RSS growth is > 0; one round, one warm-up and one timed step per process
-TINY = dp_clipping.Setting(items=2000, seq_len=16, batch=8, d_model=16, n_layers=1, repeats=1, warmup=1,
-                           steps=1, timeout_s=240.0, max_batch_mem_mb=0.0)
+TINY = dp_clipping.Setting(
+    items=2000,
+    seq_len=16,
+    batch=8,
+    d_model=16,
+    n_layers=1,
+    repeats=1,
+    warmup=1,
+    steps=1,
+    timeout_s=240.0,
+    max_batch_mem_mb=0.0,
+)
 
 
 @pytest.fixture
@@ -67,7 +77,7 @@ def test_interleave_alternates_and_keeps_every_sample() -> None:
 
     calls.clear()
     rotated = interleave({"A": fn("A", 0), "B": fn("B", 0), "C": fn("C", 0)}, 4)
-    assert calls == list("ABC" "BCA" "CAB" "ABC") == rotated.order
+    assert calls == list("ABCBCACABABC") == rotated.order
     assert all(set(r) == {"A", "B", "C"} for r in rotated.rounds)
 
     timed = interleave({"x": lambda: None}, 2)  # None -> wall time of the call
@@ -146,10 +156,17 @@ class _Quiet:
 
 
 def test_metric_names_and_units() -> None:
-    body = {"methods": {"phantom": {"step_s": 0.5, "peak_mem_mb": 3, "tied": True, "samples": [1, 2]}},
-            "ratios": {"a_over_b": 1.5, "none": None}, "note": "x", "bad@key": {"v": float("nan")}}
-    assert dict(numeric_leaves(body)) == {"methods.phantom.step_s": 0.5, "methods.phantom.peak_mem_mb": 3.0,
-                                          "ratios.a_over_b": 1.5}
+    body = {
+        "methods": {"phantom": {"step_s": 0.5, "peak_mem_mb": 3, "tied": True, "samples": [1, 2]}},
+        "ratios": {"a_over_b": 1.5, "none": None},
+        "note": "x",
+        "bad@key": {"v": float("nan")},
+    }
+    assert dict(numeric_leaves(body)) == {
+        "methods.phantom.step_s": 0.5,
+        "methods.phantom.peak_mem_mb": 3.0,
+        "ratios.a_over_b": 1.5,
+    }
     assert metric_name("max_batch.x@y") == "max_batch.x_y"
     names = ("methods.p.step_s", "methods.p.peak_mem_mb", "ratios.x", "max_batch.p")
     assert [metric_unit(n) for n in names] == ["s", "MB", "ratio", "sequences"]
@@ -170,7 +187,12 @@ def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny:
     assert all(_positive_finite(v) for v in out["ratios"].values()), out["ratios"]
     assert SETTING_KEYS <= set(out["setting"])
     assert {k: out["setting"][k] for k in ("items", "seq_len", "batch", "repeats", "threads")} == {
-        "items": 2000, "seq_len": 16, "batch": 8, "repeats": 1, "threads": 1}
+        "items": 2000,
+        "seq_len": 16,
+        "batch": 8,
+        "repeats": 1,
+        "threads": 1,
+    }
     ghost = out["methods"]["opacus_ghost_untied"]
     assert ghost["d_model"] == 8 and not ghost["tied"] and out["methods"]["phantom"]["d_model"] == 16
     assert len(out["order"]) == len(METHODS) and "max_batch" not in out

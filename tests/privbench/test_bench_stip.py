@@ -12,8 +12,13 @@ from privbench.bench import run_benchmark, stip
 
 @pytest.fixture
 def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(stip.PROFILES, "quick", stip.Setting(model="gpt2-config", prompt_len=4, gen_len=2, repeats=1,
-                                                             attack_queries=8, stream_tokens=2000, timeout_s=120))
+    monkeypatch.setitem(
+        stip.PROFILES,
+        "quick",
+        stip.Setting(
+            model="gpt2-config", prompt_len=4, gen_len=2, repeats=1, attack_queries=8, stream_tokens=2000, timeout_s=120
+        ),
+    )
 
 
 def test_contract_keys(home, tiny) -> None:

@@ -27,8 +27,14 @@ RATIOS = {
     "full_retrain_over_subtraction_time",
 }
 ERRORS = {"jvp_max_rel_err", "composition_max_abs_err", "unlearning_max_abs_err"}
-TARGETS = {"jvp_le_3x_plain", "jvp_le_2_5x_plain_aim", "jvp_no_slower_than_torch_func_jvp",
-           "composed_within_5pct_of_single", "composition_err_le_1e_5", "unlearning_err_le_1e_6"}
+TARGETS = {
+    "jvp_le_3x_plain",
+    "jvp_le_2_5x_plain_aim",
+    "jvp_no_slower_than_torch_func_jvp",
+    "composed_within_5pct_of_single",
+    "composition_err_le_1e_5",
+    "unlearning_err_le_1e_6",
+}
 TINY = tangent.tiny_setting()
 
 
@@ -110,7 +116,8 @@ def test_ratios_come_from_real_interleaved_samples(tiny_result: dict[str, Any]) 
     assert all(len(v) == TINY.train_repeats for v in unlearn["samples_s"].values())
     full, shard = unlearn["samples_s"]["full_retrain"], unlearn["samples_s"]["shard_retrain"]
     assert tiny_result["ratios"]["full_retrain_over_unlearn_time"] == pytest.approx(
-        statistics.median(f / s for f, s in zip(full, shard, strict=True)))
+        statistics.median(f / s for f, s in zip(full, shard, strict=True))
+    )
     ens = samples["composition"]["ensemble_vs_composed"]["samples_s"]
     assert len(ens["ensemble"]) == TINY.ensemble_repeats
     assert len(samples["composition"]["compose_samples_s"]) == TINY.compose_repeats
@@ -140,8 +147,9 @@ def test_unknown_profile_is_a_config_error() -> None:
     assert "tangent" in BENCHMARKS and "torch.func.jvp" in BENCHMARKS["tangent"].description
 
 
-def test_cli_bench_tangent_prints_json_and_stores_the_run(home: Path, tiny: tangent.Setting,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_bench_tangent_prints_json_and_stores_the_run(
+    home: Path, tiny: tangent.Setting, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Through the CLI and the fresh worker process (the profiles' default), with its CPU environment."""
     monkeypatch.setitem(tangent.PROFILES, "quick", tangent.tiny_setting(k=(1,), fresh_process=True))
     result = runner.invoke(app, ["bench", "tangent", "--json"])

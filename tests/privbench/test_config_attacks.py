@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from privbench.config import load_config
-from privbench.config_attacks import AttacksConfig, FilmConfig, UtilityConfig
+from pbconfig.attacks import AttacksConfig, FilmConfig, UtilityConfig
+from pbconfig.benchmark import load_config
 
 
 @pytest.mark.parametrize("profile", ["quick", "paper"])
@@ -39,8 +39,8 @@ def test_prior_from_a_path_needs_no_public_text() -> None:
 
 def test_audit_config_refuses_too_few_shadows_and_missing_training_section() -> None:
     from core.errors import ConfigError
-    from privbench.config import BenchmarkConfig, validate
-    from privbench.config_attacks import AuditConfig
+    from pbconfig.attacks import AuditConfig
+    from pbconfig.benchmark import BenchmarkConfig, validate
 
     with pytest.raises(ValidationError, match="shadows=2 is too few"):
         AuditConfig(shadows=2)

@@ -1,9 +1,10 @@
-"""``privbench run`` as a user sees it: one clean message for a data error (the traceback only when debugging),
-and an unreachable store reported before anything starts."""
+"""``privbench run`` as a user sees it: one clean message for a data error (the traceback only when debugging)
+after the line of each run that ended, and an unreachable store reported before anything starts."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PRIVBENCH_"))}
-    base |= {"PRIVBENCH_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect"),
-             "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "privbench", *args], cwd=ROOT, env=base | env,
-                          capture_output=True, text=True, timeout=900, check=False)
+    base |= {
+        "PRIVBENCH_HOME": str(tmp_path / "home"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "200",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "privbench", *args],
+        cwd=ROOT,
+        env=base | env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -26,8 +38,9 @@ def bad_data_config(tmp_path: Path) -> Path:
     data = tmp_path / "ratings.dat"
     data.write_text("1::2::5::978300760\n1::3::4::978300761\nthis is not a rating line\n")
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text(f"profile: tiny\nprepare:\n  datasets:\n"
-                   f"    - {{name: bad, source: file, format: ml-1m, path: '{data}'}}\n")
+    cfg.write_text(
+        f"profile: tiny\nprepare:\n  datasets:\n    - {{name: bad, source: file, format: ml-1m, path: '{data}'}}\n"
+    )
     return cfg
 
 
@@ -37,9 +50,19 @@ def test_a_data_error_is_one_clean_message(tmp_path: Path, bad_data_config: Path
     text = out.stdout + out.stderr
     assert "Traceback" not in text and "Finished in state" not in text, text
     lines = [line for line in text.splitlines() if line.strip()]
-    assert lines == [
-        (f"error: flow prepare failed: {tmp_path / 'ratings.dat'}:3: expected 4 fields "
-         "'UserID::MovieID::Rating::Timestamp', got 'this is not a rating line'"),
+    # before it, one line per run that ended (not a terminal: no live display), with its error's first line
+    assert len(lines) == 4, text
+    assert re.fullmatch(
+        r"\[1/2\]  prepare  seqrec-prep  bad  failed  \d+\.\ds  \(DataError: .*ratings\.dat:3: "
+        r"expected 4 fields .*\)",
+        lines[0],
+    ), text
+    assert re.fullmatch(r"\[2/2\]  prepare  flow  failed  \d+\.\ds  \(.*DataError: .*\)", lines[1]), text
+    assert lines[-2:] == [
+        (
+            f"error: flow prepare failed: {tmp_path / 'ratings.dat'}:3: expected 4 fields "
+            "'UserID::MovieID::Rating::Timestamp', got 'this is not a rating line'"
+        ),
         "(failed runs: `privbench results list --status failed`; set PRIVBENCH_DEBUG=1 for the traceback)",
     ], text
 
@@ -63,7 +86,8 @@ def test_an_unreachable_store_is_reported_before_anything_starts(tmp_path: Path)
 
 
 def test_the_temporary_api_server_leaves_other_prefect_servers_of_the_process_alone(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Prefect keeps one server per port in a class-level table; a command run in-process (a notebook, a test
     under ``prefect_test_harness``) must neither reuse nor stop the server that table already holds."""
     from prefect.server.api.server import SubprocessASGIServer

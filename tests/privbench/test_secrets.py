@@ -31,24 +31,35 @@ TINY = "profile: tiny\nprepare:\n  datasets:\n    - {name: ml-100k, source: recb
 runner = CliRunner()
 
 
-@pytest.mark.parametrize(("url", "shown"), [
-    ("postgresql://privbench:S3cretPw-xyz@db:5432/runs", "postgresql://privbench:***@db:5432/runs"),
-    ("postgresql+psycopg://u:S3cretPw-xyz@127.0.0.1/x?sslmode=require",
-     "postgresql+psycopg://u:***@127.0.0.1/x?sslmode=require"),
-    ("http://user:S3cretPw-xyz@mlflow.lan:5000", "http://user:***@mlflow.lan:5000"),
-    ("https://user:S3cret@Pw-xyz@mlflow.lan/api?x=1", "https://user:***@mlflow.lan/api?x=1"),
-    ("postgresql://u@db/runs?password=S3cretPw-xyz&sslmode=disable",
-     "postgresql://u@db/runs?password=***&sslmode=disable"),
-    ("postgresql://db/runs?sslmode=require&sslpassword=S3cretPw-xyz#top",
-     "postgresql://db/runs?sslmode=require&sslpassword=***#top"),
-    ("http://mlflow.lan:5000/?api_key=S3cretPw-xyz", "http://mlflow.lan:5000/?api_key=***"),
-    ("sqlite:////home/me/.privbench/results.db", "sqlite:////home/me/.privbench/results.db"),
-    ("http://user@mlflow.lan:5000/", "http://user@mlflow.lan:5000/"),
-    ("file:///data/a@b/mlruns", "file:///data/a@b/mlruns"),
-    ("no url here: password=S3cretPw-xyz is plain text", "no url here: password=S3cretPw-xyz is plain text"),
-    ("cannot reach 'mysql://root:S3cretPw-xyz@h/db' or http://a:S3cretPw-xyz@h now",
-     "cannot reach 'mysql://root:***@h/db' or http://a:***@h now"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://privbench:S3cretPw-xyz@db:5432/runs", "postgresql://privbench:***@db:5432/runs"),
+        (
+            "postgresql+psycopg://u:S3cretPw-xyz@127.0.0.1/x?sslmode=require",
+            "postgresql+psycopg://u:***@127.0.0.1/x?sslmode=require",
+        ),
+        ("http://user:S3cretPw-xyz@mlflow.lan:5000", "http://user:***@mlflow.lan:5000"),
+        ("https://user:S3cret@Pw-xyz@mlflow.lan/api?x=1", "https://user:***@mlflow.lan/api?x=1"),
+        (
+            "postgresql://u@db/runs?password=S3cretPw-xyz&sslmode=disable",
+            "postgresql://u@db/runs?password=***&sslmode=disable",
+        ),
+        (
+            "postgresql://db/runs?sslmode=require&sslpassword=S3cretPw-xyz#top",
+            "postgresql://db/runs?sslmode=require&sslpassword=***#top",
+        ),
+        ("http://mlflow.lan:5000/?api_key=S3cretPw-xyz", "http://mlflow.lan:5000/?api_key=***"),
+        ("sqlite:////home/me/.privbench/results.db", "sqlite:////home/me/.privbench/results.db"),
+        ("http://user@mlflow.lan:5000/", "http://user@mlflow.lan:5000/"),
+        ("file:///data/a@b/mlruns", "file:///data/a@b/mlruns"),
+        ("no url here: password=S3cretPw-xyz is plain text", "no url here: password=S3cretPw-xyz is plain text"),
+        (
+            "cannot reach 'mysql://root:S3cretPw-xyz@h/db' or http://a:S3cretPw-xyz@h now",
+            "cannot reach 'mysql://root:***@h/db' or http://a:***@h now",
+        ),
+    ],
+)
 def test_redact_url_hides_passwords_of_any_scheme(url: str, shown: str) -> None:
     assert redact_url(url) == shown
 
@@ -67,8 +78,9 @@ def test_ui_prints_a_redacted_command_but_runs_the_real_one(home: Path, monkeypa
     assert args[args.index("--backend-store-uri") + 1] == uri
 
 
-def test_summary_redacts_the_store_and_the_tracking_uri(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_summary_redacts_the_store_and_the_tracking_uri(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from storage.recording import record_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SECRET}@mlflow.lan:5000")
@@ -129,8 +141,15 @@ def test_a_malformed_store_url_error_shows_no_password(home: Path, monkeypatch: 
 
 def _privbench(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """A real ``privbench`` process (its own Prefect server and logging), output captured."""
-    return subprocess.run([sys.executable, "-m", "privbench", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=540, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "privbench", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
 
 
 def _with_password(url: str) -> str:
@@ -162,8 +181,10 @@ def _store_cells_with(url: str, needle: str) -> list[tuple[str, str]]:
             assert "runs" in tables
             for table in tables:
                 for column in inspect(conn).get_columns(table):
-                    hit = conn.execute(text(f'select count(*) from "{table}" where "{column["name"]}"::text like :n'),
-                                       {"n": f"%{needle}%"}).scalar()
+                    hit = conn.execute(
+                        text(f'select count(*) from "{table}" where "{column["name"]}"::text like :n'),
+                        {"n": f"%{needle}%"},
+                    ).scalar()
                     if hit:
                         found.append((table, column["name"]))
         return found

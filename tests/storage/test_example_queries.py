@@ -1,4 +1,4 @@
-"""The README's example queries run, and return rows, on a store filled by real tiny runs of every stage; and
+"""The example queries of docs/queries.md run, and return rows, on a store filled by real tiny runs of every stage; and
 ``privbench results query`` prints them as a table, CSV or JSON."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from privbench.cli import app
 from storage.repository import ResultsRepository
 from tests.filled_store import FilledStore
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-QUERIES = re.findall(r"```sql\n(.*?)```", README.read_text(), flags=re.DOTALL)
+QUERIES_DOC = Path(__file__).resolve().parents[2] / "docs" / "queries.md"
+QUERIES = re.findall(r"```sql\n(.*?)```", QUERIES_DOC.read_text(), flags=re.DOTALL)
 
 
-def test_the_readme_has_the_example_queries() -> None:
+def test_the_docs_have_the_example_queries() -> None:
     assert len(QUERIES) >= 4
 
 
@@ -36,7 +36,8 @@ def test_best_method_per_epsilon_matches_the_metric_rows(filled_store: FilledSto
     _, best = repo.query(QUERIES[0])
     _, points = repo.query(
         "select r.dataset, p.target_epsilon, m.value from runs r join privacy_ledger p on p.run_id = r.id "
-        "join metrics m on m.run_id = r.id and m.name = 'test_ndcg_at_10' where r.stage = 'train-dp'")
+        "join metrics m on m.run_id = r.id and m.name = 'test_ndcg_at_10' where r.stage = 'train-dp'"
+    )
     for dataset, epsilon, _method, value in best:
         assert value == max(v for d, e, v in points if d == dataset and e == epsilon)
 

@@ -19,8 +19,9 @@ def _first_use(uri: str, artifact_root: str, barrier, index: int) -> str:
     try:
         barrier.wait(timeout=120)
         tracker = Tracker(uri, Path(artifact_root))
-        _exp_id, run_id = tracker.start_run(stage="prepare", run_name=f"race-{index}",
-                                            params={"i": str(index)}, tags={"privbench.race": "1"})
+        _exp_id, run_id = tracker.start_run(
+            stage="prepare", run_name=f"race-{index}", params={"i": str(index)}, tags={"privbench.race": "1"}
+        )
         tracker.end_run(run_id, "FINISHED")
         return ""
     except BaseException:  # noqa: BLE001 -- report every failure of the child to the test

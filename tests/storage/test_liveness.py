@@ -26,7 +26,7 @@ CONFIG = {"lr": 0.01}
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    import privbench
+    import pbconfig
     from storage.recording import start_run
     rec = start_run(flow="train-dp", stage="train-dp", technique="dpformer", config={"lr": 0.01},
                     dataset="ml-100k", track=True)
@@ -42,8 +42,13 @@ def row(url: str, run_id: str) -> Run:
 
 def hold_run_in_subprocess() -> tuple[subprocess.Popen[str], str]:
     """A real process that opens a tracked run and holds it (heartbeating) until killed."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout is not None
     run_id = proc.stdout.readline().strip()
     assert len(run_id) == 32, f"the holder printed {run_id!r}"
@@ -90,8 +95,7 @@ def test_sigkilled_holder_is_reaped_at_once_and_mlflow_says_failed(store_url: st
 def test_alive_process_is_never_reaped_however_old_its_heartbeat(store_url: str) -> None:
     rec = start_run(flow="f", stage="s", technique="t", config=CONFIG, track=False)
     with session_scope(store_url) as s:
-        s.execute(update(Run).where(Run.id == rec.run_id).values(
-            heartbeat_at=datetime.now(UTC) - timedelta(days=3)))
+        s.execute(update(Run).where(Run.id == rec.run_id).values(heartbeat_at=datetime.now(UTC) - timedelta(days=3)))
     assert reap_stale_runs(older_than=0) == []
     finish_run(rec)
 
@@ -106,8 +110,11 @@ def test_reused_pid_counts_as_gone(store_url: str) -> None:
 def test_other_hosts_runs_are_stale_only_after_the_window(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = start_run(flow="f", stage="s", technique="t", config=CONFIG, track=False)
     with session_scope(store_url) as s:
-        s.execute(update(Run).where(Run.id == rec.run_id).values(
-            host="elsewhere", heartbeat_at=datetime.now(UTC) - timedelta(seconds=120)))
+        s.execute(
+            update(Run)
+            .where(Run.id == rec.run_id)
+            .values(host="elsewhere", heartbeat_at=datetime.now(UTC) - timedelta(seconds=120))
+        )
     assert reap_stale_runs(older_than=300) == []
     monkeypatch.setenv(liveness.STALE_ENV, "60")
     stale = reap_stale_runs()  # the configured window: 60 s
@@ -118,8 +125,11 @@ def test_other_hosts_runs_are_stale_only_after_the_window(store_url: str, monkey
 def test_rows_from_before_liveness_use_their_start(store_url: str) -> None:
     rec = start_run(flow="f", stage="s", technique="t", config=CONFIG, track=False)
     with session_scope(store_url) as s:
-        s.execute(update(Run).where(Run.id == rec.run_id).values(
-            pid=None, pid_started=None, heartbeat_at=None, started_at=datetime.now(UTC) - timedelta(hours=2)))
+        s.execute(
+            update(Run)
+            .where(Run.id == rec.run_id)
+            .values(pid=None, pid_started=None, heartbeat_at=None, started_at=datetime.now(UTC) - timedelta(hours=2))
+        )
     stale = reap_stale_runs(older_than=3600)
     assert [s.run_id for s in stale] == [rec.run_id] and "for 7200 s" in stale[0].reason
 
@@ -151,12 +161,26 @@ def test_results_reap_cli_after_a_real_sigkill(home: Path, mlflow_uri: str) -> N
     proc.wait(timeout=30)
     env = os.environ | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     env.pop("PREFECT_API_URL", None)
-    out = subprocess.run([sys.executable, "-m", "privbench", "results", "reap", "--json"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "privbench", "results", "reap", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     reaped = json.loads(out.stdout)
     assert [r["run_id"] for r in reaped] == [run_id] and "is gone" in reaped[0]["reason"]
     assert "1 stale run(s) marked failed" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "privbench", "results", "reap", "--older-than", "-5"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-m", "privbench", "results", "reap", "--older-than", "-5"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert bad.returncode == 2 and "--older-than must be >= 0 seconds, got -5" in bad.stderr

@@ -96,10 +96,14 @@ ALLOWED = [
     ('select "status" from runs', [("finished",)]),
     ("/* leading */ select 1 as x -- trailing", [(1,)]),
     ("values (1), (2)", [(1,), (2,)]),
-    (("with m as (select run_id, count(*) as n from metrics group by run_id) "
-      "select r.technique, m.n from runs r join m on m.run_id = r.id"), [("dpformer", 4)]),
-    ("select r.status, count(*) from runs r join metrics m on m.run_id = r.id group by r.status",
-     [("finished", 4)]),
+    (
+        (
+            "with m as (select run_id, count(*) as n from metrics group by run_id) "
+            "select r.technique, m.n from runs r join m on m.run_id = r.id"
+        ),
+        [("dpformer", 4)],
+    ),
+    ("select r.status, count(*) from runs r join metrics m on m.run_id = r.id group by r.status", [("finished", 4)]),
     ("select name from metrics where name like 'loss%' order by step limit 1", [("loss",)]),
     ("select replace(status, 'fin', 'FIN') from runs", [("FINished",)]),
     ("select 1 as x union all select 2 order by 1", [(1,), (2,)]),
@@ -107,13 +111,13 @@ ALLOWED = [
 
 
 def full_run() -> str:
-    with record_run(flow="train-dp", stage="train-dp", technique="dpformer", config={"epsilon": 8.0},
-                    dataset="ml-100k", track=False) as rec:
+    with record_run(
+        flow="train-dp", stage="train-dp", technique="dpformer", config={"epsilon": 8.0}, dataset="ml-100k", track=False
+    ) as rec:
         rec.metrics({"ndcg_at_10": 0.031, "hit_at_10": 0.062})
         rec.metric("loss", 2.5, step=0)
         rec.metric("loss", 2.0, step=1)
-        rec.privacy(epsilon=7.98, delta=1e-6, noise_multiplier=1.2, sample_rate=0.01, steps=500,
-                    accountant="rdp")
+        rec.privacy(epsilon=7.98, delta=1e-6, noise_multiplier=1.2, sample_rate=0.01, steps=500, accountant="rdp")
     return rec.run_id
 
 
@@ -134,8 +138,14 @@ def filled(store_url: str) -> str:
 
 
 # reads or plans the database itself would run: only the statement check refuses them
-PARSER_ONLY = {"; select 1", "explain analyze select 1", "explain delete from metrics", "", "  ;  ",
-               "-- only a comment"}
+PARSER_ONLY = {
+    "; select 1",
+    "explain analyze select 1",
+    "explain delete from metrics",
+    "",
+    "  ;  ",
+    "-- only a comment",
+}
 
 
 def refusal_problems(url: str, statements: list[str], tmp_path: Path) -> list[str]:
@@ -170,8 +180,9 @@ def test_refusals_say_query_failed_and_the_rule(filled: str) -> None:
         assert "SQL: " in str(info.value) and "fix: " in str(info.value)
 
 
-def test_database_refuses_writes_even_without_the_parser(filled: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_database_refuses_writes_even_without_the_parser(
+    filled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The second line of defence: with the statement check switched off, the connection itself refuses."""
     monkeypatch.setattr(repository, "read_only_statement", lambda sql, dialect: sql)
     problems = refusal_problems(filled, [s for s in REFUSED if s not in PARSER_ONLY], tmp_path)
@@ -194,7 +205,8 @@ def test_query_answers_reads(filled: str) -> None:
 
 def test_query_takes_parameters_and_names_columns(filled: str) -> None:
     cols, rows = ResultsRepository(filled).query(
-        "select name, value from metrics where name = :name and step = :step", {"name": "loss", "step": 1})
+        "select name, value from metrics where name = :name and step = :step", {"name": "loss", "step": 1}
+    )
     assert cols == ["name", "value"] and rows == [("loss", 2.0)]
 
 
@@ -218,8 +230,9 @@ def test_query_explains_and_describes_the_schema(filled: str) -> None:
         assert repo.query("explain query plan select * from runs")[1]
         rows = repo.query("select name from pragma_table_info('runs') where name = 'status'")[1]
     else:
-        rows = repo.query("select column_name from information_schema.columns "
-                          "where table_name = 'runs' and column_name = 'status'")[1]
+        rows = repo.query(
+            "select column_name from information_schema.columns where table_name = 'runs' and column_name = 'status'"
+        )[1]
     assert rows == [("status",)]
 
 
@@ -233,26 +246,32 @@ def test_query_with_postgres_dollar_quotes(store_url: str) -> None:
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
-@pytest.mark.parametrize(("sql", "sent"), [
-    ("select 1;", "select 1"),
-    ("select ';' ; -- bye", "select ';' "),
-    ("select 1 -- x\n;;", "select 1 -- x\n"),
-    ("with a as (select 1) select * from a", "with a as (select 1) select * from a"),
-    ("explain select 1", "explain select 1"),
-    ("explain query plan select 1", "explain query plan select 1"),
-])
+@pytest.mark.parametrize(
+    ("sql", "sent"),
+    [
+        ("select 1;", "select 1"),
+        ("select ';' ; -- bye", "select ';' "),
+        ("select 1 -- x\n;;", "select 1 -- x\n"),
+        ("with a as (select 1) select * from a", "with a as (select 1) select * from a"),
+        ("explain select 1", "explain select 1"),
+        ("explain query plan select 1", "explain query plan select 1"),
+    ],
+)
 def test_read_only_statement_strips_the_trailing_semicolon(dialect: str, sql: str, sent: str) -> None:
     assert read_only_statement(sql, dialect) == sent
 
 
-@pytest.mark.parametrize(("sql", "dialect"), [
-    ("select 1 /* /* */ ; delete from metrics */", "sqlite"),  # SQLite comments do not nest
-    ("select 1 /* /* */ ; delete from metrics", "postgresql"),  # ... PostgreSQL's do: unterminated
-    ("select 'unterminated", "sqlite"),
-    ("select [a;b] from t; delete from t", "sqlite"),
-    ("select `a;b` from t; delete from t", "sqlite"),
-    ("select $x$ ; $y$; delete from t", "postgresql"),
-])
+@pytest.mark.parametrize(
+    ("sql", "dialect"),
+    [
+        ("select 1 /* /* */ ; delete from metrics */", "sqlite"),  # SQLite comments do not nest
+        ("select 1 /* /* */ ; delete from metrics", "postgresql"),  # ... PostgreSQL's do: unterminated
+        ("select 'unterminated", "sqlite"),
+        ("select [a;b] from t; delete from t", "sqlite"),
+        ("select `a;b` from t; delete from t", "sqlite"),
+        ("select $x$ ; $y$; delete from t", "postgresql"),
+    ],
+)
 def test_read_only_statement_lexes_like_the_database(sql: str, dialect: str) -> None:
     with pytest.raises(StoreError, match="only one read-only statement"):
         read_only_statement(sql, dialect)

@@ -57,8 +57,9 @@ def read_only_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, dict
     reader_home.chmod(0o777)
     monkeypatch.setenv("PRIVBENCH_HOME", str(home))
     monkeypatch.delenv("PRIVBENCH_DB_URL", raising=False)
-    with record_run(flow="prepare", stage="data", technique="seqrec-prep", config={"k": 1}, dataset="ml",
-                    track=False) as rec:
+    with record_run(
+        flow="prepare", stage="data", technique="seqrec-prep", config={"k": 1}, dataset="ml", track=False
+    ) as rec:
         rec.metric("n_users", 943)
     dispose_engines()
     for lock in home.glob("*.lock"):  # a copy of a store brings the database, not our lock files
@@ -67,8 +68,14 @@ def read_only_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, dict
         path.chmod(0o444)
     home.chmod(0o555)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIVBENCH_", "MLFLOW_", "PREFECT_"))}
-    env |= {"PRIVBENCH_HOME": str(home), "HOME": str(reader_home), "PYTHONDONTWRITEBYTECODE": "1",
-            "PREFECT_HOME": str(reader_home / ".prefect"), "NO_COLOR": "1", "COLUMNS": "200"}
+    env |= {
+        "PRIVBENCH_HOME": str(home),
+        "HOME": str(reader_home),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PREFECT_HOME": str(reader_home / ".prefect"),
+        "NO_COLOR": "1",
+        "COLUMNS": "200",
+    }
     probe = as_reader([sys.executable, "-c", "import privbench.cli, storage.repository"], env)
     if probe.returncode != 0:
         pytest.skip(f"the unprivileged reader cannot import privbench here: {probe.stderr[-500:]}")
@@ -106,8 +113,7 @@ def test_writing_a_read_only_home_fails_clearly(read_only_home: tuple[Path, dict
     assert "PRIVBENCH_HOME" in message
 
 
-def test_read_only_home_behind_the_schema_says_how_to_migrate(
-        read_only_home: tuple[Path, dict[str, str]]) -> None:
+def test_read_only_home_behind_the_schema_says_how_to_migrate(read_only_home: tuple[Path, dict[str, str]]) -> None:
     home, env = read_only_home
     home.chmod(0o755)
     (home / "results.db").chmod(0o644)

@@ -21,16 +21,40 @@ CONFIG = {"epsilon": 8.0, "model": {"d": 64}}
 
 
 def record_full_run(**kwargs) -> str:
-    with record_run(flow="train-dp", stage="train-dp", technique="dpformer", config=CONFIG, dataset="ml-100k",
-                    track=kwargs.pop("track", False), **kwargs) as rec:
+    with record_run(
+        flow="train-dp",
+        stage="train-dp",
+        technique="dpformer",
+        config=CONFIG,
+        dataset="ml-100k",
+        track=kwargs.pop("track", False),
+        **kwargs,
+    ) as rec:
         rec.metrics({"ndcg_at_10": 0.031, "hit_at_10": 0.062}, units={"ndcg_at_10": "fraction"})
         rec.metric("loss", 2.5, step=0)
         rec.metric("loss", 2.0, step=1)
-        rec.privacy(epsilon=7.98, delta=1e-6, noise_multiplier=1.2, sample_rate=0.01, steps=500,
-                    accountant="rdp", clip_norm=1.0, target_epsilon=8.0, unit="user")
+        rec.privacy(
+            epsilon=7.98,
+            delta=1e-6,
+            noise_multiplier=1.2,
+            sample_rate=0.01,
+            steps=500,
+            accountant="rdp",
+            clip_norm=1.0,
+            target_epsilon=8.0,
+            unit="user",
+        )
         rec.mpc_cost(op_category="Softmax", party=0, seconds=0.5, bytes=1 << 33, rounds=12)
-        rec.attack(attack="lira", target="dpformer", auc=0.52, tpr_at_0_1pct_fpr=0.001,
-                   empirical_epsilon=0.3, empirical_epsilon_lo=0.1, empirical_epsilon_hi=0.6, accountant_epsilon=8.0)
+        rec.attack(
+            attack="lira",
+            target="dpformer",
+            auc=0.52,
+            tpr_at_0_1pct_fpr=0.001,
+            empirical_epsilon=0.3,
+            empirical_epsilon_lo=0.1,
+            empirical_epsilon_hi=0.6,
+            accountant_epsilon=8.0,
+        )
     return rec.run_id
 
 
@@ -49,12 +73,23 @@ def test_finished_run_has_everything_it_recorded(store_url: str) -> None:
     run = ResultsRepository().get_run(run_id)
     assert run["status"] == "finished" and run["error"] is None and run["duration_s"] >= 0
     assert run["config"] == CONFIG
-    assert {(m["name"], m["step"]) for m in run["metrics"]} == {("hit_at_10", None), ("ndcg_at_10", None), ("loss", 0), ("loss", 1)}
+    assert {(m["name"], m["step"]) for m in run["metrics"]} == {
+        ("hit_at_10", None),
+        ("ndcg_at_10", None),
+        ("loss", 0),
+        ("loss", 1),
+    }
     assert run["privacy_ledger"][0]["epsilon"] == 7.98 and run["privacy_ledger"][0]["accountant"] == "rdp"
     assert run["mpc_costs"][0]["bytes"] == 1 << 33  # BigInteger: > 2^31 survives
     attack = run["attack_results"][0]
-    for key in ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr", "empirical_epsilon", "empirical_epsilon_ci",
-                "accountant_epsilon"):
+    for key in (
+        "auc",
+        "tpr_at_0.1pct_fpr",
+        "tpr_at_1pct_fpr",
+        "empirical_epsilon",
+        "empirical_epsilon_ci",
+        "accountant_epsilon",
+    ):
         assert key in attack
     assert attack["empirical_epsilon_ci"] == [0.1, 0.6]
 
@@ -115,7 +150,8 @@ def test_query_is_read_only_and_answers_sql(store_url: str) -> None:
     record_full_run()
     repo = ResultsRepository()
     cols, rows = repo.query(
-        "select r.technique, m.value from runs r join metrics m on m.run_id = r.id where m.name = 'ndcg_at_10'")
+        "select r.technique, m.value from runs r join metrics m on m.run_id = r.id where m.name = 'ndcg_at_10'"
+    )
     assert cols == ["technique", "value"] and rows == [("dpformer", 0.031)]
     with pytest.raises(StoreError, match="query failed"):
         repo.query("delete from metrics")
@@ -137,7 +173,9 @@ def test_export_writes_every_table(store_url: str, tmp_path: Path, fmt: str) -> 
     record_full_run()
     files = ResultsRepository().export(tmp_path / "out", fmt)  # type: ignore[arg-type]
     assert sorted(p.name for p in files) == sorted(f"{t}.{fmt}" for t in EXPORT_TABLES)
-    frame = pd.read_csv(tmp_path / "out/metrics.csv") if fmt == "csv" else pd.read_parquet(tmp_path / "out/metrics.parquet")
+    frame = (
+        pd.read_csv(tmp_path / "out/metrics.csv") if fmt == "csv" else pd.read_parquet(tmp_path / "out/metrics.parquet")
+    )
     assert len(frame) == 4
 
 
@@ -185,7 +223,8 @@ def test_metric_name_mlflow_cannot_store_is_refused_early(store_url: str) -> Non
 
 
 def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
-        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A store created before migration 0002 keeps its datasets (kind 'seqrec', n_examples = n_users)."""
     from alembic import command
     from alembic.autogenerate import compare_metadata
@@ -201,9 +240,13 @@ def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "0001")
-        conn.execute(text("INSERT INTO datasets (name, content_hash, cache_key, path, source, n_users, n_items, "
-                          "n_interactions, stats_json, created_at) VALUES ('ml', 'h', 'k', '/p', 's', 7, 9, 70, "
-                          "'{}', '2026-01-01 00:00:00')"))
+        conn.execute(
+            text(
+                "INSERT INTO datasets (name, content_hash, cache_key, path, source, n_users, n_items, "
+                "n_interactions, stats_json, created_at) VALUES ('ml', 'h', 'k', '/p', 's', 7, 9, 70, "
+                "'{}', '2026-01-01 00:00:00')"
+            )
+        )
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
@@ -214,8 +257,15 @@ def test_upgrade_from_0001_keeps_seqrec_rows_and_accepts_image_datasets(
 
     monkeypatch.setenv("PRIVBENCH_DB_URL", url)
     with record_run(flow="prepare", stage="data", technique="image-prep", config={}, track=False) as rec:
-        rec.dataset(name="fm", content_hash="c", cache_key="k2", path="/q", source="idx", kind="images",
-                    stats={"n_examples": 50, "n_train": 40})
+        rec.dataset(
+            name="fm",
+            content_hash="c",
+            cache_key="k2",
+            path="/q",
+            source="idx",
+            kind="images",
+            stats={"n_examples": 50, "n_train": 40},
+        )
     with session_scope(url) as s:
         row = s.execute(text("select kind, n_examples, n_users from datasets where name = 'fm'")).one()
     assert tuple(row) == ("images", 50, None)

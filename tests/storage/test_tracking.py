@@ -23,8 +23,15 @@ def test_params_metrics_tags_and_nesting_round_trip(home: Path, mlflow_uri: str)
     config = {"train": {"epsilon": 8.0, "method": "dpformer"}}
     with record_run(flow="train-dp", stage="train-dp", technique="flow", config=config, profile="quick") as parent:
         pass
-    with record_run(flow="train-dp", stage="train-dp", technique="dpformer", config=config, dataset="ml-100k",
-                    parent=parent.ref, prefect_flow_run_id="pf-123") as rec:
+    with record_run(
+        flow="train-dp",
+        stage="train-dp",
+        technique="dpformer",
+        config=config,
+        dataset="ml-100k",
+        parent=parent.ref,
+        prefect_flow_run_id="pf-123",
+    ) as rec:
         rec.metric("ndcg_at_10", 0.031)
         rec.metric("loss", 3.0, step=0)
         rec.metric("loss", 2.0, step=1)

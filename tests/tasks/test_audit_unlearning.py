@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from privbench.config_attacks import AuditConfig
+from pbconfig.attacks import AuditConfig
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.audit import audit_unlearning
@@ -22,10 +22,15 @@ def test_unlearning_audit_records_before_and_after(home: Path, prepared: dict[st
         pass
     out = audit_unlearning.fn(tangent, AuditConfig(shadows=4), prepared["images"], prepared["model"], parent.ref)
     assert out["n_shards"] == 3 and len(out["removed"]) == 1 and out["n_forgotten"] == 16  # 48 images / 3 shards
-    assert set(out["settings"]) == {"before: members vs non-members", "before: to-be-forgotten vs non-members",
-                                    "after: forgotten vs non-members", "after: kept vs non-members"}
+    assert set(out["settings"]) == {
+        "before: members vs non-members",
+        "before: to-be-forgotten vs non-members",
+        "after: forgotten vs non-members",
+        "after: kept vs non-members",
+    }
     assert 0.0 <= out["two_sample"]["ks_pvalue"] <= 1.0 and 0.0 <= out["two_sample"]["mw_pvalue"] <= 1.0
     _, rows = ResultsRepository().query(
         "select a.setting, a.auc, a.empirical_epsilon_lo, a.empirical_epsilon_hi from attack_results a join runs r "
-        "on r.id = a.run_id where r.technique = 'mia-unlearning' and r.status = 'finished'")
+        "on r.id = a.run_id where r.technique = 'mia-unlearning' and r.status = 'finished'"
+    )
     assert len(rows) == 4 and all(0.0 <= auc <= 1.0 and 0.0 <= lo <= hi for _, auc, lo, hi in rows)

@@ -13,7 +13,7 @@ import torch
 from transformers import Dinov2Config, Dinov2Model
 
 from core.errors import DataError
-from privbench.config import ImageDatasetSpec, PretrainedSpec
+from pbconfig.data import ImageDatasetSpec, PretrainedSpec
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.prepare_images import (
@@ -49,8 +49,9 @@ def idx_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "idx"
     folder.mkdir()
     for prefix, n in (("train", 60), ("t10k", 20)):
-        _write_idx(folder, prefix, torch.randint(0, 256, (n, 28, 28), generator=gen, dtype=torch.uint8),
-                   torch.arange(n) % 10)
+        _write_idx(
+            folder, prefix, torch.randint(0, 256, (n, 28, 28), generator=gen, dtype=torch.uint8), torch.arange(n) % 10
+        )
     return folder
 
 
@@ -105,16 +106,18 @@ def test_digits_are_split_by_the_seed(home: Path) -> None:
 
 def _tiny_dinov2() -> Dinov2Model:
     torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                       image_size=28, patch_size=14)
+    cfg = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=14
+    )
     return Dinov2Model(cfg).eval()
 
 
 def test_prepared_model_round_trips_and_detects_tampering(tmp_path: Path) -> None:
     model = _tiny_dinov2()
     out = tmp_path / "m"
-    manifest = write_prepared_model(model, out, name="tiny", cache_key="k", source="test", source_sha256="s",
-                                    spec={}, stats={})
+    manifest = write_prepared_model(
+        model, out, name="tiny", cache_key="k", source="test", source_sha256="s", spec={}, stats={}
+    )
     assert manifest["stats"]["n_parameters"] == sum(p.numel() for p in model.parameters())
     loaded = load_pretrained(out)
     x = torch.randn(2, 3, 28, 28)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import DataError
-from privbench.config import DatasetSpec
+from pbconfig.data import DatasetSpec
 from storage.recording import record_run
 from tasks.prepare import SourceRef, cache_key, load_prepared, materialize_source, prepare_dataset
 

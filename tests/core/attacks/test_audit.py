@@ -20,8 +20,13 @@ def _data(n_users: int = 12, n_items: int = 20, seed: int = 0) -> SequentialData
     rng = np.random.default_rng(seed)
     lens = rng.integers(3, 9, size=n_users)
     items = rng.integers(1, n_items + 1, size=int(lens.sum()))
-    return SequentialDataset(items=items, timestamps=np.arange(items.size), offsets=np.concatenate([[0], np.cumsum(
-        lens)]), raw_user_ids=np.arange(n_users), raw_item_ids=np.arange(n_items))
+    return SequentialDataset(
+        items=items,
+        timestamps=np.arange(items.size),
+        offsets=np.concatenate([[0], np.cumsum(lens)]),
+        raw_user_ids=np.arange(n_users),
+        raw_item_ids=np.arange(n_items),
+    )
 
 
 def test_subset_users_keeps_each_sequence_and_the_item_space() -> None:
@@ -47,8 +52,11 @@ def test_user_statistics_match_a_per_user_loop() -> None:
             inputs, targets = data.train_examples(8, [u])
             logits = model(inputs)[0]
             valid = targets[0] != 0
-            ce = torch.nn.functional.cross_entropy(logits[valid], targets[0][valid], reduction="sum") if valid.any() \
+            ce = (
+                torch.nn.functional.cross_entropy(logits[valid], targets[0][valid], reduction="sum")
+                if valid.any()
                 else 0
+            )
             slow.append(-float(ce) / max(int(valid.sum()), 1))
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
@@ -64,8 +72,13 @@ def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
     shadow_in = split_halves(n, k, seed=2)
     shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
     stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
-    out = audit(AuditTarget("planted", stats, members, accountant_epsilon=None), attacks=("loss", "lira_online"),
-                shadow_stats=shadows, shadow_in=shadow_in, delta=1e-3)
+    out = audit(
+        AuditTarget("planted", stats, members, accountant_epsilon=None),
+        attacks=("loss", "lira_online"),
+        shadow_stats=shadows,
+        shadow_in=shadow_in,
+        delta=1e-3,
+    )
     assert out["lira_online"]["auc"] > 0.9 > out["loss"]["auc"] > 0.55
     lo, hi = out["lira_online"]["empirical_epsilon_ci"]
     assert 0 < lo <= out["lira_online"]["empirical_epsilon"] <= hi
@@ -79,7 +92,12 @@ def test_audit_refuses_unrecorded_membership_and_mismatched_data() -> None:
     with pytest.raises(DataError, match="one value per example"):
         audit(AuditTarget("t", stats, np.ones(9, bool)), attacks=("loss",), delta=1e-3)
     with pytest.raises(DataError, match="same examples"):
-        audit(AuditTarget("t", stats, np.arange(10) % 2 == 0), attacks=("lira_offline",),
-              shadow_stats=np.zeros((4, 8)), shadow_in=np.zeros((4, 8), bool), delta=1e-3)
+        audit(
+            AuditTarget("t", stats, np.arange(10) % 2 == 0),
+            attacks=("lira_offline",),
+            shadow_stats=np.zeros((4, 8)),
+            shadow_in=np.zeros((4, 8), bool),
+            delta=1e-3,
+        )
     with pytest.raises(ConfigError, match="shadow"):
         audit(AuditTarget("t", stats, np.arange(10) % 2 == 0), attacks=("lira_online",), delta=1e-3)

@@ -14,8 +14,10 @@ from core.attacks.seb import build_byte_mapping
 from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB
 from core.errors import ConfigError
 
-SENTENCES = [[464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13],  # "The quick brown fox jumps over..."
-             [40, 1842, 2003, 1110, 287, 262, 3329, 6766, 13]]
+SENTENCES = [
+    [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13],  # "The quick brown fox jumps over..."
+    [40, 1842, 2003, 1110, 287, 262, 3329, 6766, 13],
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +26,9 @@ def mapping() -> torch.Tensor:
 
 
 def _victim(kind: str, mapping: torch.Tensor) -> torch.nn.Module:
-    return build_victim(kind, mapping=mapping, n_layer=1, n_embd=16, n_head=2, n_positions=16, byte_dim=8,
-                        hidden=16, seed=0)
+    return build_victim(
+        kind, mapping=mapping, n_layer=1, n_embd=16, n_head=2, n_positions=16, byte_dim=8, hidden=16, seed=0
+    )
 
 
 class UniformPrior:
@@ -55,8 +58,9 @@ class OraclePrior(UniformPrior):
         return torch.stack([self._logp(row[1:].tolist()) for row in ids])
 
     def sequence_log_prob(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.stack([sum(self._logp(row[1:t].tolist())[row[t]] for t in range(1, len(row)))
-                            for row in ids]).float()
+        return torch.stack(
+            [sum(self._logp(row[1:t].tolist())[row[t]] for t in range(1, len(row))) for row in ids]
+        ).float()
 
 
 def test_settings_apply_by_victim() -> None:
@@ -68,9 +72,20 @@ def test_settings_apply_by_victim() -> None:
 @pytest.mark.parametrize("kind", ["subword", "seb_ar", "seb_co"])
 def test_candidates_keep_every_true_subword(kind: str, mapping: torch.Tensor) -> None:
     model = _victim(kind, mapping)
-    results = attack_batches(model, [SENTENCES], victim=kind, settings=("subwords", "bytes", "positional", "relaxed"),
-                             mapping=mapping, byte_vocab=256, prior=UniformPrior(), decode=lambda s: " ".join(map(
-                                 str, s)), beam_width=2, reorder_passes=0, relaxed_random=100, seed=0)
+    results = attack_batches(
+        model,
+        [SENTENCES],
+        victim=kind,
+        settings=("subwords", "bytes", "positional", "relaxed"),
+        mapping=mapping,
+        byte_vocab=256,
+        prior=UniformPrior(),
+        decode=lambda s: " ".join(map(str, s)),
+        beam_width=2,
+        reorder_passes=0,
+        relaxed_random=100,
+        seed=0,
+    )
     true = {t for s in SENTENCES for t in s}
     by = {r.setting: r for r in results}
     assert set(by) == set(settings_for(kind, ("subwords", "bytes", "positional", "relaxed")))
@@ -89,9 +104,21 @@ def test_candidates_keep_every_true_subword(kind: str, mapping: torch.Tensor) ->
 def test_an_oracle_prior_recovers_the_sentence_exactly(mapping: torch.Tensor) -> None:
     model = _victim("subword", mapping)
     sentence = SENTENCES[0]
-    [r] = attack_batches(model, [[sentence]], victim="subword", settings=("subwords",), mapping=mapping,
-                         byte_vocab=256, prior=OraclePrior([sentence]), decode=lambda s: " ".join(map(str, s)),
-                         beam_width=4, reorder_passes=1, relaxed_random=0, seed=0, reorder_moves=16)
+    [r] = attack_batches(
+        model,
+        [[sentence]],
+        victim="subword",
+        settings=("subwords",),
+        mapping=mapping,
+        byte_vocab=256,
+        prior=OraclePrior([sentence]),
+        decode=lambda s: " ".join(map(str, s)),
+        beam_width=4,
+        reorder_passes=1,
+        relaxed_random=0,
+        seed=0,
+        reorder_moves=16,
+    )
     assert r.recovered == [" ".join(map(str, sentence))]
     assert r.rouge1 == r.rouge2 == r.rougeL == 1.0
 
@@ -109,9 +136,20 @@ def test_warm_up_lowers_the_loss_and_summary_averages(mapping: torch.Tensor) -> 
     clients = [SENTENCES * 4, SENTENCES[::-1] * 4]
     losses = warm_up(model, clients, rounds=4, batch_size=4, lr=0.05, seed=0)
     assert len(losses) == 4 and losses[-1] < losses[0]
-    results = attack_batches(model, [SENTENCES[:1], SENTENCES[1:]], victim="seb_co", settings=("bytes",),
-                             mapping=mapping, byte_vocab=256, prior=UniformPrior(), decode=lambda s: str(s),
-                             beam_width=2, reorder_passes=0, relaxed_random=0, seed=0)
+    results = attack_batches(
+        model,
+        [SENTENCES[:1], SENTENCES[1:]],
+        victim="seb_co",
+        settings=("bytes",),
+        mapping=mapping,
+        byte_vocab=256,
+        prior=UniformPrior(),
+        decode=lambda s: str(s),
+        beam_width=2,
+        reorder_passes=0,
+        relaxed_random=0,
+        seed=0,
+    )
     summary = summarize(results)
     assert summary["bytes"]["n_batches"] == 2.0
     assert summary["bytes"]["n_candidates"] == pytest.approx(sum(r.n_candidates for r in results) / 2)

@@ -259,15 +259,11 @@ def test_beam_search_finds_the_best_sequence_greedy_misses() -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_exhaustive_beam_equals_brute_force(seed: int) -> None:
-    prior = BigramPrior.from_scores(
-        torch.randn(7, 7, generator=torch.Generator().manual_seed(seed)) * 2, bos_id=6
-    )
+    prior = BigramPrior.from_scores(torch.randn(7, 7, generator=torch.Generator().manual_seed(seed)) * 2, bos_id=6)
     cand = [0, 2, 3, 5]
     for penalty, max_uses in [(0.0, None), (1.5, None), (0.0, 1), (0.7, 2)]:
         truth = brute_force(prior, cand, 3, penalty, max_uses)
-        got = beam_search(
-            prior, cand, length=3, beam_width=16, n_return=5, repeat_penalty=penalty, max_uses=max_uses
-        )
+        got = beam_search(prior, cand, length=3, beam_width=16, n_return=5, repeat_penalty=penalty, max_uses=max_uses)
         assert [s for s, _ in got] == [s for s, _ in truth[:5]]
         assert [x for _, x in got] == pytest.approx([x for _, x in truth[:5]], abs=1e-5)
 
@@ -319,9 +315,7 @@ def chain_prior(n: int) -> BigramPrior:
     return BigramPrior.from_scores(scores, bos_id=n)
 
 
-@pytest.mark.parametrize(
-    "shuffled", [[3, 4, 5, 0, 1, 2], [1, 0, 2, 3, 5, 4], [5, 0, 1, 2, 3, 4], [2, 3, 0, 1, 4, 5]]
-)
+@pytest.mark.parametrize("shuffled", [[3, 4, 5, 0, 1, 2], [1, 0, 2, 3, 5, 4], [5, 0, 1, 2, 3, 4], [2, 3, 0, 1, 4, 5]])
 def test_reorder_recovers_the_preferred_order(shuffled: list[int]) -> None:
     prior = chain_prior(6)
     tokens, score = reorder(prior, shuffled, max_passes=4, max_span=3)
@@ -344,9 +338,7 @@ def test_reorder_never_lowers_the_score(seed: int) -> None:
 
 def test_film_recover_end_to_end_on_a_bigram_prior() -> None:
     prior = chain_prior(6)
-    out = film_recover(
-        prior, [0, 1, 2, 3, 4, 5], length=6, n_sentences=3, beam_width=4, reorder_passes=2, max_uses=1
-    )
+    out = film_recover(prior, [0, 1, 2, 3, 4, 5], length=6, n_sentences=3, beam_width=4, reorder_passes=2, max_uses=1)
     assert len(out) == 3 and out[0] == [0, 1, 2, 3, 4, 5]
     assert all(sorted(s) == [0, 1, 2, 3, 4, 5] for s in out)
 
@@ -364,9 +356,7 @@ def test_rouge_scores_hand_worked() -> None:
     # LCS: "the cat on the mat" = 5 tokens -> P = R = 5/6, F = 5/6
     assert s == pytest.approx({"rouge1": 1.0, "rouge2": 0.6, "rougeL": 5 / 6})
     # "the cat sat" vs ref: 3 matched unigrams, P = 1, R = 1/2 -> F = 2/3; bigrams P = 1, R = 2/5 -> F = 4/7
-    assert rouge_scores("the cat sat", ref) == pytest.approx(
-        {"rouge1": 2 / 3, "rouge2": 4 / 7, "rougeL": 2 / 3}
-    )
+    assert rouge_scores("the cat sat", ref) == pytest.approx({"rouge1": 2 / 3, "rouge2": 4 / 7, "rougeL": 2 / 3})
     assert rouge_scores(ref, ref) == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
 
 

@@ -112,8 +112,9 @@ def test_lira_online_matches_gaussian_loglik_ratio():
     got = lira_online(target, shadow_stats, shadow_in, fix_variance=False)
     i = 7
     s_in, s_out = shadow_stats[shadow_in[:, i], i], shadow_stats[~shadow_in[:, i], i]
-    want = (norm.logpdf(target[i], s_in.mean(), s_in.std(ddof=1))
-            - norm.logpdf(target[i], s_out.mean(), s_out.std(ddof=1)))
+    want = norm.logpdf(target[i], s_in.mean(), s_in.std(ddof=1)) - norm.logpdf(
+        target[i], s_out.mean(), s_out.std(ddof=1)
+    )
     assert got[i] == pytest.approx(want, rel=1e-9)
     off = lira_offline(target, shadow_stats, shadow_in, fix_variance=False)
     assert off[i] == pytest.approx((target[i] - s_out.mean()) / s_out.std(ddof=1), rel=1e-9)

@@ -39,10 +39,7 @@ def model(embedding: str = "subword", **kw) -> Seq2SeqLM:
 def reversal_pairs(n: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """Source: 3-8 random content tokens; target: the same tokens reversed."""
     g = torch.Generator().manual_seed(seed)
-    src = [
-        torch.randint(3, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
+    src = [torch.randint(3, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
     return src, [s[::-1] for s in src]
 
 
@@ -112,9 +109,7 @@ def test_training_raises_bleu_on_reversal(embedding: str) -> None:
     test_src, test_tgt = reversal_pairs(100, seed=1)
     m = model(embedding)
     before = bleu(words(translate(m, test_src, max_len=12, **SPECIAL)), words(test_tgt))
-    stats = train_translation(
-        m, train_src, train_tgt, steps=300, batch_size=32, lr=3e-3, warmup=30, **SPECIAL
-    )
+    stats = train_translation(m, train_src, train_tgt, steps=300, batch_size=32, lr=3e-3, warmup=30, **SPECIAL)
     hyps = translate(m, test_src, max_len=12, **SPECIAL)
     after = bleu(words(hyps), words(test_tgt))
     assert stats["steps"] == 300

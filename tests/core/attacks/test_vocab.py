@@ -1,4 +1,5 @@
-"""Compact vocabularies and the compact prior (core.attacks.priors): a proper distribution over the full vocabulary, and a sequence
+"""Compact vocabularies and the compact prior (core.attacks.priors): a proper distribution over the full vocabulary,
+and a sequence
 score equal to the sum of its next-token log-probabilities (the slow, obviously correct reference)."""
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def test_sequence_score_equals_sum_of_next_token_log_probs():
     seq = torch.tensor([[99, 3, 55, 10, 42], [99, 42, 42, 7, 60]])
     ref = torch.zeros(2)
     for t in range(1, seq.shape[1]):  # slow reference: one next-token call per position
-        ref += prior.next_log_probs(seq[:, :t]).gather(1, seq[:, t:t + 1]).squeeze(1)
+        ref += prior.next_log_probs(seq[:, :t]).gather(1, seq[:, t : t + 1]).squeeze(1)
     torch.testing.assert_close(prior.sequence_log_prob(seq), ref, atol=1e-4, rtol=1e-5)
 
 

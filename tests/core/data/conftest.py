@@ -32,8 +32,6 @@ def make_interactions() -> MakeInteractions:
 
     def make(rows: Sequence[tuple[object, object, int]], source: str = "hand") -> Interactions:
         users, items, times = zip(*rows, strict=True)
-        return Interactions(
-            np.array(users), np.array(items), np.ones(len(rows), np.float32), np.array(times), source
-        )
+        return Interactions(np.array(users), np.array(items), np.ones(len(rows), np.float32), np.array(times), source)
 
     return make

@@ -179,9 +179,7 @@ def test_empty_file_is_an_error(write_file, parser, content: str) -> None:
         parser(write_file("empty.txt", content))
 
 
-@pytest.mark.parametrize(
-    "parser", [parse_ml1m, parse_ml100k, parse_recbole, parse_amazon_csv, parse_amazon_jsonl]
-)
+@pytest.mark.parametrize("parser", [parse_ml1m, parse_ml100k, parse_recbole, parse_amazon_csv, parse_amazon_jsonl])
 def test_missing_path_and_directory(tmp_path: Path, parser) -> None:
     missing = tmp_path / "nope" / "ratings.dat"
     with pytest.raises(DataError, match=f"{missing}: no such file"):
@@ -259,7 +257,5 @@ def test_interactions_validates_and_is_read_only() -> None:
     with pytest.raises(DataError, match="int or str ids"):
         Interactions(np.array([1.5]), np.array([1]), [5], [10])
     assert inter.take(np.array([1])).items.tolist() == ["b"]
-    assert inter.same_data(
-        Interactions(np.array([1, 2]), np.array(["a", "b"]), [5, 4], [10, 11], "elsewhere")
-    )
+    assert inter.same_data(Interactions(np.array([1, 2]), np.array(["a", "b"]), [5, 4], [10, 11], "elsewhere"))
     assert not inter.same_data(Interactions(np.array(["1", "2"]), np.array(["a", "b"]), [5, 4], [10, 11]))

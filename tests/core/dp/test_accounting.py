@@ -63,9 +63,7 @@ def test_compute_epsilon_matches_opacus_rdp(sigma: float, q: float, steps: int) 
 def test_compute_epsilon_matches_opacus_prv(sigma: float, q: float, steps: int) -> None:
     direct = PRVAccountant()
     direct.history = [(sigma, q, steps)]
-    ours = compute_epsilon(
-        noise_multiplier=sigma, delta=1e-5, sample_rate=q, steps=steps, accountant=Accountant.PRV
-    )
+    ours = compute_epsilon(noise_multiplier=sigma, delta=1e-5, sample_rate=q, steps=steps, accountant=Accountant.PRV)
     assert ours == pytest.approx(direct.get_epsilon(delta=1e-5), rel=1e-12)
 
 
@@ -81,9 +79,7 @@ def test_calibration_matches_opacus_get_noise_multiplier() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("sigma", "epochs", "published"), [(1.12, 60, 2.92), (0.6, 30, 9.74), (1.2, 10, 1.20)]
-)
+@pytest.mark.parametrize(("sigma", "epochs", "published"), [(1.12, 60, 2.92), (0.6, 30, 9.74), (1.2, 10, 1.20)])
 def test_rdp_reproduces_tf_privacy_mnist_table(sigma: float, epochs: int, published: float) -> None:
     """TF Privacy's MNIST table (tutorials/README.md) used the classic RDP -> DP conversion
     eps = min_a RDP(a) + log(1/delta)/(a - 1) (Mironov 2017, Prop. 3). Opacus's RDP curve with that

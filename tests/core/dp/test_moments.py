@@ -47,9 +47,7 @@ def test_linear_moments_match_monte_carlo() -> None:
     b = bias + math.sqrt(b_var) * _randn(N_MC, 4, gen=gen)
     y = torch.einsum("nbi,noi->nbo", x, w) + b[:, None, :]
     torch.testing.assert_close(out.var, y.var(dim=0), rtol=0.06, atol=0)
-    torch.testing.assert_close(
-        out.mean, y.mean(dim=0), rtol=0, atol=5 * float(y.std(dim=0).max()) / math.sqrt(N_MC)
-    )
+    torch.testing.assert_close(out.mean, y.mean(dim=0), rtol=0, atol=5 * float(y.std(dim=0).max()) / math.sqrt(N_MC))
 
 
 def test_linear_moments_exact_cases() -> None:
@@ -99,9 +97,7 @@ def test_layer_norm_moments_match_monte_carlo() -> None:
     var = torch.rand(4, d, generator=gen, dtype=F64) * 0.0025 * mu.var(dim=-1, keepdim=True)
     weight, bias = torch.rand(d, generator=gen, dtype=F64) + 0.5, _randn(d, gen=gen)
     out = layer_norm_moments(GaussianMoments(mu, var), weight=weight, bias=bias, eps=1e-5)
-    y = torch.nn.functional.layer_norm(
-        mu + var.sqrt() * _randn(N_MC, 4, d, gen=gen), (d,), weight, bias, 1e-5
-    )
+    y = torch.nn.functional.layer_norm(mu + var.sqrt() * _randn(N_MC, 4, d, gen=gen), (d,), weight, bias, 1e-5)
     torch.testing.assert_close(out.var, y.var(dim=0), rtol=0.06, atol=0)
     torch.testing.assert_close(out.mean, y.mean(dim=0), rtol=0, atol=0.01)
 
@@ -118,9 +114,7 @@ def test_layer_norm_moments_stay_accurate_for_large_isotropic_noise() -> None:
     torch.testing.assert_close(out.var.sum(-1), y.var(dim=0).sum(-1), rtol=0.10, atol=0)
 
 
-def _slow_layer_norm_linear_var(
-    x: GaussianMoments, weight, weight_var, ln_weight, ln_bias, eps
-) -> torch.Tensor:
+def _slow_layer_norm_linear_var(x: GaussianMoments, weight, weight_var, ln_weight, ln_bias, eps) -> torch.Tensor:
     """Reference: materialise the (d, d) LN Jacobian per token and the full output covariance."""
     mu, v = x.mean, x.full_var()
     d = mu.shape[-1]
@@ -148,9 +142,7 @@ def test_layer_norm_linear_moments_fast_path_matches_full_covariance_and_monte_c
         _randn(d, gen=gen),
     )
     x = GaussianMoments(mu, var)
-    out = layer_norm_linear_moments(
-        x, weight, weight_var=1e-3, ln_weight=ln_weight, ln_bias=ln_bias, eps=1e-5
-    )
+    out = layer_norm_linear_moments(x, weight, weight_var=1e-3, ln_weight=ln_weight, ln_bias=ln_bias, eps=1e-5)
     reference = _slow_layer_norm_linear_var(x, weight, 1e-3, ln_weight, ln_bias, 1e-5)
     torch.testing.assert_close(out.var, reference, rtol=1e-9, atol=1e-12)
     # Monte Carlo (first order; noise <= 1% of the feature spread): band 6%
@@ -161,9 +153,7 @@ def test_layer_norm_linear_moments_fast_path_matches_full_covariance_and_monte_c
     y = torch.einsum("nbld,nkd->nblk", noisy, noisy_w)
     torch.testing.assert_close(out.var, y.var(dim=0), rtol=0.06, atol=0)
     # ignoring LN's output correlations is measurably worse here
-    independent = linear_moments(
-        layer_norm_moments(x, weight=ln_weight, bias=ln_bias), weight, weight_var=1e-3
-    )
+    independent = linear_moments(layer_norm_moments(x, weight=ln_weight, bias=ln_bias), weight, weight_var=1e-3)
     err_fused = ((out.var - y.var(0)).abs() / y.var(0)).max()
     err_independent = ((independent.var - y.var(0)).abs() / y.var(0)).max()
     assert err_fused < err_independent
@@ -187,9 +177,7 @@ def test_attention_moments_match_monte_carlo() -> None:
     length, dv = 5, 3
     logits = _randn(2, length, length, gen=gen)
     logit_var = torch.rand(2, length, length, generator=gen, dtype=F64) * 0.02
-    value = GaussianMoments(
-        _randn(2, length, dv, gen=gen), torch.rand(2, length, dv, generator=gen, dtype=F64) * 0.02
-    )
+    value = GaussianMoments(_randn(2, length, dv, gen=gen), torch.rand(2, length, dv, generator=gen, dtype=F64) * 0.02)
     out = attention_moments(torch.softmax(logits, -1), logit_var, value)
     noisy_logits = logits + logit_var.sqrt() * _randn(N_MC, 2, length, length, gen=gen)
     noisy_value = value.mean + value.var.sqrt() * _randn(N_MC, 2, length, dv, gen=gen)

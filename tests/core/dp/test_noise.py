@@ -12,9 +12,7 @@ from core.dp.noise import add_gaussian_noise_, privatize_grads_
 from core.errors import ConfigError, PrivacyError
 
 
-def _param(
-    *shape: int, dtype: torch.dtype = torch.float32, grad: torch.Tensor | None = None
-) -> torch.nn.Parameter:
+def _param(*shape: int, dtype: torch.dtype = torch.float32, grad: torch.Tensor | None = None) -> torch.nn.Parameter:
     p = torch.nn.Parameter(torch.zeros(*shape, dtype=dtype))
     p.grad = grad
     return p
@@ -26,9 +24,7 @@ def test_noise_std_is_sigma_times_clip_norm() -> None:
     5 sd. KS against N(0, s^2): with a fixed seed this is deterministic; p > 1e-3 guards the shape."""
     sigma, clip = 1.3, 0.7
     p = _param(100_000, grad=torch.zeros(100_000))
-    add_gaussian_noise_(
-        [p], noise_multiplier=sigma, clip_norm=clip, generator=torch.Generator().manual_seed(0)
-    )
+    add_gaussian_noise_([p], noise_multiplier=sigma, clip_norm=clip, generator=torch.Generator().manual_seed(0))
     noise = p.grad.double()
     std = sigma * clip
     assert float(noise.std()) == pytest.approx(std, rel=0.015)
@@ -41,9 +37,7 @@ def test_noise_is_added_to_existing_grads_in_place_and_independent() -> None:
     base_a, base_b = torch.randn(50_000), torch.randn(50_000)
     a, b = _param(50_000, grad=base_a.clone()), _param(50_000, grad=base_b.clone())
     grad_a = a.grad
-    add_gaussian_noise_(
-        [a, b], noise_multiplier=2.0, clip_norm=1.0, generator=torch.Generator().manual_seed(1)
-    )
+    add_gaussian_noise_([a, b], noise_multiplier=2.0, clip_norm=1.0, generator=torch.Generator().manual_seed(1))
     assert a.grad is grad_a  # in place
     noise_a, noise_b = a.grad - base_a, b.grad - base_b
     assert float(noise_a.std()) == pytest.approx(2.0, rel=0.02)  # relative sd 0.32%
@@ -73,9 +67,7 @@ def test_none_grad_gets_noise_only_grad() -> None:
 def test_dtype_and_device_preserved(dtype: torch.dtype) -> None:
     p = _param(64, 8, dtype=dtype, grad=torch.zeros(64, 8, dtype=dtype))
     none_grad = _param(3, dtype=dtype)
-    add_gaussian_noise_(
-        [p, none_grad], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(0)
-    )
+    add_gaussian_noise_([p, none_grad], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(0))
     for param in (p, none_grad):
         assert param.grad.dtype == dtype and param.grad.device == param.device
         assert bool(torch.isfinite(param.grad).all())
@@ -85,9 +77,7 @@ def test_dtype_and_device_preserved(dtype: torch.dtype) -> None:
 def test_same_seed_same_noise() -> None:
     def run(seed: int) -> torch.Tensor:
         p = _param(100, grad=torch.zeros(100))
-        add_gaussian_noise_(
-            [p], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(seed)
-        )
+        add_gaussian_noise_([p], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(seed))
         return p.grad
 
     assert torch.equal(run(5), run(5))
@@ -109,9 +99,7 @@ def test_non_finite_grads_are_refused_before_any_noise(bad: float) -> None:
 def test_privatize_is_noise_then_divide_by_expected_batch_size() -> None:
     summed = torch.randn(10, 4)
     reference = _param(10, 4, grad=summed.clone())
-    add_gaussian_noise_(
-        [reference], noise_multiplier=1.2, clip_norm=0.8, generator=torch.Generator().manual_seed(7)
-    )
+    add_gaussian_noise_([reference], noise_multiplier=1.2, clip_norm=0.8, generator=torch.Generator().manual_seed(7))
     p = _param(10, 4, grad=summed.clone())
     privatize_grads_(
         [p],

@@ -52,17 +52,13 @@ def _norms(per_sample):
 def _phantom_step(model, loss, coef_seed=1, strategy="auto"):
     with PhantomClipping(model, strategy=strategy) as phantom:
         norms = phantom.per_sample_norms(loss(model))
-        coef = torch.rand(
-            norms.shape[0], generator=torch.Generator().manual_seed(coef_seed), dtype=norms.dtype
-        )
+        coef = torch.rand(norms.shape[0], generator=torch.Generator().manual_seed(coef_seed), dtype=norms.dtype)
         phantom.accumulate_grad(coef)
     return norms, coef
 
 
 def _check_against_brute_force(model, rtol=1e-4, strategy="auto", loss=_loss, ids=IDS, targets=TARGETS):
-    params, per_sample = brute_force(
-        model, lambda i: loss(model, ids[i : i + 1], targets[i : i + 1]), len(ids)
-    )
+    params, per_sample = brute_force(model, lambda i: loss(model, ids[i : i + 1], targets[i : i + 1]), len(ids))
     norms, coef = _phantom_step(model, lambda m: loss(m, ids, targets), strategy=strategy)
     torch.testing.assert_close(norms, _norms(per_sample), rtol=rtol, atol=1e-7)
     for k, p in enumerate(params):
@@ -266,9 +262,7 @@ def test_accumulate_adds_to_existing_grad():
 @pytest.mark.parametrize("norm_first", [True, False])
 def test_exact_with_a_re_attention_score_correction(norm_first):
     def correction(logits, query):  # differentiable in the queries, like a per-query Re-Attention C
-        return logits - 0.1 * query.pow(2).sum(-1, keepdim=True) * torch.linspace(0, 1, logits.shape[-1]).to(
-            logits
-        )
+        return logits - 0.1 * query.pow(2).sum(-1, keepdim=True) * torch.linspace(0, 1, logits.shape[-1]).to(logits)
 
     def loss(model, ids, targets):
         return sequence_loss(model(ids, score_correction=correction), targets)

@@ -57,9 +57,7 @@ def test_effective_batch_size_is_b_times_p() -> None:
 def test_claims_5_3_and_5_4() -> None:
     sigma, clip, batch = 2.0, 0.5, 10.0
     # Claim 5.3: sigma_eff = sigma C / B = 0.1 -> variance 0.01
-    assert block_error_variance(noise_multiplier=sigma, clip_norm=clip, batch_size=batch) == pytest.approx(
-        0.01
-    )
+    assert block_error_variance(noise_multiplier=sigma, clip_norm=clip, batch_size=batch) == pytest.approx(0.01)
     # Claim 5.4: sigma_eff = sigma C / (B p_i): p = 0.5 -> 0.2, p = 0.1 -> 1.0, p = 1 -> 0.1 (= block)
     p = torch.tensor([0.0, 0.5, 0.1, 1.0])
     var = embedding_error_variance(noise_multiplier=sigma, clip_norm=clip, batch_size=batch, frequencies=p)
@@ -198,9 +196,7 @@ def test_reattention_end_to_end_api() -> None:
     re_attention = ReAttention(item_var, scale=0.5)
     correction = re_attention.for_batch(ids)
     assert isinstance(correction, ScoreCorrection)
-    torch.testing.assert_close(
-        correction.key_var, torch.tensor([[0.0, 0.01, 0.5, 2.0], [2.0, 2.0, 0.01, 0.0]])
-    )
+    torch.testing.assert_close(correction.key_var, torch.tensor([[0.0, 0.01, 0.5, 2.0], [2.0, 2.0, 0.01, 0.0]]))
     logits = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))  # (B, H, L, L)
     logits[:, :, :, 0] = -math.inf  # a masked key column
     before = logits.clone()
@@ -241,9 +237,7 @@ def test_reattention_with_key_propagation_and_padding() -> None:
         position_embedding=torch.zeros(3, 8),
         position_error_var=0.05,
     )
-    key_var = ReAttention(item_var, propagation=with_pos, padding_idx=None).key_variance(
-        torch.tensor([[0, 2, 4]])
-    )
+    key_var = ReAttention(item_var, propagation=with_pos, padding_idx=None).key_variance(torch.tensor([[0, 2, 4]]))
     torch.testing.assert_close(key_var, torch.tensor([[0.05, 0.25, 0.45]]))
     with pytest.raises(DataError, match="exceeds"):
         ReAttention(item_var, propagation=with_pos).key_variance(torch.tensor([[1, 1, 1, 1]]))
@@ -289,9 +283,7 @@ def _transformer(seed: int, norm_first: bool = True):
     from core.models.seqrec import SeqRecConfig, TransformerSeqRec
 
     torch.manual_seed(seed)
-    cfg = SeqRecConfig(
-        num_items=6, max_len=5, d_model=8, n_heads=2, n_layers=2, dropout=0.0, norm_first=norm_first
-    )
+    cfg = SeqRecConfig(num_items=6, max_len=5, d_model=8, n_heads=2, n_layers=2, dropout=0.0, norm_first=norm_first)
     return TransformerSeqRec(cfg).eval()
 
 

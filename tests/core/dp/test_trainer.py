@@ -40,9 +40,7 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def cyclic_dataset(
-    n_users: int = 32, length: int = 10, n_items: int = N_ITEMS, seed: int = 0
-) -> SequentialDataset:
+def cyclic_dataset(n_users: int = 32, length: int = 10, n_items: int = N_ITEMS, seed: int = 0) -> SequentialDataset:
     """User u watches items ``s, s+1, s+2, ...`` (mod M) from a random start: next item = last + 1."""
     rng = np.random.default_rng(seed)
     starts = rng.integers(n_items, size=n_users)
@@ -141,12 +139,8 @@ def test_empty_poisson_batches_are_noise_only_steps(data: SequentialDataset, mon
     assert result.steps == result.ledger.steps == 3
     assert math.isnan(result.history[-1].train_loss)
     torch.manual_seed(0)  # the trainer's initialisation, replayed
-    initial = build_seqrec(
-        SeqRecConfig(num_items=N_ITEMS, max_len=8, d_model=16, dropout=0.2, norm_first=False)
-    )
-    moved = [
-        not torch.equal(a, b) for a, b in zip(result.model.parameters(), initial.parameters(), strict=True)
-    ]
+    initial = build_seqrec(SeqRecConfig(num_items=N_ITEMS, max_len=8, d_model=16, dropout=0.2, norm_first=False))
+    moved = [not torch.equal(a, b) for a, b in zip(result.model.parameters(), initial.parameters(), strict=True)]
     assert all(moved)  # every parameter received noise
 
 
@@ -203,14 +197,10 @@ def test_dpformer_trains_in_both_block_layouts(data: SequentialDataset, norm_fir
 def test_nonprivate_learns_the_next_item_pattern() -> None:
     """Next item = last + 1: a random ranking of 20 items has NDCG@10 ~0.23; training reaches > 0.6."""
     data = cyclic_dataset(n_users=48)
-    cfg = method_config(
-        "transformer", **TINY | {"epochs": 8, "batch_size": 16}, clipping="nonprivate", dropout=0.0
-    )
+    cfg = method_config("transformer", **TINY | {"epochs": 8, "batch_size": 16}, clipping="nonprivate", dropout=0.0)
     result = train_seqrec(data, cfg)
     losses = [log.train_loss for log in result.history]
-    assert (
-        result.ledger is None and result.noise_multiplier == 0 and math.isinf(result.history[0].epsilon_spent)
-    )
+    assert result.ledger is None and result.noise_multiplier == 0 and math.isinf(result.history[0].epsilon_spent)
     assert result.steps == 8 * 3 and len(result.history) == 8
     assert losses[-1] < 0.6 * losses[0]
     assert result.test_ndcg10 > 0.6 and result.test_hit10 >= result.test_ndcg10
@@ -306,9 +296,7 @@ def test_nan_loss_stops_training_naming_the_step(data: SequentialDataset, monkey
     monkeypatch.setattr(trainer, "sequence_loss", nan_on_second_call)
     epsilon = None if clipping == "nonprivate" else 8.0
     cfg = method_config("transformer", **TINY, clipping=clipping, epsilon=epsilon, max_steps=3)
-    with pytest.raises(
-        TrainingDivergedError, match="loss is nan at step 2 .*lower the learning rate"
-    ) as info:
+    with pytest.raises(TrainingDivergedError, match="loss is nan at step 2 .*lower the learning rate") as info:
         train_seqrec(data, cfg)
     assert isinstance(info.value, PrivacyError) and isinstance(info.value, ValueError)
 

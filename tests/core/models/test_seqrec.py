@@ -82,9 +82,7 @@ def test_attention_is_built_from_plain_linears(norm_first):
     assert kinds == {torch.nn.Embedding, torch.nn.Linear, torch.nn.LayerNorm}
 
 
-@pytest.mark.parametrize(
-    ("arch", "norm_first"), [("transformer", True), ("transformer", False), ("gru", True)]
-)
+@pytest.mark.parametrize(("arch", "norm_first"), [("transformer", True), ("transformer", False), ("gru", True)])
 def test_causal_future_items_do_not_change_past_scores(arch, norm_first):
     model = build_seqrec(_cfg(arch=arch, norm_first=norm_first)).eval()
     ids = _ids()

@@ -23,8 +23,16 @@ def tiny_hf():
     transformers = pytest.importorskip("transformers")
     GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=2, n_head=2, n_positions=N_POS, initializer_range=0.2,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=D,
+        n_layer=2,
+        n_head=2,
+        n_positions=N_POS,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -35,11 +43,29 @@ def tiny_merge_spec(n_max: int = 16, heads: int = 2, d_i: int = 32) -> MergeSpec
     for _ in range(2):
         c = torch.rand(heads, n_max, n_max, generator=g).tril()
         c = c / c.sum(-1, keepdim=True)  # causal, row-stochastic
-        layers.append(MergedLayerSpec(C=c, ln_gamma=1 + r(D), ln_beta=r(D), ln_eps=1e-5, M_u=r((heads + 1) * D, d_i),
-                                      b_u=r(d_i), M_a=r(heads * D, D), b_a=r(D), W_O=r(d_i, D), b_O=r(D),
-                                      act="gelu_new"))
-    return MergeSpec(layers=tuple(layers), wpe=r(N_POS, D), lnf_gamma=1 + r(D), lnf_beta=r(D), lnf_eps=1e-5,
-                     lm_head=r(VOCAB, D, std=0.5))
+        layers.append(
+            MergedLayerSpec(
+                C=c,
+                ln_gamma=1 + r(D),
+                ln_beta=r(D),
+                ln_eps=1e-5,
+                M_u=r((heads + 1) * D, d_i),
+                b_u=r(d_i),
+                M_a=r(heads * D, D),
+                b_a=r(D),
+                W_O=r(d_i, D),
+                b_O=r(D),
+                act="gelu_new",
+            )
+        )
+    return MergeSpec(
+        layers=tuple(layers),
+        wpe=r(N_POS, D),
+        lnf_gamma=1 + r(D),
+        lnf_beta=r(D),
+        lnf_eps=1e-5,
+        lm_head=r(VOCAB, D, std=0.5),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,18 @@ from core.mpc.merge_spec import activation
 
 def tiny_gpt2(dtype=torch.float64, seed=0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=100,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).to(dtype).eval()
 
 
@@ -52,7 +62,7 @@ def test_softmax_approximations_match_formula_and_mask(kind, c):
     for i in range(5):
         num = f[..., i, : i + 1]
         torch.testing.assert_close(p[..., i, : i + 1], num / (num.sum(-1, keepdim=True) + 1e-6))
-        assert torch.all(p[..., i, i + 1:] == 0)
+        assert torch.all(p[..., i, i + 1 :] == 0)
 
 
 def test_activation_formulas():

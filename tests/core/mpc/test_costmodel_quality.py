@@ -23,10 +23,13 @@ def test_busiest_party_counts() -> None:
     assert out["wan"]["transfer_s"] == pytest.approx(8 * 300 / 1e8) and out["wan"]["latency_s"] == pytest.approx(0.12)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((-1.0, 0, 0), "compute_s must be a finite number >= 0"),
-    ((1.0, math.nan, 0), "bytes_sent must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((-1.0, 0, 0), "compute_s must be a finite number >= 0"),
+        ((1.0, math.nan, 0), "bytes_sent must be a finite number >= 0"),
+    ],
+)
 def test_bad_measurements_are_named(args: tuple, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         project(*args, LAN)

@@ -27,8 +27,18 @@ N_MAX = 12
 
 def tiny_gpt2(dtype=torch.float64, seed=0, d=16) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=100, n_positions=32, n_embd=d, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=100,
+        n_positions=32,
+        n_embd=d,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).to(dtype).eval()
 
 

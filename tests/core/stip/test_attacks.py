@@ -16,18 +16,26 @@ from core.stip.attacks import (
     model_dim_axes,
     permute_state,
     recovery_rate,
-    token_frequency_attack,
     weight_matching_attack,
     what_it_reveals,
 )
+from core.stip.vocab_attack import token_frequency_attack
 
 
 def _tiny_gpt2(seed: int = 0, n_embd: int = 32):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(
-        vocab_size=97, n_positions=64, n_embd=n_embd, n_layer=2, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=97,
+        n_positions=64,
+        n_embd=n_embd,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(cfg).eval()
 
@@ -121,8 +129,11 @@ def test_weight_matching_degrades_with_huge_noise():
 def test_weight_matching_generic_axes_mapping_and_size_errors():
     gen = torch.Generator().manual_seed(3)
     d = 16
-    base = {"ln.weight": torch.randn(d, generator=gen), "w_in": torch.randn(d, 40, generator=gen),
-            "w_out": torch.randn(40, d, generator=gen)}
+    base = {
+        "ln.weight": torch.randn(d, generator=gen),
+        "w_in": torch.randn(d, 40, generator=gen),
+        "w_out": torch.randn(40, d, generator=gen),
+    }
     axes = {"ln.weight": 0, "w_in": 0, "w_out": 1}
     pi = torch.randperm(d, generator=gen)
     res = weight_matching_attack(permute_state(_noisy(base, 1e-3, gen), pi, axes), base, axes, true_perm=pi)
@@ -255,9 +266,7 @@ def test_token_frequency_bigram_refinement_helps():
     freqs = np.bincount(ref_stream, minlength=v)
     sigma = rng.permutation(v)
     plain = token_frequency_attack(sigma[user], freqs, v, true_sigma=sigma)
-    refined = token_frequency_attack(
-        sigma[user], freqs, v, true_sigma=sigma, reference_stream=ref_stream, n_anchors=10
-    )
+    refined = token_frequency_attack(sigma[user], freqs, v, true_sigma=sigma, reference_stream=ref_stream, n_anchors=10)
     assert refined.stream_decoding_rate >= plain.stream_decoding_rate
     assert refined.stream_decoding_rate > 0.8
 
@@ -285,7 +294,7 @@ def test_what_it_reveals_true_pi_recovers_all_random_pi_none():
     wrong = what_it_reveals(torch.randperm(d, generator=gen), seen, table, tokens)
     assert wrong.token_recovery_rate < 0.1
     partial = pi.clone()
-    partial[d // 2:] = -1  # half the coordinates placed
+    partial[d // 2 :] = -1  # half the coordinates placed
     half = what_it_reveals(partial, seen, table, tokens)
     assert half.n_coordinates_used == d // 2
     assert half.token_recovery_rate > 0.9

@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from core.errors import ConfigError, DataError
-from core.stip.models import tiny_gpt2, tiny_llama
-from core.stip.parties import (
-    PartyError,
-    decode_body,
-    encode_frame,
-    run_stip,
-    run_stip_inprocess,
-)
+from core.stip.models import tiny_llama
+from core.stip.parties import PartyError, run_stip, run_stip_inprocess
+from core.stip.wire import decode_body, encode_frame
+from tests.core.stip.tiny import stip_gpt2
 
 PROMPT = [5, 17, 42, 3, 9]
 N_NEW = 5
@@ -22,7 +18,7 @@ DESIGNS = ["user_embed", "vocab_perm"]
 
 @pytest.fixture(scope="module")
 def models():
-    return {"gpt2": tiny_gpt2(), "llama": tiny_llama()}
+    return {"gpt2": stip_gpt2(), "llama": tiny_llama()}
 
 
 def _check(result, d: int, vocab: int, design: str):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError
-from core.stip.models import tiny_gpt2, tiny_llama
+from core.stip.models import tiny_llama
 from core.stip.transform import (
     base_model_of,
     check_permutation,
@@ -16,6 +16,7 @@ from core.stip.transform import (
     permute_vocab,
     random_permutation,
 )
+from tests.core.stip.tiny import stip_gpt2
 
 T = 6
 
@@ -35,7 +36,7 @@ def arch(request):
 
 
 def _model(arch: str, dtype=torch.float32) -> nn.Module:
-    return (tiny_gpt2() if arch == "gpt2" else tiny_llama()).to(dtype)
+    return (stip_gpt2() if arch == "gpt2" else tiny_llama()).to(dtype)
 
 
 def test_random_permutation_is_permutation_and_seeded():
@@ -64,7 +65,7 @@ def test_check_permutation_rejects(pi, match):
 
 def test_permute_model_rejects_bad_pi():
     with pytest.raises(ConfigError, match="wrong size"):
-        permute_model(tiny_gpt2(), torch.arange(16))
+        permute_model(stip_gpt2(), torch.arange(16))
 
 
 def test_gpt2_block_theorem1_decoder_and_encoder_masks():
@@ -171,7 +172,7 @@ class _Swish(nn.Module):
 
 
 def test_custom_activation_module_rejected():
-    model = tiny_gpt2()
+    model = stip_gpt2()
     model.transformer.h[1].mlp.act = _Swish()
     with pytest.raises(ConfigError, match="_Swish"):
         permute_model(model, random_permutation(32, 0))
@@ -188,9 +189,7 @@ def test_unsupported_model_type_rejected():
     from transformers import BertConfig, BertModel
 
     bert = BertModel(
-        BertConfig(
-            vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-        )
+        BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
     )
     with pytest.raises(ConfigError, match="BertModel"):
         permute_model(bert, random_permutation(32, 0))

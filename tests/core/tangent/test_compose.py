@@ -14,10 +14,7 @@ D = torch.float64
 
 def _deltas(n: int, seed: int = 0) -> list[dict[str, Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [
-        {"w": torch.randn(4, 3, generator=g, dtype=D), "b": torch.randn(3, generator=g, dtype=D)}
-        for _ in range(n)
-    ]
+    return [{"w": torch.randn(4, 3, generator=g, dtype=D), "b": torch.randn(3, generator=g, dtype=D)} for _ in range(n)]
 
 
 def _flat(delta: dict[str, Tensor] | list[Tensor]) -> Tensor:

@@ -143,9 +143,7 @@ def jitter_(mod: nn.Module, gen: torch.Generator, scale: float = 0.1) -> nn.Modu
 
 def test_attention_matches_hf_attention_jvp(gen: torch.Generator) -> None:
     """Multi-head attention (eq. 6-8) vs ``torch.func.jvp`` through HF ``Dinov2Attention``."""
-    hf = jitter_(
-        transformers.models.dinov2.modeling_dinov2.Dinov2Attention(tiny_config()).to(DT).eval(), gen, 0.3
-    )
+    hf = jitter_(transformers.models.dinov2.modeling_dinov2.Dinov2Attention(tiny_config()).to(DT).eval(), gen, 0.3)
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
     lay = TangentAttention(*(TangentLinear.from_module(getattr(hf, n)) for n in names), num_heads=2)
     d = randomize_deltas(lay, gen)
@@ -227,12 +225,8 @@ def test_block_matches_hf_block_jvp(gen: torch.Generator, kind: str) -> None:
 
 def test_block_rejects_unsupported_modules() -> None:
     with pytest.raises(ConfigError, match="Dinov2SwiGLUFFN"):
-        linearize_block(
-            transformers.models.dinov2.modeling_dinov2.Dinov2Layer(tiny_config(use_swiglu_ffn=True))
-        )
+        linearize_block(transformers.models.dinov2.modeling_dinov2.Dinov2Layer(tiny_config(use_swiglu_ffn=True)))
     with pytest.raises(ConfigError, match="NewGELUActivation"):
-        linearize_block(
-            transformers.models.dinov2.modeling_dinov2.Dinov2Layer(tiny_config(hidden_act="gelu_new"))
-        )
+        linearize_block(transformers.models.dinov2.modeling_dinov2.Dinov2Layer(tiny_config(hidden_act="gelu_new")))
     with pytest.raises(ConfigError, match="Linear.*Dinov2Layer"):
         linearize_block(nn.Linear(2, 2))

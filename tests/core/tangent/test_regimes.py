@@ -12,14 +12,13 @@ from torch import nn
 
 from core.errors import ConfigError
 from core.tangent.baselines import NonlinearSuffix
+from core.tangent.experiments import dp_regime_cell
 from core.tangent.model import TangentModel
 from core.tangent.regimes import (
     REGIMES,
     build_regime_model,
     regime_parameter_names,
     regular_names,
-    train_dp,
-    train_regime_dp,
 )
 from core.tangent.train import (
     TangentTrainConfig,
@@ -27,7 +26,7 @@ from core.tangent.train import (
     evaluate,
     objective,
     per_sample_grads,
-    train_tangent_dp,
+    train_dp,
 )
 from tests.core.tangent.tiny import tiny_config
 
@@ -101,8 +100,8 @@ def test_unknown_regime_and_model_raise(s: Setup) -> None:
     with pytest.raises(ConfigError, match="TangentModel or a NonlinearSuffix"):
         regime_parameter_names(nn.Linear(2, 2), "fc")
     with pytest.raises(ConfigError, match="regime='LayerNorm'"):
-        train_regime_dp(
-            s.backbone, s.head, s.cached, s.y, regime="LayerNorm", tangent=True,
+        dp_regime_cell(
+            s.backbone, s.head, s.cached, s.y, s.cached, s.y, regime="LayerNorm", tangent=True,
             cfg=TangentTrainConfig(), target_epsilon=1.0, clip_norm=1.0,
         )  # fmt: skip
 
@@ -156,29 +155,30 @@ def test_clipping_bounds_each_contribution(s: Setup, tangent: bool) -> None:
 def test_frozen_parameters_bit_identical(s: Setup, tangent: bool) -> None:
     backbone_before = copy.deepcopy(s.backbone.state_dict())
     cfg = TangentTrainConfig(epochs=1, batch_size=10, lr=1e-2, loss="ce", ridge=1e-3, ball_radius=5.0)
-    res = train_regime_dp(
-        s.backbone, s.head, s.cached, s.y, regime="bitfit", tangent=tangent, cfg=cfg,
+    model = s.model(tangent)
+    trained = regime_parameter_names(model, "bitfit")
+    stats, led = train_dp(model, s.cached, s.y, cfg, names=trained, target_epsilon=4.0, clip_norm=1.0)
+    init = s.model(tangent)
+    assert led.steps == stats.steps == 3
+    # the Table 3 cell is this same training (same seed: same noise and batches), evaluated
+    cell = dp_regime_cell(
+        s.backbone, s.head, s.cached, s.y, s.cached, s.y, regime="bitfit", tangent=tangent, cfg=cfg,
         target_epsilon=4.0, clip_norm=1.0,
     )  # fmt: skip
-    init = s.model(tangent)
-    trained = regime_parameter_names(res.model, "bitfit")
-    assert res.trainable == sum(p.numel() for n, p in init.named_parameters() if n in trained)
-    assert res.regime == "bitfit" and res.tangent is tangent and res.ledger.steps == res.stats.steps == 3
-    led = res.ledger  # the budget is spent, never exceeded
+    assert cell.trainable == sum(p.numel() for n, p in init.named_parameters() if n in trained)
+    assert cell.ledger == led and cell.stats.steps == 3
+    assert cell.test_accuracy == pytest.approx(evaluate(model, s.cached, s.y))
+    # the budget is spent, never exceeded
     assert 3.98 <= led.epsilon <= 4.0 and led.target_epsilon == 4.0 and led.noise_multiplier > 0.5
-    assert (
-        led.delta == pytest.approx(1 / 300)
-        and led.clip_norm == 1.0
-        and led.sample_rate == pytest.approx(1 / 3)
-    )
-    assert 0.0 <= evaluate(res.model, s.cached, s.y) <= 1.0
+    assert led.delta == pytest.approx(1 / 300) and led.clip_norm == 1.0 and led.sample_rate == pytest.approx(1 / 3)
+    assert 0.0 <= evaluate(model, s.cached, s.y) <= 1.0
     before = dict(init.named_parameters())
-    for n, p in res.model.named_parameters():
+    for n, p in model.named_parameters():
         if n in trained:
             assert not torch.equal(p, before[n]), n
         else:
             assert torch.equal(p, before[n]), n
-    for n, b in res.model.named_buffers():  # the tangent model's pretrained w
+    for n, b in model.named_buffers():  # the tangent model's pretrained w
         assert torch.equal(b, dict(init.named_buffers())[n]), n
     for n, t in s.backbone.state_dict().items():
         assert torch.equal(t, backbone_before[n]), n
@@ -196,7 +196,7 @@ def test_first_step_equals_non_private_step_at_tiny_noise(s: Setup, tangent: boo
     ref = s.model(tangent)  # reference: one plain full-batch SGD step on the mean loss
     ref_params = dict(ref.named_parameters())
     objective(ref.forward_from_cache(s.cached), s.y, cfg).backward()
-    _, ledger = train_dp(model, names, s.cached, s.y, cfg, target_epsilon=1e9, clip_norm=clip, delta=1e-3)
+    _, ledger = train_dp(model, s.cached, s.y, cfg, names=names, target_epsilon=1e9, clip_norm=clip, delta=1e-3)
     noise_sd = ledger.noise_multiplier * clip / n  # per coordinate, of the averaged gradient
     assert ledger.noise_multiplier < 1e-4 and ledger.steps == 1 and ledger.sample_rate == 1.0
     for name, p in model.named_parameters():
@@ -205,12 +205,12 @@ def test_first_step_equals_non_private_step_at_tiny_noise(s: Setup, tangent: boo
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_train_dp_on_all_deltas_equals_train_tangent_dp(s: Setup) -> None:
+def test_train_dp_defaults_to_every_delta_of_a_tangent_model(s: Setup) -> None:
     cfg = TangentTrainConfig(epochs=2, batch_size=10, lr=1e-2, loss="ce", ridge=0.1, ball_radius=0.05)
     a, b = s.model(True), s.model(True)
-    _, la = train_tangent_dp(a, s.cached, s.y, cfg, target_epsilon=3.0, clip_norm=1.0)
+    _, la = train_dp(a, s.cached, s.y, cfg, target_epsilon=3.0, clip_norm=1.0)
     names = [n for n, _ in b.named_parameters() if n in b.source_names]
-    _, lb = train_dp(b, names, s.cached, s.y, cfg, target_epsilon=3.0, clip_norm=1.0)
+    _, lb = train_dp(b, s.cached, s.y, cfg, names=names, target_epsilon=3.0, clip_norm=1.0)
     assert la == lb
     for n, t in a.get_delta().items():
         assert torch.equal(t, b.get_delta()[n]), n
@@ -219,8 +219,8 @@ def test_train_dp_on_all_deltas_equals_train_tangent_dp(s: Setup) -> None:
 @pytest.mark.parametrize("eps", [0.0, -1.0, math.inf, math.nan])
 def test_bad_epsilon_raises(s: Setup, eps: float) -> None:
     with pytest.raises(ConfigError, match="target_epsilon"):
-        train_regime_dp(
-            s.backbone, s.head, s.cached, s.y, regime="fc", tangent=False,
+        dp_regime_cell(
+            s.backbone, s.head, s.cached, s.y, s.cached, s.y, regime="fc", tangent=False,
             cfg=TangentTrainConfig(epochs=1, batch_size=10), target_epsilon=eps, clip_norm=1.0,
         )  # fmt: skip
 
@@ -228,11 +228,13 @@ def test_bad_epsilon_raises(s: Setup, eps: float) -> None:
 def test_empty_or_unknown_trainable_set_raises(s: Setup) -> None:
     model = s.model(False)
     cfg = TangentTrainConfig(epochs=1, batch_size=10)
-    with pytest.raises(ConfigError, match="trainable_names is empty"):
-        train_dp(model, [], s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=1.0)
+    with pytest.raises(ConfigError, match="empty set of trainable parameter names"):
+        train_dp(model, s.cached, s.y, cfg, names=[], target_epsilon=1.0, clip_norm=1.0)
     with pytest.raises(ConfigError, match="unknown parameter names"):
-        train_dp(model, ["head.d_weight"], s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=1.0)
+        train_dp(model, s.cached, s.y, cfg, names=["head.d_weight"], target_epsilon=1.0, clip_norm=1.0)
     with pytest.raises(ConfigError, match="clip_norm"):
-        train_dp(model, ["head.bias"], s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=0.0)
+        train_dp(model, s.cached, s.y, cfg, names=["head.bias"], target_epsilon=1.0, clip_norm=0.0)
     with pytest.raises(ConfigError, match="forward_from_cache"):
-        train_dp(nn.Linear(2, 2), ["bias"], s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=1.0)
+        train_dp(nn.Linear(2, 2), s.cached, s.y, cfg, names=["bias"], target_epsilon=1.0, clip_norm=1.0)
+    with pytest.raises(ConfigError, match="needs names= for a NonlinearSuffix"):  # no default set but deltas
+        train_dp(model, s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=1.0)

@@ -31,8 +31,8 @@ from core.tangent.train import (
     evaluate,
     objective,
     per_sample_grads,
+    train_dp,
     train_tangent,
-    train_tangent_dp,
 )
 from tests.core.tangent.tiny import tiny_config
 
@@ -329,7 +329,7 @@ def test_dp_training_spends_budget_and_learns_at_low_noise(s64: Setup) -> None:
     cfg = TangentTrainConfig(epochs=4, batch_size=16, lr=3e-2, kappa=5.0)
     model = s64.make()
     t0 = time.perf_counter()
-    stats, ledger = train_tangent_dp(model, s64.cached, s64.y, cfg, target_epsilon=1e5, clip_norm=100.0)
+    stats, ledger = train_dp(model, s64.cached, s64.y, cfg, target_epsilon=1e5, clip_norm=100.0)
     dt = time.perf_counter() - t0
     assert ledger.steps == stats.steps == 12 and len(stats.epochs) == 4
     assert ledger.sample_rate == pytest.approx(16 / 48) and ledger.epsilon <= 1e5
@@ -340,16 +340,16 @@ def test_dp_training_spends_budget_and_learns_at_low_noise(s64: Setup) -> None:
     # a strict budget: calibrated sigma, epsilon spent within the target
     m2 = s64.make()
     small = TangentTrainConfig(epochs=1, batch_size=16, loss="ce", ridge=0.1, ball_radius=0.05)
-    _, led = train_tangent_dp(m2, s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=1.0, delta=1e-3)
+    _, led = train_dp(m2, s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=1.0, delta=1e-3)
     assert 0.98 <= led.epsilon <= 1.0 and led.noise_multiplier > 1.0 and led.delta == 1e-3
     assert float(global_norm(m2.tangent_parameters())) <= 0.05 * (1 + 1e-9)
     # deterministic given the seed (sampling and noise from cfg.seed)
     m3 = s64.make()
-    train_tangent_dp(m3, s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=1.0, delta=1e-3)
+    train_dp(m3, s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=1.0, delta=1e-3)
     for n, t in m2.get_delta().items():
         assert torch.equal(t, m3.get_delta()[n])
     with pytest.raises(ConfigError, match="clip_norm"):
-        train_tangent_dp(s64.make(), s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=-1.0)
+        train_dp(s64.make(), s64.cached, s64.y, small, target_epsilon=1.0, clip_norm=-1.0)
     with pytest.raises(ConfigError, match="batch_size"):
         big = TangentTrainConfig(epochs=1, batch_size=100)
-        train_tangent_dp(s64.make(), s64.cached, s64.y, big, target_epsilon=1.0, clip_norm=1.0)
+        train_dp(s64.make(), s64.cached, s64.y, big, target_epsilon=1.0, clip_norm=1.0)

@@ -60,8 +60,10 @@ def parse_dask_address(value: str | None) -> str | None:
     if match:
         scheme, rest = match.group(1).lower(), match.group(2)
         if scheme not in DASK_SCHEMES:
-            raise ConfigError(f"{DASK_ENV}={value!r} uses the scheme {scheme!r}, which Dask does not speak "
-                              f"(one of {', '.join(DASK_SCHEMES)}); {fix}")
+            raise ConfigError(
+                f"{DASK_ENV}={value!r} uses the scheme {scheme!r}, which Dask does not speak "
+                f"(one of {', '.join(DASK_SCHEMES)}); {fix}"
+            )
         if not rest or rest.startswith(":"):
             raise ConfigError(f"{DASK_ENV}={value!r} names no host; {fix}")
     elif address.startswith(":") or "/" in address:

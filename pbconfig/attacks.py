@@ -7,20 +7,22 @@ the defence: language-model perplexity and German->English translation BLEU (``u
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from privbench.config_base import FrozenConfig, ModelShape
+from pbconfig.base import Delta, Epsilon, FrozenConfig, ModelShape
+from pbconfig.train_dp import TrainMethod
 
-EMBEDDINGS = ("subword", "seb_ar", "seb_cr", "seb_co")
 Embedding = Literal["subword", "seb_ar", "seb_cr", "seb_co"]
+EMBEDDINGS: tuple[str, ...] = get_args(Embedding)
 # what the attacker does with the gradient (see core.attacks.film):
 #   subwords    non-zero rows of a subword embedding's gradient (subword victims only)
 #   bytes       non-zero byte rows, then every subword made only of those bytes (the issue's SEB attacker)
 #   positional  non-zero (position, byte) rows of SEB_co's first layer, every subword matching at each position
 #   relaxed     the paper's relaxed setting (Sec. 5.1): `relaxed_random` random subwords plus the true ones
-FILM_SETTINGS = ("subwords", "bytes", "positional", "relaxed")
+FilmSetting = Literal["subwords", "bytes", "positional", "relaxed"]
+FILM_SETTINGS: tuple[str, ...] = get_args(FilmSetting)
 
 
 class SEBSpec(FrozenConfig):
@@ -68,7 +70,7 @@ class FilmConfig(FrozenConfig):
 
     private: tuple[str, ...] = Field(("shakespeare",), min_length=1)
     victims: tuple[Embedding, ...] = ("subword", "seb_co")
-    settings: tuple[Literal["subwords", "bytes", "positional", "relaxed"], ...] = FILM_SETTINGS
+    settings: tuple[FilmSetting, ...] = FILM_SETTINGS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     batches_per_size: int = Field(5, ge=1)
     relaxed_random: int = Field(7000, ge=0, description="random subwords added in the relaxed setting (paper: 7,000)")
@@ -118,7 +120,8 @@ class UtilityConfig(FrozenConfig):
     lm_lr: float = Field(3e-3, gt=0.0)
     translation: str | None = "gettext-de-en"
     translation_embeddings: tuple[Embedding, ...] | None = Field(
-        None, description="embeddings compared on translation (None: the same as embeddings)")
+        None, description="embeddings compared on translation (None: the same as embeddings)"
+    )
     mt_d_model: int = Field(128, ge=8)
     mt_layers: int = Field(2, ge=1)
     mt_heads: int = Field(4, ge=1)
@@ -136,8 +139,9 @@ class UtilityConfig(FrozenConfig):
         if not self.embeddings:
             raise ValueError("utility.embeddings is empty; pick from " + ", ".join(EMBEDDINGS))
         if "subword" not in self.embeddings:
-            raise ValueError(f"utility.embeddings={list(self.embeddings)} lacks 'subword', the baseline SEB is "
-                             "compared with; add it")
+            raise ValueError(
+                f"utility.embeddings={list(self.embeddings)} lacks 'subword', the baseline SEB is compared with; add it"
+            )
         return self
 
     @property
@@ -145,7 +149,8 @@ class UtilityConfig(FrozenConfig):
         return self.translation_embeddings if self.translation_embeddings is not None else self.embeddings
 
 
-MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
+MiaAttack = Literal["loss", "lira_online", "lira_offline"]
+MIA_ATTACKS: tuple[str, ...] = get_args(MiaAttack)
 
 
 class AuditConfig(FrozenConfig):
@@ -161,29 +166,32 @@ class AuditConfig(FrozenConfig):
     """
 
     datasets: tuple[str, ...] = Field(("ml-100k",), min_length=1)
-    methods: tuple[Literal["gru", "lstm", "transformer_untied", "transformer", "dpformer"], ...] = (
-        "transformer", "dpformer")
-    epsilons: tuple[float, ...] = (8.0,)
+    methods: tuple[TrainMethod, ...] = ("transformer", "dpformer")
+    epsilons: tuple[Epsilon, ...] = (8.0,)
     nonprivate: bool = True
     shadows: int = Field(4, ge=1)
-    attacks: tuple[Literal["loss", "lira_online", "lira_offline"], ...] = MIA_ATTACKS
+    attacks: tuple[MiaAttack, ...] = MIA_ATTACKS
     epochs: int | None = Field(None, ge=1, description="None: train_dp.epochs")
-    delta: float | None = Field(None, gt=0.0, lt=1.0)
+    delta: Delta | None = None
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
-    unlearning: bool = Field(True, description="also audit the tangent stage's composed TAFT model before and "
-                                               "after forgetting half of its shards (needs the tangent section)")
-    unlearning_epochs: int | None = Field(None, ge=1, description="epochs of the audited TAFT shards (None: "
-                                                                  "tangent.epochs)")
+    unlearning: bool = Field(
+        True,
+        description="also audit the tangent stage's composed TAFT model before and "
+        "after forgetting half of its shards (needs the tangent section)",
+    )
+    unlearning_epochs: int | None = Field(
+        None, ge=1, description="epochs of the audited TAFT shards (None: tangent.epochs)"
+    )
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _enough_shadows(self) -> AuditConfig:
         if "lira_online" in self.attacks and self.shadows < 4:
-            raise ValueError(f"online LiRA needs every user inside and outside shadow models and a pooled variance: "
-                             f"shadows={self.shadows} is too few; use shadows >= 4 (the paper uses 16+) or drop "
-                             "'lira_online' from attacks")
-        if any(e <= 0 for e in self.epsilons):
-            raise ValueError(f"audit epsilons must be > 0, got {list(self.epsilons)}")
+            raise ValueError(
+                f"online LiRA needs every user inside and outside shadow models and a pooled variance: "
+                f"shadows={self.shadows} is too few; use shadows >= 4 (the paper uses 16+) or drop "
+                "'lira_online' from attacks"
+            )
         return self
 
 
@@ -208,8 +216,9 @@ class AttacksConfig(FrozenConfig):
         """Every prepared text dataset this stage reads."""
         names: list[str] = []
         if self.film is not None:
-            names += [*self.film.private, *self.film.prior.public] if self.film.prior.path is None else [
-                *self.film.private]
+            names += (
+                [*self.film.private, *self.film.prior.public] if self.film.prior.path is None else [*self.film.private]
+            )
         if self.utility is not None:
             names += [*self.utility.lm_datasets, *([self.utility.translation] if self.utility.translation else [])]
         return list(dict.fromkeys(names))

@@ -1,8 +1,16 @@
-"""The base every config model derives from (kept apart so stage configs can live in their own modules)."""
+"""The base every config model derives from (kept apart so stage configs can live in their own modules), and the
+typed fields several stages share."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# a differential-privacy budget epsilon: every config field holding one (or a tuple of them) uses this type
+Epsilon = Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="DP budget epsilon > 0")]
+# a differential-privacy delta, in (0, 1); fields use ``Delta | None`` where None means the accountant's default
+Delta = Annotated[float, Field(gt=0.0, lt=1.0, description="DP delta in (0, 1)")]
 
 
 class FrozenConfig(BaseModel):

@@ -1,0 +1,91 @@
+"""Stage 4 (secure-inference): two-party encrypted GPT-2 generation (the ``secure_inference`` section)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field, model_validator
+
+from pbconfig.base import FrozenConfig, ModelShape
+
+SIMethod = Literal[
+    "vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge"
+]
+SI_METHODS: tuple[str, ...] = get_args(SIMethod)
+
+
+class NetworkSpec(FrozenConfig):
+    """A link the measured runs are projected onto (``core.mpc.costmodel``)."""
+
+    bandwidth_gbps: float = Field(gt=0.0)
+    rtt_ms: float = Field(ge=0.0)
+
+
+class SecureInferenceConfig(FrozenConfig):
+    """Stage 4: two-party encrypted GPT-2 generation with CrypTen (MERGE vs vanilla MPC, MPCFormer, THE-X).
+
+    A GPT-2 with the real 50,257-token BPE vocabulary and the shape below is trained on the offline dialogue
+    corpus (``train_steps``), the MPCFormer/THE-X students are distilled from it (``distill_steps``), MERGE's
+    ER model is trained from it (eq. 7, ``er_steps``) and its merge modules distilled (``mm_steps``); then every
+    method generates ``gen_len`` tokens after ``prefix_len`` prompt tokens for ``n_prompts`` test prompts under
+    two-party MPC, with per-operation costs and the quality of the decrypted text.
+    """
+
+    methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
+    corpus: Literal["auto", "chatterbot", "shakespeare", "licenses", "gettext_de_en"] = "auto"
+    n_layer: int = Field(2, ge=1)
+    n_embd: int = Field(64, ge=2)
+    n_head: int = Field(2, ge=1)
+    n_positions: int = Field(64, ge=2)
+    max_len: int = Field(32, ge=4, description="training sequence length (prefix + response)")
+    batch_size: int = Field(16, ge=1)
+    max_pairs: int | None = Field(None, ge=10)
+    train_steps: int = Field(300, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    distill_steps: int = Field(100, ge=1)
+    distill_lr: float = Field(1e-3, gt=0.0)
+    er_steps: int = Field(200, ge=1)
+    er_lr: float = Field(1e-3, gt=0.0)
+    er_dropout: float = Field(0.6, ge=0.0, lt=1.0)
+    er_noise: float = Field(0.75, ge=0.0)
+    er_lambda: float = Field(0.75, ge=0.0, le=1.0)
+    mm_steps: int = Field(200, ge=1)
+    mm_lr: float = Field(1e-3, gt=0.0)
+    prefix_len: int = Field(8, ge=1)
+    gen_len: int = Field(8, ge=1)
+    n_prompts: int = Field(4, ge=1)
+    scaling_gen_lens: tuple[int, ...] = (4, 8, 16)
+    scaling_methods: tuple[SIMethod, ...] = ("vanilla", "merge")
+    scaling_sizes: tuple[ModelShape, ...] = ()
+    networks: dict[str, NetworkSpec] = Field(
+        default_factory=lambda: {
+            "lan": NetworkSpec(bandwidth_gbps=10.0, rtt_ms=0.2),
+            "wan": NetworkSpec(bandwidth_gbps=0.1, rtt_ms=40.0),
+        }
+    )
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    party_timeout_s: float = Field(900.0, gt=0.0)
+    threads_per_party: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SecureInferenceConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        longest = self.prefix_len + max((self.gen_len, *self.scaling_gen_lens)) - 1
+        if longest > self.n_positions:
+            raise ValueError(
+                f"prefix_len {self.prefix_len} + the longest generation "
+                f"{max((self.gen_len, *self.scaling_gen_lens))} - 1 = {longest} exceeds n_positions="
+                f"{self.n_positions}; raise n_positions or shorten the generation"
+            )
+        if any(g < 1 for g in self.scaling_gen_lens):
+            raise ValueError(f"scaling_gen_lens must all be >= 1, got {list(self.scaling_gen_lens)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods must be distinct, got {list(self.methods)}")
+        return self
+
+    @property
+    def n_max(self) -> int:
+        """The constant attention size of the merge modules: the longest sequence any run feeds them."""
+        return self.prefix_len + max((self.gen_len, *self.scaling_gen_lens)) - 1

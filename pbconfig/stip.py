@@ -1,0 +1,57 @@
+"""Stage 6 (stip): the STIP three-party permutation protocol and its attacks (the ``stip`` section)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field, field_validator
+
+from pbconfig.base import FrozenConfig
+
+StipDesign = Literal["user_embed", "vocab_perm"]
+StipAttack = Literal["weight_matching", "activation_stats", "token_frequency"]
+
+
+class StipModelSpec(FrozenConfig):
+    """A model for STIP: ``gpt2-config`` (a GPT-2 built from this shape with the real 50,257-token vocabulary,
+    seeded random weights) or ``smollm2`` (the real pretrained SmolLM2-135M, LLaMA architecture)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    source: Literal["gpt2-config", "smollm2"]
+    n_layer: int = Field(4, ge=1)
+    n_embd: int = Field(256, ge=2)
+    n_head: int = Field(4, ge=1)
+    designs: tuple[StipDesign, ...] | None = Field(
+        None, description="designs to run on this model (None: the stage's designs)"
+    )
+
+
+class StipConfig(FrozenConfig):
+    """Stage 6: the STIP three-party permutation protocol (correctness, costs) and attacks on the permutation.
+
+    Attacks: ``weight_matching`` (P2 knows the public base checkpoint; the deployed model is the base plus a
+    simulated fine-tune of relative size ``finetune_noise``), ``activation_stats`` (P2 sees the permuted
+    activations of ``attack_queries`` queries and has reference activations of the base model on other public
+    text), ``token_frequency`` (permuted-vocabulary design: P2 sees a stream of ``stream_tokens`` substituted
+    token ids and knows public unigram frequencies).
+    """
+
+    models: tuple[StipModelSpec, ...] = Field(min_length=1)
+    designs: tuple[StipDesign, ...] = get_args(StipDesign)
+    attacks: tuple[StipAttack, ...] = get_args(StipAttack)
+    prompt_len: int = Field(8, ge=1)
+    gen_len: int = Field(8, ge=1)
+    finetune_noise: float = Field(0.01, ge=0.0)
+    attack_queries: int = Field(64, ge=1)
+    stream_tokens: int = Field(20000, ge=100)
+    timing_repeats: int = Field(5, ge=1)
+    party_timeout_s: float = Field(600.0, gt=0.0)
+    seed: int = Field(0, ge=0)
+
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, models: tuple[StipModelSpec, ...]) -> tuple[StipModelSpec, ...]:
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stip model names must be unique, got {names}")
+        return models

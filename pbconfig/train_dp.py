@@ -1,0 +1,63 @@
+"""Stage 2 (train-dp): DP-SGD training of sequential recommenders (the ``train_dp`` section)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field, field_validator
+
+from pbconfig.base import Delta, Epsilon, FrozenConfig
+
+TrainMethod = Literal["gru", "lstm", "transformer_untied", "transformer", "dpformer"]
+TRAIN_METHODS: tuple[str, ...] = get_args(TrainMethod)
+PeerMethod = Literal["transformer_opacus_hooks", "transformer_opacus_ghost_untied"]
+PEER_METHODS: tuple[str, ...] = get_args(PeerMethod)
+
+
+class TrainDatasetSpec(FrozenConfig):
+    """A prepared dataset to train on, with its dropout (App. E: 0.2 MovieLens, 0.5 Amazon)."""
+
+    name: str
+    dropout: float = Field(0.2, ge=0.0, lt=1.0)
+
+
+class TrainDPConfig(FrozenConfig):
+    """Stage 2: DP-SGD training of sequential recommenders (DPFormer Sec. 6, App. E).
+
+    The grid is datasets x methods x epsilons x seeds (x learning rates x batch sizes), plus each
+    method trained without DP when ``nonprivate`` is set (except ``dpformer``: without DP noise its
+    Re-Attention corrects nothing and it is the vanilla ``transformer``), plus the Opacus peers at
+    ``peer_epsilons``.
+    """
+
+    datasets: tuple[TrainDatasetSpec, ...] = Field(min_length=1)
+    methods: tuple[TrainMethod, ...] = TRAIN_METHODS
+    epsilons: tuple[Epsilon, ...] = Field((5.0, 8.0, 10.0), min_length=1)
+    seeds: tuple[int, ...] = Field((0,), min_length=1)
+    nonprivate: bool = True
+    peers: tuple[PeerMethod, ...] = PEER_METHODS
+    peer_epsilons: tuple[Epsilon, ...] = (8.0,)
+    delta: Delta | None = Field(None, description="None: 1/(10 N) for N users, always below 1/N")
+    clip_norm: float = Field(1.0, gt=0.0)
+    normalize: bool = True
+    accountant: Literal["rdp", "prv"] = "rdp"
+    epochs: int = Field(100, ge=1)
+    lrs: tuple[float, ...] = Field((1e-3,), min_length=1)
+    batch_sizes: tuple[int, ...] = Field((256,), min_length=1)
+    weight_decay: float = Field(1e-5, ge=0.0)
+    warmup_frac: float = Field(0.2, ge=0.0, lt=1.0)
+    max_len: int = Field(200, ge=2)
+    d_model: int = Field(64, ge=2)
+    n_heads: int = Field(1, ge=1)
+    n_layers: int = Field(2, ge=1)
+    eval_every: int = Field(5, ge=1)
+    workers: int = Field(2, ge=1, description="grid points trained in parallel (one process each)")
+    threads_per_worker: int = Field(1, ge=1)
+
+    @field_validator("lrs", "batch_sizes")
+    @classmethod
+    def _positive(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not v > 0]
+        if bad:
+            raise ValueError(f"learning rates and batch sizes must be > 0, got {bad}")
+        return values

@@ -1,0 +1,101 @@
+"""The secure-inference stage's LM training loop and data helpers (``core.mpc.finetune``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.errors import ConfigError, DataError
+from core.models.gpt2 import tiny_gpt2
+from core.mpc.finetune import DialogueData, eval_prompts, finetune_lm, lm_batches, lm_loss
+
+V = 40
+
+
+def _data(n: int = 12, t: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (n, t), generator=g)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    mask[::3, 7:] = False  # some right padding
+    return ids, mask
+
+
+def _model(dropout: float = 0.0) -> torch.nn.Module:
+    return tiny_gpt2(V, n_layer=1, n_embd=16, n_head=2, n_positions=16, dropout=dropout, eos_token_id=0, seed=0)
+
+
+def _reference_loop(model: torch.nn.Module, batches: list, steps: int, lr: float) -> list[float]:
+    """The hand-written AdamW loop the secure-inference task had before the core loop."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for step in range(steps):
+        ids, mask = batches[step % len(batches)]
+        loss = model(input_ids=ids, labels=ids.masked_fill(~mask.bool(), -100)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def test_lm_batches_are_a_seeded_partition() -> None:
+    ids, mask = _data()
+    batches = lm_batches(ids, mask, 5, seed=3)
+    assert [b[0].shape[0] for b in batches] == [5, 5, 2]
+    rows = torch.cat([b[0] for b in batches])
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, ids.tolist()))
+    again = lm_batches(ids, mask, 5, seed=3)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again, strict=True))
+    with pytest.raises(ConfigError, match="batch_size"):
+        lm_batches(ids, mask, 0, seed=0)
+
+
+def test_finetune_lm_matches_the_old_loop_and_learns() -> None:
+    batches = lm_batches(*_data(), 4, seed=0)
+    model, ref = _model(), _model()
+    losses = finetune_lm(model, batches, 12, 1e-2)
+    assert losses == _reference_loop(ref, batches, 12, 1e-2)  # no dropout: the very same steps
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert not model.training
+    assert losses[-1] < losses[0]
+    ids, mask = _data()
+    assert lm_loss(model, ids, mask) < lm_loss(_model(), ids, mask)  # lower than the untrained model's
+
+
+def test_finetune_lm_is_deterministic_with_a_seed_and_leaves_the_global_rng() -> None:
+    batches = lm_batches(*_data(), 4, seed=0)
+    state = torch.random.get_rng_state()
+    a = finetune_lm(_model(dropout=0.1), batches, 6, 1e-2, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert a == finetune_lm(_model(dropout=0.1), batches, 6, 1e-2, seed=5)
+    assert a != finetune_lm(_model(dropout=0.1), batches, 6, 1e-2, seed=6)  # dropout draws from the seed
+    with pytest.raises(ConfigError, match="steps >= 1"):
+        finetune_lm(_model(), batches, 0, 1e-2)
+    with pytest.raises(ConfigError, match="at least one batch"):
+        finetune_lm(_model(), [], 3, 1e-2)
+
+
+def test_eval_prompts_and_content_hash() -> None:
+    eos = 0
+    encoded = [
+        ([5, 6, 7, eos], [8, 9, eos]),
+        ([5, eos], [3, eos]),
+        ([1, 2, 3, 4, eos], [eos]),
+        ([9, 9, 9, eos], [4, 4, 4, 4, eos]),
+    ]
+    out = eval_prompts(encoded, prefix_len=3, gen_len=2, n_prompts=2, eos=eos)
+    assert out["prefix"].tolist() == [[6, 7, eos], [9, 9, eos]] and out["references"] == [[8, 9], [4, 4]]
+    with pytest.raises(DataError, match="prefix_len=3"):
+        eval_prompts(encoded, prefix_len=3, gen_len=2, n_prompts=3, eos=eos)
+    ids, mask = _data()
+
+    def data(corpus: str, first: int) -> DialogueData:
+        changed = ids.clone()
+        changed[0, 0] = first
+        return DialogueData(corpus, 10, 2, changed, mask, ids[:2], mask[:2], [], [])
+
+    assert data("a", 1).content_hash() == data("a", 1).content_hash()
+    assert data("a", 1).content_hash() != data("a", 2).content_hash() != data("b", 2).content_hash()

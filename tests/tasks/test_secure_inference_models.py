@@ -1,0 +1,102 @@
+"""The secure-inference stage's per-model training tasks: the model plan, one run per model, and a rerun that
+reuses a model trained before (same config, data and teacher) instead of training it again."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import tasks.secure_inference as si
+from core.errors import ConfigError
+from pbconfig.secure_inference import SecureInferenceConfig
+from storage.recording import record_run
+from storage.repository import ResultsRepository
+
+TINY = SecureInferenceConfig(
+    methods=("vanilla", "mpcformer_2quad", "merge"),
+    n_layer=1,
+    n_embd=16,
+    n_head=2,
+    n_positions=16,
+    max_len=16,
+    batch_size=8,
+    max_pairs=400,
+    train_steps=3,
+    distill_steps=2,
+    er_steps=2,
+    mm_steps=2,
+    prefix_len=3,
+    gen_len=2,
+    n_prompts=2,
+    scaling_gen_lens=(1,),
+    scaling_methods=("merge",),
+)
+
+
+def _parent():
+    with record_run(
+        flow="secure-inference", stage="secure-inference", technique="flow", config={}, track=False
+    ) as parent:
+        pass
+    return parent.ref
+
+
+def test_the_plan_names_each_model_after_its_teacher() -> None:
+    assert si.models_needed(TINY) == ["finetuned", "distilled-mpcformer_2quad", "er", "merge"]
+    only = TINY.model_copy(update={"methods": ("merge_mm", "thex", "merge_er")})
+    assert si.models_needed(only) == ["finetuned", "distilled-thex", "er", "mm"]
+    assert [si.teacher_of(n) for n in ("finetuned", "distilled-thex", "er", "mm", "merge")] == [
+        None,
+        "finetuned",
+        "finetuned",
+        "finetuned",
+        "er",
+    ]
+    assert si.model_of("vanilla_kv") == "finetuned" and si.model_of("mpcformer_2relu") == "distilled-mpcformer_2relu"
+    with pytest.raises(ConfigError, match=r"unknown secure-inference model kind 'lora'; known: finetuned, distilled"):
+        si.teacher_of("lora-1")
+
+
+def test_a_rerun_reuses_the_trained_models(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parent = _parent()
+    cfg = TINY.model_copy(update={"methods": ("vanilla", "merge_mm")})
+    first = si.train_model.fn("finetuned", cfg, parent)
+    mm = si.train_model.fn("mm", cfg, parent, teacher=first)
+    assert (Path(first.path) / "state.pt").is_file() and (Path(mm.path) / "payload.pt").is_file()
+    with pytest.raises(ConfigError, match="trained from 'finetuned'"):
+        si.train_model.fn("mm", cfg, parent)
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("a model of the cache was trained again")
+
+    kinds = {k: replace(v, train=no_training) for k, v in si.MODEL_KINDS.items()}
+    monkeypatch.setattr(si, "MODEL_KINDS", kinds)
+    again = si.train_model.fn("finetuned", cfg, parent)
+    assert again == first and si.train_model.fn("mm", cfg, parent, teacher=again) == mm
+    with pytest.raises(AssertionError, match="trained again"):  # another lr: another model
+        si.train_model.fn("mm", cfg.model_copy(update={"mm_lr": 2e-3}), parent, teacher=again)
+
+    repo = ResultsRepository()
+    _, rows = repo.query("select id, technique, status from runs where technique != 'flow' order by started_at")
+    assert [(t, s) for _, t, s in rows] == [
+        ("lm-train", "finished"),
+        ("merge-mm-train", "finished"),
+        ("lm-train", "finished"),
+        ("merge-mm-train", "finished"),
+        ("merge-mm-train", "failed"),
+    ]
+    runs = [repo.get_run(r) for r, _, _ in rows[:4]]
+    for before, after in ((runs[0], runs[2]), (runs[1], runs[3])):  # the rerun records the same training
+        assert {m["name"] for m in before["metrics"]} == {m["name"] for m in after["metrics"]}
+    assert {m["name"] for m in runs[0]["metrics"]} == {"train_loss", "train_s", "test_loss", "n_parameters"}
+
+    models = si.collect_models.fn(cfg, {"finetuned": first, "mm": mm}, parent)
+    assert models.payloads == {
+        "vanilla": str(Path(first.path) / "payload.pt"),
+        "merge_mm": str(Path(mm.path) / "payload.pt"),
+    }
+    prompts = torch.load(models.prompts_path, weights_only=False)
+    assert prompts["prefix"].shape == (2, 3) and prompts["table"].shape[1] == cfg.n_embd
