@@ -29,139 +29,19 @@ from sqlalchemy.engine import Engine
 from pbconfig.settings import get_settings
 from storage.db import get_engine
 from storage.models import AttackResult, Metric, MpcCost, PrivacyLedger, Run
-
-RUNS_COLUMNS = [
-    "id",
-    "parent_id",
-    "status",
-    "flow",
-    "stage",
-    "technique",
-    "dataset",
-    "profile",
-    "started_at",
-    "finished_at",
-    "duration_s",
-    "git_commit",
-    "error",
-    "mlflow_run_id",
-    "mlflow_experiment_id",
-    "prefect_flow_run_id",
-]
-PRIVACY_UTILITY_COLUMNS = [
-    "run_id",
-    "method",
-    "dataset",
-    "private",
-    "epsilon",
-    "epsilon_spent",
-    "delta",
-    "noise_multiplier",
-    "steps",
-    "ndcg_at_10",
-    "hit_at_10",
-    "final_ndcg_at_10",
-    "final_hit_at_10",
-    "train_wall_s",
-    "started_at",
-    "git_commit",
-]
-CLIPPING_COLUMNS = [
-    "run_id",
-    "method",
-    "step_s",
-    "peak_mem_mb",
-    "n_params",
-    "d_model",
-    "started_at",
-    "git_commit",
-    "device",
-]
-TANGENT_ACCURACY_COLUMNS = [
-    "run_id",
-    "method",
-    "n_shards",
-    "test_accuracy",
-    "mean_component_accuracy",
-    "dataset",
-    "started_at",
-]
-UNLEARNING_COLUMNS = [
-    "run_id",
-    "method",
-    "n_shards",
-    "shards_removed",
-    "fraction_removed",
-    "accuracy",
-    "dataset",
-    "started_at",
-]
-MPC_COSTS_COLUMNS = [
-    "run_id",
-    "method",
-    "op_category",
-    "seconds",
-    "bytes",
-    "rounds",
-    "parties",
-    "total_s",
-    "comm_bytes",
-    "lan_projected_s",
-    "wan_projected_s",
-    "quality_rouge_l",
-    "dataset",
-    "started_at",
-]
-STIP_OVERHEAD_COLUMNS = [
-    "run_id",
-    "model",
-    "design",
-    "server_over_plaintext_time",
-    "user_overhead_fraction",
-    "bytes_up_per_token",
-    "bytes_down_per_token",
-    "p2_s",
-    "plaintext_s",
-    "three_process_wall_s",
-    "tokens_match",
-    "max_abs_err",
-    "started_at",
-]
-STIP_ATTACKS_COLUMNS = ["run_id", "model", "attack", "recovery_rate", "input_tokens_recovered", "started_at"]
-FILM_COLUMNS = [
-    "run_id",
-    "embedding",
-    "attacker",
-    "batch_size",
-    "rouge1",
-    "rouge2",
-    "rougeL",
-    "recall",
-    "precision",
-    "n_candidates",
-    "dataset",
-    "started_at",
-]
-MEMBERSHIP_COLUMNS = [
-    "run_id",
-    "audit",
-    "dataset",
-    "method",
-    "setting",
-    "private",
-    "epsilon",
-    "attack",
-    "auc",
-    "tpr_at_0_1pct_fpr",
-    "tpr_at_1pct_fpr",
-    "empirical_epsilon",
-    "empirical_epsilon_lo",
-    "empirical_epsilon_hi",
-    "accountant_epsilon",
-    "mlflow_run_id",
-    "started_at",
-]
-ROC_COLUMNS = ["run_id", "dataset", "method", "setting", "attack", "fpr", "tpr"]
+from storage.view_columns import (
+    CLIPPING_COLUMNS,
+    FILM_COLUMNS,
+    MEMBERSHIP_COLUMNS,
+    MPC_COSTS_COLUMNS,
+    PRIVACY_UTILITY_COLUMNS,
+    ROC_COLUMNS,
+    RUNS_COLUMNS,
+    STIP_ATTACKS_COLUMNS,
+    STIP_OVERHEAD_COLUMNS,
+    TANGENT_ACCURACY_COLUMNS,
+    UNLEARNING_COLUMNS,
+)
 
 MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
 _NOT_TRAINED_MODELS = ("flow", "feature-cache")

@@ -28,7 +28,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,64 +47,9 @@ from pbconfig.tangent import TangentConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare_images import load_prepared_images, load_pretrained, to_pixels
 from tasks.records import RESUMABLE, task_record
+from tasks.tangent_inputs import ShardJob, TangentInputs, train_config
 
 FEATURES_VERSION = "tangent-features-v1"
-
-
-@dataclass(frozen=True)
-class TangentInputs:
-    """What every tangent task needs, by path: the prepared images and model, the cached features, and
-    the flow run's folder for trained deltas and shard models."""
-
-    images_path: str
-    model_path: str
-    features_path: str
-    workdir: str
-    n_classes: int
-    n_train: int
-    n_test: int
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    """Train one model on one shard: ``kind`` is ``taft`` or ``nlft``; shard ``index`` of ``n_shards``."""
-
-    kind: str
-    n_shards: int
-    index: int
-
-
-# ----------------------------------------------------------------------------------------------- helpers
-
-
-def train_config(cfg: TangentConfig, kind: str) -> TangentTrainConfig:
-    """The core training config of a method: TAFT uses the stage's loss (RSL, eq. 2) and ``lr``; NLFT and FC
-    use cross-entropy with ``nlft_lr`` / ``fc_lr`` (App. A); all share epochs, batch size, ridge and seed."""
-    if kind == "taft":
-        return TangentTrainConfig(
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            loss=cfg.loss,
-            alpha=cfg.alpha,
-            kappa=cfg.kappa,
-            ridge=cfg.ridge,
-            ball_radius=cfg.ball_radius,
-            seed=cfg.seed,
-            lr_milestones=tuple(cfg.lr_milestones),
-        )
-    epochs = cfg.nlft_epochs or cfg.epochs
-    lr = cfg.nlft_lr if kind == "nlft" else cfg.fc_lr
-    milestones = tuple(m for m in cfg.lr_milestones if m < epochs)
-    return TangentTrainConfig(
-        epochs=epochs,
-        batch_size=cfg.batch_size,
-        lr=lr,
-        loss="ce",
-        ridge=cfg.ridge,
-        seed=cfg.seed,
-        lr_milestones=milestones,
-    )
 
 
 @functools.lru_cache(maxsize=2)
