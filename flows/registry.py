@@ -116,7 +116,7 @@ def _tangent_runs(cfg: BenchmarkConfig) -> int:
 
 
 def _secure_inference_runs(cfg: BenchmarkConfig) -> int:
-    from tasks.secure_inference import models_needed
+    from tasks.secure_inference_models import models_needed
 
     s = _section(cfg, "secure_inference")
     # flow + one training run per model + one generation per method + the scaling points

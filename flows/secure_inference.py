@@ -13,16 +13,14 @@ from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.secure_inference import (
-    ModelRef,
     collect_models,
-    models_needed,
     mpc_generation,
     scaling_point,
     si_summary,
-    teacher_of,
     train_model,
     workdir_of,
 )
+from tasks.secure_inference_models import ModelRef, models_needed, teacher_of
 
 STAGE = "secure-inference"
 
