@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tasks.secure_inference as si
+import tasks.secure_inference_models as sim
 from core.errors import ConfigError
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import record_run
@@ -45,19 +46,19 @@ def _parent():
 
 
 def test_the_plan_names_each_model_after_its_teacher() -> None:
-    assert si.models_needed(TINY) == ["finetuned", "distilled-mpcformer_2quad", "er", "merge"]
+    assert sim.models_needed(TINY) == ["finetuned", "distilled-mpcformer_2quad", "er", "merge"]
     only = TINY.model_copy(update={"methods": ("merge_mm", "thex", "merge_er")})
-    assert si.models_needed(only) == ["finetuned", "distilled-thex", "er", "mm"]
-    assert [si.teacher_of(n) for n in ("finetuned", "distilled-thex", "er", "mm", "merge")] == [
+    assert sim.models_needed(only) == ["finetuned", "distilled-thex", "er", "mm"]
+    assert [sim.teacher_of(n) for n in ("finetuned", "distilled-thex", "er", "mm", "merge")] == [
         None,
         "finetuned",
         "finetuned",
         "finetuned",
         "er",
     ]
-    assert si.model_of("vanilla_kv") == "finetuned" and si.model_of("mpcformer_2relu") == "distilled-mpcformer_2relu"
+    assert sim.model_of("vanilla_kv") == "finetuned" and sim.model_of("mpcformer_2relu") == "distilled-mpcformer_2relu"
     with pytest.raises(ConfigError, match=r"unknown secure-inference model kind 'lora'; known: finetuned, distilled"):
-        si.teacher_of("lora-1")
+        sim.teacher_of("lora-1")
 
 
 def test_a_rerun_reuses_the_trained_models(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,8 +73,8 @@ def test_a_rerun_reuses_the_trained_models(home: Path, monkeypatch: pytest.Monke
     def no_training(*args: object) -> None:
         raise AssertionError("a model of the cache was trained again")
 
-    kinds = {k: replace(v, train=no_training) for k, v in si.MODEL_KINDS.items()}
-    monkeypatch.setattr(si, "MODEL_KINDS", kinds)
+    kinds = {k: replace(v, train=no_training) for k, v in sim.MODEL_KINDS.items()}
+    monkeypatch.setattr(sim, "MODEL_KINDS", kinds)
     again = si.train_model.fn("finetuned", cfg, parent)
     assert again == first and si.train_model.fn("mm", cfg, parent, teacher=again) == mm
     with pytest.raises(AssertionError, match="trained again"):  # another lr: another model
