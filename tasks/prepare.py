@@ -88,7 +88,7 @@ def materialize_source(spec: DatasetSpec) -> SourceRef:
 def prepare_dataset(spec: DatasetSpec, source: SourceRef, parent: RunRef) -> PreparedRef:
     """Parse, k-core filter, split leave-last-out and save ``spec``'s dataset, recorded as one run."""
     key = cache_key(spec, source)
-    out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
+    out_dir = prepared_dir(spec.name, key)
 
     def build(rec: Recorder) -> dict[str, Any]:
         manifest, timings = _build(spec, source, key, out_dir)
@@ -120,6 +120,23 @@ def content_key(version: str, spec: BaseModel, *sources: str, blank: tuple[str, 
     blanked = {f: ("_" if f == "name" else None) for f in blank}
     spec_json = canonical_json(spec.model_copy(update=blanked))
     return hashlib.sha256("|".join((version, spec_json, *sources)).encode()).hexdigest()
+
+
+def prepared_dir(name: str, key: str) -> Path:
+    """Where the prepared folder of dataset ``name`` with cache ``key`` lives (under the data directory)."""
+    return get_settings().data_dir / f"{name}-{key[:16]}"
+
+
+def timed(write: Callable[[], dict[str, Any]]) -> Callable[[Recorder], dict[str, Any]]:
+    """A ``build`` for :func:`record_prepared` that calls ``write()`` and records its wall time as ``prepare_s``."""
+
+    def build(rec: Recorder) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        manifest = write()
+        rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
+        return manifest
+
+    return build
 
 
 def record_prepared(

@@ -41,9 +41,11 @@ from tasks.prepare import (
     MANIFEST,
     PreparedRef,
     content_key,
+    prepared_dir,
     read_manifest,
     record_prepared,
     sha256_file,
+    timed,
     write_atomically,
 )
 from tasks.records import retry_transient
@@ -62,14 +64,7 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedRef
     files = _image_source_files(spec)
     source_hash = hashlib.sha256("|".join(sha256_file(f) for f in files).encode()).hexdigest()
     key = content_key(IMAGE_PREP_VERSION, spec, source_hash)
-    out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
-
-    def build(rec: Recorder) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        manifest = _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)
-        rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
-        return manifest
-
+    out_dir = prepared_dir(spec.name, key)
     return record_prepared(
         spec,
         parent=parent,
@@ -77,7 +72,7 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedRef
         key=key,
         out_dir=out_dir,
         version=IMAGE_PREP_VERSION,
-        build=build,
+        build=timed(lambda: _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)),
         kind="images",
     )
 

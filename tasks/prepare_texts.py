@@ -35,15 +35,16 @@ from transformers import PreTrainedTokenizerFast  # noqa: F401
 from core.data import text as textsrc
 from core.errors import DataError
 from pbconfig.data import TextDatasetSpec
-from pbconfig.settings import get_settings
-from storage.recording import Recorder, RunRef
+from storage.recording import RunRef
 from tasks.prepare import (
     MANIFEST,
     PreparedRef,
     content_key,
+    prepared_dir,
     read_manifest,
     record_prepared,
     sha256_file,
+    timed,
     write_atomically,
 )
 from tasks.records import retry_transient
@@ -84,14 +85,7 @@ def prepare_text_dataset(spec: TextDatasetSpec, parent: RunRef) -> PreparedRef:
     """Read, filter, deduplicate, shuffle, split and save ``spec``'s texts once per content, recorded as one run."""
     source = locate_text_source(spec)
     key = content_key(TEXT_PREP_VERSION, spec, source.sha256)
-    out_dir = get_settings().data_dir / f"{spec.name}-{key[:16]}"
-
-    def build(rec: Recorder) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        manifest = _build_texts(spec, source, key, out_dir)
-        rec.metric("prepare_s", time.perf_counter() - t0, unit="s")
-        return manifest
-
+    out_dir = prepared_dir(spec.name, key)
     return record_prepared(
         spec,
         parent=parent,
@@ -99,7 +93,7 @@ def prepare_text_dataset(spec: TextDatasetSpec, parent: RunRef) -> PreparedRef:
         key=key,
         out_dir=out_dir,
         version=TEXT_PREP_VERSION,
-        build=build,
+        build=timed(lambda: _build_texts(spec, source, key, out_dir)),
         kind="text",
     )
 
