@@ -1,0 +1,265 @@
+"""The claims registry: one entry per headline claim of each paper, as data (``configs/claims/<paper>.yaml``).
+
+An entry says what the paper claims (``statement``, ``source``: the table or figure, ``paper_value``), how the
+results store measures ours (``measure``: which rows, which value, which two sides are compared) and the rule
+that turns the measurement into a verdict (``rule``). ``storage.claims`` evaluates them; ``privbench report``
+renders the verdicts. Nothing here touches the store: this module only loads and validates the registry.
+
+A measure reads one ``source``: a ``storage.views`` view (``privacy_utility``, ``film``, ...) or ``metrics`` (the
+scalar metrics of the finished runs of a ``stage``, optionally of some ``techniques``, one column per metric name,
+with the run's ``method`` (its technique), ``dataset`` and its config as ``config.<dotted path>`` columns).
+``where`` keeps rows whose column equals a value (or is in a list of values); ``value`` is a column, or an
+arithmetic expression of columns (``empirical_epsilon - accountant_epsilon``), giving one number per row; the rows
+of one run reduce to one number (``reduce``: mean, max or min), the runs of one seed to the newest. ``a`` (and
+``b`` for a comparison) select the two sides by column values; ``value_b`` (optional) is side b's value when it is
+another column. ``per`` names the columns whose values are the *contexts* compared separately (the privacy budget,
+the number of shards); a context without both sides is left out. ``require`` maps a ``per`` column to the values
+that must all be measured for a verdict (``{epsilon: [5, 8, 10]}``); contexts with other values are left out.
+``stat`` is what the rule is applied to, per context:
+
+* ``value``: side a's value;
+* ``difference``: a - b;  ``relative``: a / b - 1;  ``ratio``: a / b.
+
+Rules (``rule.kind``):
+
+* ``above`` / ``below`` with ``bound``: the stat's 95% interval over seeds must lie entirely above (below) the
+  bound for ``reproduced`` (with at least ``min_n`` seeds); entirely on the other side is ``not reproduced``;
+  straddling it, or too few seeds for an interval, is ``inconclusive``;
+* ``all_at_most`` / ``all_at_least`` with ``bound``: every run's value must satisfy the bound (deterministic
+  checks such as exactness to a tolerance: no interval needed, one run decides).
+
+A claim is ``not run`` when the store has no rows for it; ``reproduced`` when every required context is
+reproduced; ``not reproduced`` when any context is not; ``inconclusive`` otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from core.errors import ConfigError
+from pbconfig.base import FrozenConfig
+
+CLAIMS_DIR = Path(__file__).resolve().parent.parent / "configs" / "claims"
+SOURCES = (
+    "privacy_utility",
+    "clipping_bench",
+    "tangent_accuracy",
+    "unlearning",
+    "mpc_costs",
+    "stip_overhead",
+    "stip_attacks",
+    "film",
+    "membership",
+    "metrics",
+)
+VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run")
+Scalar = str | int | float | bool | None
+
+
+def dotted_name(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attribute accesses on a name (metric names are dotted), else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _names(expression: str) -> set[str]:
+    """The column names (dotted metric names too) an arithmetic ``value`` expression uses; raises ValueError on
+    anything but names, numbers, + - * / and parentheses."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"value {expression!r} is not an expression: {exc.msg}") from None
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Attribute | ast.Name):
+            dotted = dotted_name(node)
+            if dotted is None:
+                raise ValueError(f"value {expression!r}: {ast.unparse(node)!r} is not a column name")
+            names.add(dotted)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult | ast.Div):
+            visit(node.left)
+            visit(node.right)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            visit(node.operand)
+        elif not (isinstance(node, ast.Constant) and isinstance(node.value, int | float)):
+            raise ValueError(  # noqa: TRY004 - pydantic turns ValueError into a validation error
+                f"value {expression!r}: only column names (dotted metric names too), numbers, + - * / and "
+                f"parentheses are allowed, found {ast.unparse(node)!r}"
+            )
+
+    visit(tree.body)
+    return names
+
+
+class Measure(FrozenConfig):
+    """Which rows of the store measure the claim, and what is compared (see the module docstring)."""
+
+    source: Literal[SOURCES]  # type: ignore[valid-type]
+    stage: str | None = None  # source "metrics": the runs' stage
+    techniques: tuple[str, ...] = ()  # source "metrics": only these techniques (empty: all)
+    where: dict[str, Scalar | list[Scalar]] = Field(default_factory=dict)
+    value: str
+    value_b: str | None = None  # side b's value when it is another column (a cost of another technique)
+    reduce: Literal["mean", "max", "min"] = "mean"
+    a: dict[str, Scalar | list[Scalar]] = Field(default_factory=dict)
+    b: dict[str, Scalar | list[Scalar]] | None = None
+    per: tuple[str, ...] = ()
+    require: dict[str, list[Scalar]] = Field(default_factory=dict)
+    stat: Literal["value", "difference", "relative", "ratio"] = "value"
+    # how the stat is shown: as is, a signed percentage (relative), a multiple, accuracy points, a share
+    unit: Literal["", "%", "x", "pt", "share"] = ""
+
+    @field_validator("value", "value_b")
+    @classmethod
+    def _expression(cls, value: str | None) -> str | None:
+        if value is not None and not _names(value):
+            raise ValueError(f"value {value!r} names no column")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Measure:
+        if self.source == "metrics" and not self.stage:
+            raise ValueError("source 'metrics' needs the runs' stage: set measure.stage (e.g. stage: tangent)")
+        if self.source != "metrics" and (self.stage or self.techniques):
+            raise ValueError(f"stage/techniques apply to source 'metrics' only, not {self.source!r}; use where")
+        if (self.stat == "value") != (self.b is None):
+            raise ValueError(
+                f"stat {self.stat!r} " + ("needs a side b to compare with" if self.b is None else "takes no side b")
+            )
+        stray = sorted(set(self.require) - set(self.per))
+        if stray:
+            raise ValueError(f"require names column(s) {', '.join(stray)} that are not in per {list(self.per)}")
+        if self.value_b is not None and self.b is None:
+            raise ValueError("value_b needs a side b")
+        return self
+
+    @property
+    def columns(self) -> set[str]:
+        """Every column the measure reads."""
+        cols = _names(self.value) | _names(self.value_b or "0") | set(self.where) | set(self.a) | set(self.per)
+        return cols | set(self.b or {})
+
+
+class Rule(FrozenConfig):
+    kind: Literal["above", "below", "all_at_most", "all_at_least"]
+    bound: float = Field(allow_inf_nan=False)
+    min_n: int = Field(default=3, ge=1)  # seeds needed on each side for "reproduced" (interval rules)
+
+    def describe(self, stat: str, unit: str) -> str:
+        shown = _shown(self.bound, unit)
+        return {
+            "above": f"{stat} 95% interval above {shown}, n >= {self.min_n}",
+            "below": f"{stat} 95% interval below {shown}, n >= {self.min_n}",
+            "all_at_most": f"every run's {stat} <= {shown}",
+            "all_at_least": f"every run's {stat} >= {shown}",
+        }[self.kind]
+
+
+def _shown(value: float, unit: str) -> str:
+    if unit in ("%", "pt"):
+        return f"{100 * value:+g}{'%' if unit == '%' else ' pt'}" if value else ("0%" if unit == "%" else "0 pt")
+    if unit == "share":
+        return f"{100 * value:g}%"
+    if unit == "x":
+        return f"{value:g}x"
+    return f"{value:g}"
+
+
+class Claim(FrozenConfig):
+    """One headline claim of one paper."""
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    paper: str = ""  # filled from the file's ``paper`` when absent
+    stage: str
+    source: str  # "Table 1", "Fig. 3", "eq. 13"
+    statement: str
+    paper_value: str
+    measure: Measure
+    rule: Rule
+    note: str = ""  # what a reader should know (a deviation from the paper's setting)
+
+    @property
+    def stat_label(self) -> str:
+        m = self.measure
+        a = _side(m.a)
+        if m.stat == "value":
+            return f"{m.value} ({a})" if a else m.value
+        b = _side(m.b or {})
+        op = {"difference": "-", "relative": "/", "ratio": "/"}[m.stat]
+        label = f"{m.value}: {a} {op} {b}" if m.value_b is None else f"{m.value} ({a}) {op} {m.value_b} ({b})"
+        return f"{label} - 1" if m.stat == "relative" else label
+
+
+def _side(selector: dict[str, Any]) -> str:
+    def shown(v: Any) -> str:
+        return "|".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return ", ".join(
+        shown(v) if k in {"method", "design", "embedding"} else f"{k.removeprefix('config.')}={shown(v)}"
+        for k, v in selector.items()
+    )
+
+
+class ClaimsFile(FrozenConfig):
+    paper: str
+    order: int = 100  # the report's order of papers (the mission's stage order)
+    title: str
+    file: str  # the paper's PDF under shared/papers
+    claims: tuple[Claim, ...]
+
+
+def load_claims(directory: Path | None = None) -> list[Claim]:
+    """Every claim of ``directory`` (default ``configs/claims``), file by file in name order; raises ConfigError
+    naming the file and the bad entry on an invalid file or a duplicate id."""
+    directory = directory or CLAIMS_DIR
+    files = sorted(directory.glob("*.yaml"))
+    if not files:
+        raise ConfigError(f"no claims registry files (*.yaml) in {directory}")
+    claims: list[Claim] = []
+    seen: dict[str, Path] = {}
+    for path, parsed in sorted(((p, _parse(p)) for p in files), key=lambda x: (x[1].order, x[0].name)):
+        for claim in parsed.claims:
+            if claim.id in seen:
+                raise ConfigError(f"claim id {claim.id!r} is in both {seen[claim.id].name} and {path.name}; rename one")
+            seen[claim.id] = path
+            claims.append(claim if claim.paper else claim.model_copy(update={"paper": parsed.paper}))
+    return claims
+
+
+def load_papers(directory: Path | None = None) -> dict[str, ClaimsFile]:
+    """The registry files by paper name (titles and PDF names for the report's headings)."""
+    directory = directory or CLAIMS_DIR
+    parsed = sorted((_parse(p) for p in sorted(directory.glob("*.yaml"))), key=lambda f: f.order)
+    return {f.paper: f for f in parsed}
+
+
+def _parse(path: Path) -> ClaimsFile:
+    try:
+        return ClaimsFile.model_validate(yaml.safe_load(path.read_text()))
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"claims registry {path.name}: {exc}") from None
+
+
+__all__ = [
+    "CLAIMS_DIR",
+    "SOURCES",
+    "VERDICTS",
+    "Claim",
+    "ClaimsFile",
+    "Measure",
+    "Rule",
+    "dotted_name",
+    "load_claims",
+    "load_papers",
+]

@@ -1,0 +1,485 @@
+"""Verdicts on the papers' claims, computed from the results store alone (the registry: ``pbconfig.claims``).
+
+``evaluate_claims(db_url, profile=...)`` measures every claim of the registry and returns one ``ClaimResult`` each:
+
+1. the claim's ``measure.source`` gives rows (a ``storage.views`` view, or the scalar metrics of a stage's runs),
+   restricted by the filters (profile, root run, ...) and by ``where``; ``value`` gives one number per row;
+2. rows go to side ``a`` or ``b`` and to a context (the ``per`` columns); the rows of one run reduce to one
+   number per (side, context) (``reduce``); one run per (side, context, seed) counts, the newest (a seed run
+   again is a repeat, not a new sample; seeds as in ``storage.leaderboard``: the run's config seed, else its
+   nearest ancestor's);
+3. per context, the stat and its two-sided 95% interval: ``value``: Student t over seeds; a comparison of two
+   sides run with the same seeds: the per-seed stat (paired), t over seeds; otherwise (unpaired) Welch's t for
+   the difference and the delta method on the ratio of means for ``relative``/``ratio``. One seed: no interval;
+4. the rule decides each context and the contexts decide the claim (``pbconfig.claims``); every verdict but
+   ``reproduced`` carries a one-line reason drawn from the measured numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from pbconfig.claims import Claim, Measure, Rule, dotted_name, load_claims
+from storage import views
+from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
+
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    """One context of a claim: the stat's estimate and 95% interval (NaN bounds when there is none)."""
+
+    context: str
+    verdict: str
+    estimate: float
+    low: float
+    high: float
+    n_a: int
+    n_b: int
+    interval: str  # "t over seeds", "paired t over seeds", "Welch t", "delta method (Welch)", "none", "all runs"
+    values: tuple[float, ...]  # the per-seed stats (paired, or value), or the per-run values (all_* rules)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claim: Claim
+    verdict: str
+    contexts: tuple[ContextResult, ...]
+    reason: str
+    run_ids: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = ()
+    rows: int = 0
+
+    @property
+    def n(self) -> int:
+        """Seeds (or runs) behind the claim: the smallest count over its contexts and sides."""
+        counts = [c.n_a if c.n_b == 0 else min(c.n_a, c.n_b) for c in self.contexts]
+        return min(counts) if counts else 0
+
+    def ours(self) -> str:
+        """``context: estimate [low, high] (n)`` per context, as the report shows it."""
+        unit = self.claim.measure.unit
+        parts = []
+        for c in self.contexts:
+            if c.verdict == NOT_RUN:
+                parts.append(f"{c.context}: not run")
+                continue
+            shown = fmt(c.estimate, unit)
+            if math.isfinite(c.low) and math.isfinite(c.high):
+                shown += f" [{fmt(c.low, unit)}, {fmt(c.high, unit)}]"
+            n = str(c.n_a) if c.n_b == 0 or c.n_a == c.n_b else f"{c.n_a}/{c.n_b}"
+            label = "runs" if c.interval == "all runs" else "n"
+            parts.append(f"{c.context + ': ' if c.context else ''}{shown} ({label}={n})")
+        return "; ".join(parts) if parts else "-"
+
+
+@dataclass
+class _Sides:
+    a: dict[Any, float] = field(default_factory=dict)  # replicate -> value
+    b: dict[Any, float] = field(default_factory=dict)
+    runs: set[str] = field(default_factory=set)
+
+
+def fmt(value: float, unit: str = "") -> str:
+    """A stat as the report shows it: ``+3.1%`` (unit %), ``2.41x`` (unit x), else 4 significant digits."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if unit == "%":
+        return f"{100 * value:+.1f}%"
+    if unit == "pt":
+        return f"{100 * value:+.2f} pt"
+    if unit == "share":
+        return f"{100 * value:.1f}%"
+    if unit == "x":
+        return f"{value:.3g}x"
+    return f"{value:.4g}"
+
+
+def _evaluate(expression: str, frame: pd.DataFrame) -> pd.Series:
+    """The ``value`` expression (validated by ``pbconfig.claims``) on the columns of ``frame``, as floats."""
+
+    def walk(node: ast.AST) -> Any:
+        if isinstance(node, ast.Attribute | ast.Name):
+            return pd.to_numeric(frame[dotted_name(node)], errors="coerce").astype(float)
+        if isinstance(node, ast.Constant):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp):
+            return -walk(node.operand) if isinstance(node.op, ast.USub) else walk(node.operand)
+        assert isinstance(node, ast.BinOp)
+        left, right = walk(node.left), walk(node.right)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if isinstance(node.op, ast.Add):
+                return left + right
+            if isinstance(node.op, ast.Sub):
+                return left - right
+            if isinstance(node.op, ast.Mult):
+                return left * right
+            return left / right
+
+    out = walk(ast.parse(expression, mode="eval").body)
+    return out if isinstance(out, pd.Series) else pd.Series(out, index=frame.index, dtype=float)
+
+
+def _metric_rows(db_url: str | None, measure: Measure, **filters: Any) -> pd.DataFrame:
+    """Source ``metrics``: the finished runs of ``measure.stage`` (and ``techniques``) with their scalar metrics."""
+    from storage.models import Run
+
+    engine, f = views._engine(db_url), views._filters(filters)
+    conditions = [Run.stage == measure.stage]
+    if measure.techniques:
+        conditions.append(Run.technique.in_(list(measure.techniques)))
+    base = views._result_runs(engine, f, *conditions)
+    base = base.rename(columns={"technique": "method"})
+    base["technique"] = base["method"]
+    configs = [_flat(views._config(c)) for c in base["config_json"]]
+    for key in sorted({k for c in configs for k in c} & measure.columns):
+        base[key] = [c.get(key) for c in configs]
+    own = set(base.columns)
+    names = sorted(c for c in measure.columns if c not in own)
+    if base.empty:
+        return base.assign(**{n: pd.Series(dtype=float) for n in names})
+    return base.merge(views._metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
+
+
+def _flat(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
+    """A run's config as ``config.<dotted path>`` -> scalar (lists and nulls left out)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, path))
+        elif isinstance(value, str | int | float | bool):
+            out[path] = value
+    return out
+
+
+def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame:
+    """The rows that measure ``claim`` (after ``where``), with a ``value`` column; raises ValueError naming a
+    column the source does not have."""
+    m = claim.measure
+    frame = _metric_rows(db_url, m, **filters) if m.source == "metrics" else getattr(views, m.source)(db_url, **filters)
+    missing = sorted(c for c in m.columns if c not in frame.columns)
+    if missing:
+        raise ValueError(
+            f"claim {claim.id!r}: source {m.source!r} has no column(s) {', '.join(missing)}; "
+            f"its columns: {', '.join(map(str, frame.columns))}"
+        )
+    frame = frame[_matches(frame, m.where)].copy()
+    frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
+    if m.value_b is not None and len(frame):
+        in_b = _matches(frame, m.b or {}) & ~_matches(frame, m.a)
+        frame.loc[in_b, "value"] = _evaluate(m.value_b, frame)[in_b]
+    return frame[frame["value"].notna()]
+
+
+def _matches(frame: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
+    keep = pd.Series(True, index=frame.index)
+    for column, wanted in selector.items():
+        allowed = wanted if isinstance(wanted, list) else [wanted]
+        keep &= frame[column].map(lambda v, allowed=allowed: any(_equal(v, w) for w in allowed))
+    return keep
+
+
+def _equal(value: Any, wanted: Any) -> bool:
+    if wanted is None:
+        return value is None or (isinstance(value, float) and math.isnan(value))
+    if isinstance(wanted, bool) or isinstance(value, bool | np.bool_):
+        return bool(value) == bool(wanted) if isinstance(value, bool | np.bool_) else False
+    if isinstance(wanted, int | float):
+        try:
+            return math.isclose(float(value), float(wanted), rel_tol=1e-9, abs_tol=1e-12)
+        except (TypeError, ValueError):
+            return False
+    return str(value) == str(wanted)
+
+
+_BARE = {"dataset", "method", "model", "design", "embedding"}  # columns whose values name themselves
+
+
+def _part(column: str, value: Any) -> str:
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    if column == "epsilon":
+        return f"ε={shown}"
+    return shown if column in _BARE else f"{column.removeprefix('config.')}={shown}"
+
+
+def _sort_key(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((0, float(v), "") if isinstance(v, int | float) else (1, 0.0, str(v)) for v in values)
+
+
+def _context_name(measure: Measure, values: Sequence[Any]) -> str:
+    return ", ".join(_part(c, v) for c, v in zip(measure.per, values, strict=True))
+
+
+def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict[str, _Sides]:
+    """Per context: side -> {replicate: value}, the newest run per replicate, rows of a run reduced."""
+    frame = frame.copy()
+    frame["side"] = np.where(_matches(frame, measure.a), "a", "")
+    if measure.b is not None:
+        in_b = _matches(frame, measure.b)
+        frame.loc[in_b & (frame["side"] == ""), "side"] = "b"
+    frame = frame[(frame["side"] != "") & _matches(frame, measure.require)]
+    keys = [tuple(row) for row in frame[list(measure.per)].itertuples(index=False)]
+    frame["context"] = [_context_name(measure, k) for k in keys]
+    frame["order"] = [_sort_key(k) for k in keys]
+    frame = frame.sort_values("order", kind="stable")
+    reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False).agg(
+        value=("value", measure.reduce), started_at=("started_at", "max")
+    )
+    reduced["replicate"] = [
+        f"seed:{int(seeds[r])}" if seeds.get(r) is not None and not pd.isna(seeds.get(r)) else f"run:{r}"
+        for r in reduced["run_id"]
+    ]
+    reduced = reduced.sort_values("started_at", kind="stable").drop_duplicates(
+        ["context", "side", "replicate"], keep="last"
+    )
+    out: dict[str, _Sides] = {}
+    for row in reduced.itertuples(index=False):
+        sides = out.setdefault(row.context, _Sides())
+        getattr(sides, row.side)[row.replicate] = float(row.value)
+        sides.runs.add(row.run_id)
+    return out
+
+
+def _stat(kind: str, a: float, b: float) -> float:
+    if kind == "difference":
+        return a - b
+    if b == 0:
+        return math.nan
+    return a / b - 1 if kind == "relative" else a / b
+
+
+def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str, tuple[float, ...]]:
+    """(estimate, low, high, interval kind, per-seed stats) of one context."""
+    if measure.stat == "value":
+        ci = seed_interval(sides.a.values())
+        return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
+    common = sorted(set(sides.a) & set(sides.b) - {k for k in sides.a if k.startswith("run:")})
+    if len(common) >= 2 and len(common) == len(sides.a) == len(sides.b):
+        per_seed = [_stat(measure.stat, sides.a[k], sides.b[k]) for k in common]
+        ci = seed_interval(per_seed)
+        return ci.mean, ci.low, ci.high, "paired t over seeds", tuple(per_seed)
+    a, b = seed_interval(sides.a.values()), seed_interval(sides.b.values())
+    estimate = _stat(measure.stat, a.mean, b.mean)
+    pairs = tuple(_stat(measure.stat, x, y) for x in sides.a.values() for y in sides.b.values())
+    if a.n < 2 or b.n < 2:
+        return estimate, math.nan, math.nan, "none", pairs
+    va, vb = a.std**2 / a.n, b.std**2 / b.n
+    if measure.stat == "difference":
+        se = math.sqrt(va + vb)
+    else:  # delta method on a / b
+        if b.mean == 0 or a.mean == 0:
+            return estimate, math.nan, math.nan, "none", pairs
+        ratio = a.mean / b.mean
+        se = abs(ratio) * math.sqrt(va / a.mean**2 + vb / b.mean**2)
+    if se == 0:
+        return estimate, estimate, estimate, "Welch t", pairs
+    df = (va + vb) ** 2 / ((va**2 / (a.n - 1) if va else 0) + (vb**2 / (b.n - 1) if vb else 0) or 1e-300)
+    half = float(stats.t.ppf((1 + CONFIDENCE) / 2, max(df, 1.0))) * se
+    kind = "Welch t" if measure.stat == "difference" else "delta method (Welch)"
+    return estimate, estimate - half, estimate + half, kind, pairs
+
+
+def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
+    estimate, low, high, interval, values = _estimate(measure, sides)
+    n_a, n_b = len(sides.a), len(sides.b)
+    unit = measure.unit
+    bound = fmt(rule.bound, unit)
+    if rule.kind in ("all_at_most", "all_at_least"):
+        worst = max(values) if rule.kind == "all_at_most" else min(values)
+        ok = worst <= rule.bound if rule.kind == "all_at_most" else worst >= rule.bound
+        verdict = REPRODUCED if ok else NOT_REPRODUCED
+        reason = "" if ok else f"worst run {fmt(worst, unit)} against the bound {bound}"
+        return ContextResult("", verdict, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
+    n = n_a if measure.b is None else min(n_a, n_b)
+    above = rule.kind == "above"
+    shown = f"{fmt(estimate, unit)}"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        if math.isfinite(estimate) and n >= 2 and not math.isfinite(low):
+            reason = f"{shown}: no interval could be computed"
+        else:
+            reason = (
+                f"{shown} from {n} seed{'s' if n != 1 else ''}: no interval (needs >= 2; the rule wants {rule.min_n})"
+            )
+        return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+    interval_text = f"{shown} [{fmt(low, unit)}, {fmt(high, unit)}], n={n}"
+    if (above and low > rule.bound) or (not above and high < rule.bound):
+        if n >= rule.min_n:
+            return ContextResult("", REPRODUCED, estimate, low, high, n_a, n_b, interval, values)
+        reason = f"{interval_text} clears {bound} but the rule wants n >= {rule.min_n}"
+        return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+    if (above and high <= rule.bound) or (not above and low >= rule.bound):
+        reason = f"{interval_text} lies entirely {'at or below' if above else 'at or above'} {bound}"
+        return ContextResult("", NOT_REPRODUCED, estimate, low, high, n_a, n_b, interval, values, reason)
+    reason = f"{interval_text} straddles {bound}"
+    return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+
+
+def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimResult:
+    """Measure one claim in the store (``filters`` as ``storage.views``: profile, root, since, ...)."""
+    m = claim.measure
+    rows = claim_rows(db_url, claim, **filters)
+    if rows.empty:
+        return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
+    meta = _run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
+    seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
+    rows = rows.drop(columns=[c for c in ("started_at",) if c in rows]).merge(
+        meta[["run_id", "started_at"]], on="run_id", how="left"
+    )
+    per_context = _sides(rows, m, seeds)
+    contexts: list[ContextResult] = []
+    for name, sides in per_context.items():
+        if sides.a and (m.b is None or sides.b):  # a context without both sides is not a comparison
+            contexts.append(replace(_decide(claim.rule, m, sides), context=name))
+    for column, wanted in m.require.items():
+        for value in wanted:
+            part = _part(column, value)
+            if not any(part in c.context.split(", ") for c in contexts):
+                contexts.append(ContextResult(part, NOT_RUN, math.nan, math.nan, math.nan, 0, 0, "none", (), "not run"))
+    run_ids = tuple(sorted(rows["run_id"].unique()))
+    datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
+    verdict, reason = _combine(contexts, claim.rule.min_n)
+    return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows))
+
+
+def _how(claim: Claim, profile: str | None) -> str:
+    """What to run to measure ``claim``."""
+    p = f" --profile {profile}" if profile else ""
+    if claim.stage == "bench":
+        return f"run `privbench bench dp-clipping{p}`"
+    return f"run `privbench run {claim.stage}{p}`"
+
+
+def _combine(contexts: Sequence[ContextResult], min_n: int) -> tuple[str, str]:
+    measured = [c for c in contexts if c.verdict != NOT_RUN]
+    if not measured:
+        return NOT_RUN, "; ".join(f"{c.context}: {c.reason}" for c in contexts) or "nothing measured"
+
+    def line(cs: Sequence[ContextResult]) -> str:
+        return "; ".join(f"{c.context + ': ' if c.context else ''}{c.reason}" for c in cs)
+
+    failed = [c for c in contexts if c.verdict == NOT_REPRODUCED]
+    if failed:
+        return NOT_REPRODUCED, line(failed)
+    open_ = [c for c in contexts if c.verdict in (INCONCLUSIVE, NOT_RUN)]
+    single = [c for c in open_ if c.interval == "none" and c.verdict == INCONCLUSIVE]
+    if open_ and len(single) == len(open_) and len(open_) > 1:
+        return INCONCLUSIVE, (
+            f"one seed in each of the {len(open_)} contexts: no interval, so no verdict (the rule wants n >= "
+            f"{min_n}); run more seeds"
+        )
+    if open_:
+        return INCONCLUSIVE, line(open_)
+    return REPRODUCED, ""
+
+
+def evaluate_claims(
+    db_url: str | None = None, *, claims: Sequence[Claim] | None = None, **filters: Any
+) -> list[ClaimResult]:
+    """Every claim of the registry (or ``claims``), in registry order."""
+    return [evaluate_claim(db_url, c, **filters) for c in (claims if claims is not None else load_claims())]
+
+
+CLAIM_COLUMNS = [
+    "paper",
+    "claim",
+    "source",
+    "statement",
+    "paper_value",
+    "ours",
+    "n",
+    "scale",
+    "verdict",
+    "rule",
+    "reason",
+    "interval",
+    "stage",
+    "run_ids",
+]
+
+
+def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> pd.DataFrame:
+    """One row per claim (``CLAIM_COLUMNS``): what the report and the dashboard's Claims tab show."""
+    rows = []
+    for r in results:
+        c = r.claim
+        scale = ", ".join(r.datasets) if r.datasets else ""
+        if profile:
+            scale = f"{profile} profile" + (f": {scale}" if scale else "")
+        rows.append(
+            {
+                "paper": c.paper,
+                "claim": c.id,
+                "source": c.source,
+                "statement": c.statement,
+                "paper_value": c.paper_value,
+                "ours": r.ours() if r.contexts else "-",
+                "n": r.n,
+                "scale": scale,
+                "verdict": r.verdict,
+                "rule": c.rule.describe(c.stat_label, c.measure.unit),
+                "reason": r.reason,
+                "interval": ", ".join(sorted({x.interval for x in r.contexts if x.verdict != NOT_RUN})),
+                "stage": c.stage,
+                "run_ids": list(r.run_ids),
+            }
+        )
+    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+
+
+STAGE_FLOWS = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
+
+
+def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
+    """The newest finished flow run of each stage flow (``STAGE_FLOWS``, the benchmark chain last) of ``profile``
+    (under ``root`` when given): ``flow, run_id, stage, started_at, duration_s, git_commit, device, profile``."""
+    from sqlalchemy import select
+
+    from storage.models import Run
+
+    columns = ["flow", "run_id", "stage", "started_at", "duration_s", "git_commit", "device", "profile"]
+    f = views._filters({"profile": profile, "root": root})
+    stmt = select(
+        Run.flow,
+        Run.id.label("run_id"),
+        Run.stage,
+        Run.started_at,
+        Run.duration_s,
+        Run.git_commit,
+        Run.device,
+        Run.profile,
+    ).where(Run.status == "finished", Run.technique == "flow", Run.flow.in_(STAGE_FLOWS))
+    frame = views._timestamps(views._read(views._engine(db_url), f.apply(stmt), columns), "started_at")
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    frame = frame.sort_values("started_at", kind="stable").drop_duplicates("flow", keep="last")
+    frame["order"] = frame["flow"].map(STAGE_FLOWS.index)
+    return frame.sort_values("order").drop(columns="order").reset_index(drop=True)[columns]
+
+
+__all__ = [
+    "CLAIM_COLUMNS",
+    "INCONCLUSIVE",
+    "NOT_REPRODUCED",
+    "NOT_RUN",
+    "REPRODUCED",
+    "STAGE_FLOWS",
+    "ClaimResult",
+    "ContextResult",
+    "claim_rows",
+    "claims_table",
+    "evaluate_claim",
+    "evaluate_claims",
+    "fmt",
+    "stage_runs",
+]

@@ -1,0 +1,215 @@
+"""``privbench report``: the papers' claims, judged from the results store alone, as Markdown with figures.
+
+``render_report(out, profile=...)`` writes ``out`` (Markdown) and, beside it, a folder ``<out stem>/`` with one
+PNG per stage result group (``tasks.figures``, the groups the dashboard draws). The Markdown has:
+
+* where the numbers come from: profile, commit(s), device, the newest finished flow run of each stage and its
+  wall time (and the benchmark chain's, when one ran);
+* the verdict counts, then one table per paper: claim, the paper's value, ours (mean and 95% interval per
+  context, n, scale), the verdict and the rule that gave it (``storage.claims``); below each table the one-line
+  reason of every claim that is not reproduced, and of the inconclusive ones;
+* the figures.
+
+Nothing in it is written by hand: rerunning a stage and rendering again changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pbconfig.claims import load_papers
+from storage.claims import (
+    NOT_REPRODUCED,
+    NOT_RUN,
+    REPRODUCED,
+    STAGE_FLOWS,
+    ClaimResult,
+    claims_table,
+    evaluate_claims,
+    stage_runs,
+)
+
+log = logging.getLogger("privbench.report")
+VERDICT_ORDER = (REPRODUCED, NOT_REPRODUCED, "inconclusive", NOT_RUN)
+STAGE_TITLES = {
+    "prepare": "prepare (datasets)",
+    "train-dp": "train-dp (DPFormer)",
+    "tangent": "tangent (TAFT)",
+    "secure-inference": "secure-inference (MERGE)",
+    "stip": "stip (STIP)",
+    "attacks": "attacks (FILM / SEB, membership)",
+    "benchmark": "benchmark (the whole chain)",
+}
+
+
+@dataclass
+class Report:
+    """What ``render_report`` wrote and found."""
+
+    path: Path
+    figures: list[Path] = field(default_factory=list)
+    results: list[ClaimResult] = field(default_factory=list)
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {v: int((self.table["verdict"] == v).sum()) if len(self.table) else 0 for v in VERDICT_ORDER}
+
+
+def _cell(value: Any) -> str:
+    text = "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    minutes, secs = divmod(round(float(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min {secs:02d} s" if hours else f"{minutes} min {secs:02d} s"
+
+
+def _verdict(text: str) -> str:
+    return f"**{text}**" if text in (REPRODUCED, NOT_REPRODUCED) else text
+
+
+def _provenance(profile: str | None, stages: pd.DataFrame) -> list[str]:
+    lines = ["## Where these numbers come from", ""]
+    if stages.empty:
+        return [*lines, f"No finished stage flow run of profile `{profile}` is in the store.", ""]
+    commits = sorted({str(c)[:12] for c in stages["git_commit"].dropna()})
+    devices = sorted({str(d) for d in stages["device"].dropna()})
+    lines += [
+        f"- profile: `{profile}`" if profile else "- profile: every profile in the store",
+        f"- commit{'s' if len(commits) != 1 else ''}: {', '.join(f'`{c}`' for c in commits) or 'unknown'}",
+        f"- device: {'; '.join(devices) or 'unknown'}",
+        "",
+        "| stage | flow run | started (UTC) | wall time |",
+        "|---|---|---|---|",
+    ]
+    for row in stages.itertuples(index=False):
+        started = pd.Timestamp(row.started_at).strftime("%Y-%m-%d %H:%M") if pd.notna(row.started_at) else "-"
+        lines.append(
+            f"| {STAGE_TITLES.get(row.flow, row.flow)} | `{row.run_id}` | {started} | {_duration(row.duration_s)} |"
+        )
+    missing = [s for s in STAGE_FLOWS if s not in set(stages["flow"])]
+    if missing:
+        lines += ["", f"Not run in this profile: {', '.join(missing)}."]
+    return [*lines, ""]
+
+
+def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> list[str]:
+    lines = [
+        f"## {paper}",
+        "",
+        f"{title} (`shared/papers/{file}`).",
+        "",
+        "| claim | source | paper | ours (mean [95% interval], n) | scale | verdict | rule |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.itertuples(index=False):
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{r.claim}`: {_cell(r.statement)}",
+                    _cell(r.source),
+                    _cell(r.paper_value),
+                    _cell(r.ours),
+                    _cell(r.scale),
+                    _verdict(r.verdict),
+                    _cell(r.rule),
+                ]
+            )
+            + " |"
+        )
+    notes = [r for r in rows.itertuples(index=False) if r.verdict != REPRODUCED and r.reason]
+    if notes:
+        lines.append("")
+        for r in notes:
+            why = "why not" if r.verdict == NOT_REPRODUCED else "why " + r.verdict
+            lines.append(f"- `{r.claim}` ({why}): {_cell(r.reason)}")
+    intervals = sorted({i for v in rows["interval"] for i in str(v).split(", ") if i})
+    if intervals:
+        lines += ["", f"Intervals: {'; '.join(intervals)}."]
+    return [*lines, ""]
+
+
+def _figures(stages: pd.DataFrame, folder: Path, db_url: str | None) -> list[Path]:
+    from tasks.figures import GROUPS, render_figures
+
+    written: list[Path] = []
+    for row in stages.itertuples(index=False):
+        if row.stage not in GROUPS:
+            continue
+        try:
+            for path in render_figures(row.stage, row.run_id, folder, db_url=db_url):
+                target = path.with_name(f"{row.flow}-{path.name}")
+                path.replace(target)
+                written.append(target)
+        except Exception as exc:  # noqa: BLE001 -- a figure never stops the report
+            log.warning("could not draw the %s figures: %s: %s", row.flow, type(exc).__name__, exc)
+    return written
+
+
+def render_report(
+    out: Path,
+    *,
+    profile: str | None = None,
+    db_url: str | None = None,
+    root: str | None = None,
+    figures: bool = True,
+) -> Report:
+    """Evaluate every claim on the runs of ``profile`` (under ``root`` when given) and write the report to
+    ``out`` with its figures in ``<out stem>/`` (replaced). Returns what was written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = evaluate_claims(db_url, profile=profile, root=root)
+    table = claims_table(results, profile)
+    stages = stage_runs(db_url, profile=profile, root=root)
+    folder = out.with_suffix("")
+    written: list[Path] = []
+    if figures:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        if root is not None:  # one chain: draw its own stage runs
+            written = _figures(stages, folder, db_url)
+        else:
+            written = _figures(stages[stages["flow"] != "benchmark"], folder, db_url)
+    report = Report(out, written, results, table)
+    counts = report.counts
+    lines = [
+        f"# privbench report: {f'profile `{profile}`' if profile else 'every profile'}",
+        "",
+        (
+            "Generated by `privbench report` from the results store alone: every verdict is computed by the rule shown "
+            "beside it from the runs recorded in the store (`configs/claims/*.yaml` is the registry). Rendering it "
+            "again after new runs changes it."
+        ),
+        "",
+        "Verdicts: " + ", ".join(f"{counts[v]} {v}" for v in VERDICT_ORDER) + f" (of {len(table)} claims).",
+        "",
+        *_provenance(profile, stages),
+    ]
+    papers = load_papers()
+    for paper, spec in papers.items():
+        rows = table[table["paper"] == paper]
+        if len(rows):
+            lines += _paper_section(paper, spec.title, spec.file, rows)
+    if written:
+        lines += ["## Figures", ""]
+        for path in written:
+            lines += [f"![{path.stem}]({folder.name}/{path.name})", ""]
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return report
+
+
+__all__ = ["VERDICT_ORDER", "Report", "render_report"]
