@@ -23,7 +23,7 @@ from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import Recorder
 
 EOS = GPT2_EOS
-MODELS_VERSION = "si-models-v1"  # bump when model training changes: every trained model's cache key changes
+MODELS_VERSION = "si-models-v2"  # bump when model training or the exported format changes: every cache key changes
 
 
 @dataclass(frozen=True)

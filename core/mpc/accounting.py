@@ -137,6 +137,10 @@ class CostMeter:
             self._total.bytes += end[1] - start[1]
             self._total.rounds += end[2] - start[2]
 
+    def counters(self) -> tuple[int, int]:
+        """This meter's communication counters now, (bytes, rounds): differences split a region into steps."""
+        return self._stats()
+
     def totals(self) -> dict[str, float | int]:
         """Wall seconds, bytes and rounds of all closed regions (``total_s``, ``comm_bytes``, ``rounds``)."""
         return {"total_s": self._total.s, "comm_bytes": self._total.bytes, "rounds": self._total.rounds}

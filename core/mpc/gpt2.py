@@ -16,12 +16,18 @@ embedding of the new token):
   the last position's final hidden state (after ``ln_f``); no argmax or lookup during generation; the stored
   hidden states are decoded at the end by the LM head and one batched argmax.
 * ``merge``: ER + merge module (eq. 10-11) from a :class:`core.mpc.merge_spec.MergeSpec`
-  (:class:`EncryptedMerge`), executing exactly :func:`core.mpc.merge_spec.merge_generate_plain` on shares.
+  (:class:`EncryptedMerge`), executing exactly :func:`core.mpc.merge_spec.merge_generate_plain` on shares:
+  each step processes the one new position against per-layer running sums of the constant attention, so its
+  bytes do not depend on the prefix length (App. C.1); ``recompute=True`` reruns the whole sequence.
+
+Every :class:`GenerationResult` records each step's bytes and rounds (``step_bytes``, ``step_rounds``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +37,7 @@ from core.errors import ConfigError
 from core.mpc import ops
 from core.mpc.accounting import CostMeter, NullMeter, OpCategory
 from core.mpc.crypten_compat import import_crypten
+from core.mpc.merge_spec import WEIGHT_KEYS, MergeState
 from core.mpc.parties import CLIENT, MODEL_OWNER
 from core.registry import lookup
 
@@ -149,9 +156,29 @@ def check_mode(mode: str, known: tuple[str, ...] = GENERATION_MODES + ("merge",)
 
 
 @dataclass
+class StepLog:
+    """Bytes and rounds of each generation step, read from the meter's counters around the step."""
+
+    bytes: list[int] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+
+    @contextmanager
+    def step(self, meter: CostMeter) -> Iterator[None]:
+        b0, r0 = meter.counters()
+        yield
+        b1, r1 = meter.counters()
+        self.bytes.append(b1 - b0)
+        self.rounds.append(r1 - r0)
+
+
+@dataclass
 class GenerationResult:
     """One party's result: tokens (B, n_new) on the client (None on the model owner), costs per category
-    ({category: {s, bytes, rounds, calls}}), totals of the generation region, and the weight-sharing setup."""
+    ({category: {s, bytes, rounds, calls}}), totals of the generation region, and the weight-sharing setup.
+
+    ``step_bytes[i]``, ``step_rounds[i]``: this party's communication during generation step i (step 0
+    processes the prefix); sharing the prefix before the steps and the final decoding and reveal are not in
+    any step."""
 
     rank: int
     mode: str
@@ -161,6 +188,8 @@ class GenerationResult:
     comm_bytes: int
     rounds: int
     setup: dict[str, float | int] = field(default_factory=dict)
+    step_bytes: list[int] = field(default_factory=list)
+    step_rounds: list[int] = field(default_factory=list)
 
 
 def reveal_tokens(onehots: CrypTensor, rank: int) -> torch.Tensor | None:
@@ -169,7 +198,9 @@ def reveal_tokens(onehots: CrypTensor, rank: int) -> torch.Tensor | None:
     return plain.argmax(dim=-1).cpu() if rank == CLIENT else None
 
 
-def _finish(rank: int, mode: str, meter: CostMeter, tokens: torch.Tensor | None, setup: dict) -> GenerationResult:
+def _finish(
+    rank: int, mode: str, meter: CostMeter, tokens: torch.Tensor | None, setup: dict, steps: StepLog
+) -> GenerationResult:
     """Package one party's result after the metered region closed."""
     tot = meter.totals()
     return GenerationResult(
@@ -181,6 +212,8 @@ def _finish(rank: int, mode: str, meter: CostMeter, tokens: torch.Tensor | None,
         comm_bytes=int(tot["comm_bytes"]),
         rounds=int(tot["rounds"]),
         setup=setup,
+        step_bytes=list(steps.bytes),
+        step_rounds=list(steps.rounds),
     )
 
 
@@ -286,39 +319,41 @@ class EncryptedGPT2:
             raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
         check_lengths(int(shape[1]), max_new_tokens, self.n_positions)
         self.meter = m = CostMeter()
-        crypten = import_crypten()
+        crypten, log = import_crypten(), StepLog()
         with m.region():
             x = self.share_prefix(prefix_ids, shape)  # (B, N, V)
             if mode == "vanilla_er":
-                out = self._generate_er(x, max_new_tokens)
+                out = self._generate_er(x, max_new_tokens, log)
             else:
                 outs = []
                 past, pos = None, 0
                 emb = ops.embed(x, self.wte, m)
                 for step in range(max_new_tokens):
-                    if mode == "vanilla":
-                        seq = x if step == 0 else crypten.cat([x] + outs, dim=1)
-                        h, _ = self.hidden(ops.embed(seq, self.wte, m) if step else emb)
-                    else:
-                        h, past = self.hidden(emb, start=pos, past=past)
-                        pos += emb.size(1)
-                    oh = ops.argmax_onehot(self.logits(h[:, -1:]), m)  # (B, 1, V)
-                    outs.append(oh)
-                    if mode == "vanilla_kv" and step + 1 < max_new_tokens:
-                        emb = ops.embed(oh, self.wte, m)
+                    with log.step(m):
+                        if mode == "vanilla":
+                            seq = x if step == 0 else crypten.cat([x] + outs, dim=1)
+                            h, _ = self.hidden(ops.embed(seq, self.wte, m) if step else emb)
+                        else:
+                            h, past = self.hidden(emb, start=pos, past=past)
+                            pos += emb.size(1)
+                        oh = ops.argmax_onehot(self.logits(h[:, -1:]), m)  # (B, 1, V)
+                        outs.append(oh)
+                        if mode == "vanilla_kv" and step + 1 < max_new_tokens:
+                            emb = ops.embed(oh, self.wte, m)
                 out = crypten.cat(outs, dim=1)
             tokens = reveal_tokens(out, self.rank)
-        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs))
+        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)
 
-    def _generate_er(self, x: CrypTensor, n_new: int) -> CrypTensor:
+    def _generate_er(self, x: CrypTensor, n_new: int, log: StepLog) -> CrypTensor:
         crypten, m = import_crypten(), self.meter
         emb = ops.embed(x, self.wte, m)  # E_0 (B, N, d)
         last = []
         for step in range(n_new):
-            h, _ = self.hidden(emb)
-            last.append(h[:, -1:])  # (B, 1, d)
-            if step + 1 < n_new:
-                emb = crypten.cat([emb, last[-1]], dim=1)  # eq. 3
+            with log.step(m):
+                h, _ = self.hidden(emb)
+                last.append(h[:, -1:])  # (B, 1, d)
+                if step + 1 < n_new:
+                    emb = crypten.cat([emb, last[-1]], dim=1)  # eq. 3
         hid = crypten.cat(last, dim=1)  # (B, n_new, d)
         return ops.argmax_onehot(self.logits(hid), m)
 
@@ -384,9 +419,12 @@ class EncryptedMerge:
     """A :class:`~core.mpc.merge_spec.MergeSpec` with shared weights (party 0); runs
     :func:`~core.mpc.merge_spec.merge_generate_plain` on shares (``generate(..., mode="merge")``).
 
-    Costs: ``C_k @ g`` and the three merged products are Linear, the kept LayerNorms Norm, the MLP
-    nonlinearity Activation (spec ``gelu`` (erf) runs as the tanh GELU: |diff| <= ~1e-3), the prefix lookup
-    Embed, the final LM head + one batched argmax Linear + Generation. No softmax, no lookup per step.
+    Costs: ``C @ v`` and the block's products (``W_V``, ``W_d``, ``M_u``, ``W_O``) are Linear, the kept
+    LayerNorms Norm, the MLP nonlinearity Activation (spec ``gelu`` (erf) runs as the tanh GELU: |diff| <= ~1e-3),
+    the prefix lookup and the positions Embed, the LM head + argmax Linear + Generation. No softmax, no lookup
+    per step (``merge``). Incremental steps (the default) keep per layer the running sums (B, H, N_max, D) of the
+    constant attention (:class:`~core.mpc.merge_spec.MergeState`): a step opens the block's weights and one
+    column of ``C`` (H x N_max), whatever the prefix length.
     """
 
     def __init__(self, spec: Any, *, rank: int, device: str | torch.device = "cpu", norm: str = "exact") -> None:
@@ -403,10 +441,9 @@ class EncryptedMerge:
                 s(spec.lnf_beta),
                 spec.lnf_eps,
             )
-            keys = ("C", "ln_gamma", "ln_beta", "M_u", "b_u", "M_a", "b_a", "W_O", "b_O")
             self.layers = [
                 (
-                    {k: s(getattr(layer, k)) for k in keys},
+                    {k: s(getattr(layer, k)) for k in ("C", *WEIGHT_KEYS)},
                     layer.ln_eps,
                     lookup("MERGE activation", _MERGE_ACT, layer.act),
                     layer.n_heads,
@@ -419,29 +456,52 @@ class EncryptedMerge:
     def _share(self, x: torch.Tensor) -> CrypTensor:
         return ops.share(x, src=MODEL_OWNER, rank=self.rank, device=self.device)
 
-    def _block(self, p: dict, eps: float, act: str, H: int, h: CrypTensor) -> CrypTensor:
-        m, crypten = self.meter, import_crypten()
-        B, N, d = h.size(0), h.size(1), h.size(2)
-        g = ops.layer_norm(h, p["ln_gamma"], p["ln_beta"], m, eps=eps, kind=self.norm)  # (B, N, d)
+    def _block(self, layer: tuple, h: CrypTensor, sums: CrypTensor | None, start: int | None) -> tuple:
+        """One block on h (B, n, d): the whole sequence (``start`` None) or the new positions ``start..start+n-1``
+        given the running sums (merge_spec's ``merged_block`` / ``merged_block_step``). Returns (out, sums)."""
+        (p, eps, act, H), m = layer, self.meter
+        B, n, d = h.size(0), h.size(1), h.size(2)
+        g = ops.layer_norm(h, p["ln_gamma"], p["ln_beta"], m, eps=eps, kind=self.norm)  # (B, n, d)
+        v = ops.linear(g, p["W_V"], None, m)  # (B, n, d)
         with m.op(OpCategory.LINEAR):
-            c = p["C"][:, :N, :N]  # (H, N, N)
-            z_heads = c.matmul(g.unsqueeze(1))  # (B, H, N, d)  product 1: C_k @ g
-            z_heads = z_heads.transpose(1, 2).reshape(B, N, H * d)  # (B, N, H*d)
-            z = crypten.cat([z_heads, h], dim=2)  # (B, N, (H+1)*d)
-        u = ops.linear(z, p["M_u"], p["b_u"], m)  # (B, N, d_I)  product 2 (eq. 10)
-        a = ops.linear(z_heads, p["M_a"], p["b_a"], m)  # (B, N, d)
-        return h + a + ops.linear(ops.activation(u, m, kind=act), p["W_O"], p["b_O"], m)  # product 3
+            v = v.view(B, n, H, d // H).transpose(1, 2)  # (B, H, n, D)
+            c = p["C"][:, :n, :n] if start is None else p["C"][:, :, start : start + n]  # (H, n | N_max, n)
+            o = c.matmul(v)  # (B, H, n | N_max, D)  head k mixed by C_k
+            if start is not None:
+                sums = o if sums is None else sums + o
+                o = sums[:, :, start : start + n]  # (B, H, n, D)
+            o = o.transpose(1, 2).reshape(B, n, d)  # (B, n, d)
+        x = h + ops.linear(o, p["W_d"], p["b_a"], m)  # attention + residual
+        u = ops.linear(x, p["M_u"], p["b_u"], m)  # (B, n, d_I)  eq. 10
+        return x + ops.linear(ops.activation(u, m, kind=act), p["W_O"], p["b_O"], m), sums
+
+    def _positions(self, emb: CrypTensor, start: int) -> CrypTensor:
+        n = emb.size(1)
+        if start + n > self.n_max:
+            raise ConfigError(f"sequence length {start + n} exceeds the constant attention size N_max={self.n_max}")
+        with self.meter.op(OpCategory.EMBED):
+            return emb + self.wpe[start : start + n]
+
+    def _ln_f(self, h: CrypTensor) -> CrypTensor:
+        return ops.layer_norm(h, self.lnf_g, self.lnf_b, self.meter, eps=self.lnf_eps, kind=self.norm)
 
     def hidden(self, emb: CrypTensor) -> CrypTensor:
-        """Eq. 11 stack + ln_f on (B, N, d) input embeddings (positions from 0)."""
-        n = emb.size(1)
-        if n > self.n_max:
-            raise ConfigError(f"sequence length {n} exceeds the constant attention size N_max={self.n_max}")
-        with self.meter.op(OpCategory.EMBED):
-            h = emb + self.wpe[:n]
-        for p, eps, act, heads in self.layers:
-            h = self._block(p, eps, act, heads, h)
-        return ops.layer_norm(h, self.lnf_g, self.lnf_b, self.meter, eps=self.lnf_eps, kind=self.norm)
+        """Eq. 11 stack + ln_f on the whole sequence of (B, N, d) input embeddings (positions from 0)."""
+        h = self._positions(emb, 0)
+        for layer in self.layers:
+            h, _ = self._block(layer, h, None, None)
+        return self._ln_f(h)
+
+    def hidden_step(self, emb: CrypTensor, state: MergeState) -> CrypTensor:
+        """The last output hidden state (B, 1, d) after n new input embeddings (B, n, d) at positions
+        ``state.length`` on; advances ``state`` (merge_spec's ``merged_forward_step``)."""
+        start = state.length
+        h = self._positions(emb, start)
+        sums = state.sums or [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            h, sums[i] = self._block(layer, h, sums[i], start)
+        state.sums, state.length = sums, start + emb.size(1)
+        return self._ln_f(h[:, -1:])
 
     def generate(
         self,
@@ -450,36 +510,37 @@ class EncryptedMerge:
         *,
         mode: str = "merge",
         shape: tuple[int, int] | None = None,
+        recompute: bool = False,
     ) -> GenerationResult:
         """Greedy MERGE generation. ``mode="merge"`` (ER + MM, eq. 3): the last hidden state is resent as the
         next input embedding and tokens are decoded once at the end. ``mode="mm"`` (MM only): every step
-        selects a token under MPC (LM head + argmax) and looks its embedding up privately, like vanilla."""
+        selects a token under MPC (LM head + argmax) and looks its embedding up privately, like vanilla.
+        Each step processes only the new position (``recompute=True``: the whole sequence, the reference)."""
         check_mode(mode, ("merge", "mm"))
         shape = tuple(prefix_ids.shape) if prefix_ids is not None else shape
         if shape is None:
             raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
         check_lengths(int(shape[1]), max_new_tokens, self.n_max)
         self.meter = m = CostMeter()
-        crypten = import_crypten()
+        crypten, log = import_crypten(), StepLog()
         with m.region():
             ids = prefix_ids if self.rank == CLIENT and prefix_ids is not None else torch.zeros(shape, dtype=torch.long)
             x = ops.share(ops.onehot(ids, self.vocab_size), src=CLIENT, rank=self.rank, device=self.device)
-            emb = ops.embed(x, self.lm_head, m)  # E_0 (B, N, d)
-            if mode == "mm":
-                outs = []
-                for step in range(max_new_tokens):
-                    logits = ops.linear(self.hidden(emb)[:, -1:], self.lm_head_t, None, m)  # (B, 1, V)
-                    outs.append(ops.argmax_onehot(logits, m))
-                    if step + 1 < max_new_tokens:
-                        emb = crypten.cat([emb, ops.embed(outs[-1], self.lm_head, m)], dim=1)
-                out = crypten.cat(outs, dim=1)
-            else:
-                last = []
-                for step in range(max_new_tokens):
-                    last.append(self.hidden(emb)[:, -1:])  # (B, 1, d)
-                    if step + 1 < max_new_tokens:
-                        emb = crypten.cat([emb, last[-1]], dim=1)  # eq. 3
-                hid = crypten.cat(last, dim=1)  # (B, n_new, d)
-                out = ops.argmax_onehot(ops.linear(hid, self.lm_head_t, None, m), m)
+            emb, state, outs = ops.embed(x, self.lm_head, m), MergeState(), []  # E_0 (B, N, d)
+            for step in range(max_new_tokens):
+                with log.step(m):
+                    last = self.hidden(emb)[:, -1:] if recompute else self.hidden_step(emb, state)  # (B, 1, d)
+                    more = step + 1 < max_new_tokens
+                    if mode == "mm":
+                        outs.append(ops.argmax_onehot(ops.linear(last, self.lm_head_t, None, m), m))  # (B, 1, V)
+                        nxt = ops.embed(outs[-1], self.lm_head, m) if more else None
+                    else:
+                        outs.append(last)
+                        nxt = last  # eq. 3: the hidden state is the next input embedding
+                    if more:
+                        emb = crypten.cat([emb, nxt], dim=1) if recompute else nxt
+            out = crypten.cat(outs, dim=1)  # (B, n_new, V) one-hots or (B, n_new, d) hidden states
+            if mode == "merge":
+                out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
             tokens = reveal_tokens(out, self.rank)
-        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs))
+        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)

@@ -12,10 +12,11 @@ MM (Sec. 4.3) is :class:`MergeModel`: per block the dynamic attention becomes a 
 row-stochastic ``C^n`` (H, N_max, N_max) initialised as the training-set average attention map (eq. 8,
 :func:`average_attention`) and kept row-stochastic by a masked softmax over learned logits; the LayerNorm
 before the MLP becomes ``f'_ln(x) = x * gamma + beta`` (eq. 9); GPT-2's first LayerNorm stays (eq. 11's kept
-``f_ln``). :func:`export_spec` merges ``W_V, W_d, f'_ln, W_I`` into ``M_u, b_u`` (eq. 10) and writes the
-:class:`~core.mpc.merge_spec.MergeSpec` contract; the MM model is trained by weighted distillation from the
-ER model (:func:`train_mm`: hidden-state MSE of every layer + logits KL; the paper gives no weights, so they
-are :class:`MMConfig` fields, 1 and 1 by default).
+``f_ln``). :func:`export_spec` folds ``f'_ln`` into ``W_I`` (``M_u, b_u``, eq. 10) and the value bias into the
+attention bias, and writes the :class:`~core.mpc.merge_spec.MergeSpec` contract (fewer weights than the GPT-2
+block); the MM model is trained by weighted distillation from the ER model (:func:`train_mm`: hidden-state MSE
+of every layer + logits KL; the paper gives no weights, so they are :class:`MMConfig` fields, 1 and 1 by
+default).
 """
 
 from __future__ import annotations
@@ -399,23 +400,19 @@ def train_mm(
 
 @torch.no_grad()
 def merge_block_spec(block: MergeBlock) -> MergedLayerSpec:
-    """Eq. 10 for one block: fold W_V, W_d, f'_ln and W_I into M_u, b_u (see :mod:`core.mpc.merge_spec`)."""
-    H, d = block.n_head, block.W_V.shape[0]
-    D = d // H
-    G = block.gamma_2[:, None] * block.W_I  # (d, d_I)  diag(gamma_2) W_I
-    m_a = torch.cat([block.W_V[:, k * D : (k + 1) * D] @ block.W_d[k * D : (k + 1) * D] for k in range(H)])  # (H d, d)
+    """Eq. 10 for one block: fold f'_ln into W_I (M_u, b_u) and the value bias into b_a; W_V, W_d, C and W_O
+    keep their sizes (the order and why: :mod:`core.mpc.merge_spec`)."""
     b_a = block.b_V @ block.W_d + block.b_d  # (d,)  exact: every row of C_k sums to 1
-    m_u = torch.cat([m_a @ G, G])  # ((H + 1) d, d_I)
-    b_u = b_a @ G + block.beta_2 @ block.W_I + block.b_I  # (d_I,)
     return MergedLayerSpec(
         C=block.att.probs().detach().clone(),
         ln_gamma=block.ln_1.weight.detach().clone(),
         ln_beta=block.ln_1.bias.detach().clone(),
         ln_eps=float(block.ln_1.eps),
-        M_u=m_u,
-        b_u=b_u,
-        M_a=m_a,
+        W_V=block.W_V.detach().clone(),
+        W_d=block.W_d.detach().clone(),
         b_a=b_a,
+        M_u=block.gamma_2[:, None] * block.W_I,  # (d, d_I)  diag(gamma_2) W_I
+        b_u=block.beta_2 @ block.W_I + block.b_I,  # (d_I,)
         W_O=block.W_O.detach().clone(),
         b_O=block.b_O.detach().clone(),
         act=block.act,

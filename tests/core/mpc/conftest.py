@@ -11,6 +11,7 @@ from core.mpc.crypten_compat import crypten_available
 from core.mpc.merge_spec import MergedLayerSpec, MergeSpec
 
 VOCAB, D, N_POS, PREFIX, NEW = 64, 16, 32, 4, 3
+LONG_PREFIX = 12  # MERGE's per-step bytes are measured at PREFIX and LONG_PREFIX
 
 
 def require_crypten() -> None:
@@ -49,10 +50,11 @@ def tiny_merge_spec(n_max: int = 16, heads: int = 2, d_i: int = 32) -> MergeSpec
                 ln_gamma=1 + r(D),
                 ln_beta=r(D),
                 ln_eps=1e-5,
-                M_u=r((heads + 1) * D, d_i),
-                b_u=r(d_i),
-                M_a=r(heads * D, D),
+                W_V=r(D, D),
+                W_d=r(D, D),
                 b_a=r(D),
+                M_u=r(D, d_i),
+                b_u=r(d_i),
                 W_O=r(d_i, D),
                 b_O=r(D),
                 act="gelu_new",
@@ -83,6 +85,10 @@ def prefix() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, PREFIX), generator=torch.Generator().manual_seed(3))
 
 
+def long_prefix() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, LONG_PREFIX), generator=torch.Generator().manual_seed(4))
+
+
 def _two_party_job(ctx, w, ids, spec):
     out = {}
     model = G.EncryptedGPT2(w, G.MPCVariant(), rank=ctx.rank)
@@ -93,12 +99,18 @@ def _two_party_job(ctx, w, ids, spec):
     merged = G.EncryptedMerge(spec, rank=ctx.rank)
     out["merge"] = merged.generate(ids if ctx.is_client else None, NEW, shape=tuple(ids.shape))
     out["mm"] = merged.generate(ids if ctx.is_client else None, NEW, mode="mm", shape=tuple(ids.shape))
+    out["merge_recompute"] = merged.generate(
+        ids if ctx.is_client else None, NEW, shape=tuple(ids.shape), recompute=True
+    )
+    long_ids = long_prefix()
+    out["merge_long"] = merged.generate(long_ids if ctx.is_client else None, NEW, shape=tuple(long_ids.shape))
     return out
 
 
 @pytest.fixture(scope="session")
 def two_party(weights: G.GPT2Weights, prefix: torch.Tensor) -> list[dict]:
-    """One ``run_local`` (2 processes): forward logits, generation in every mode, MERGE generation."""
+    """One ``run_local`` (2 processes): forward logits, generation in every mode, MERGE generation (incremental,
+    recomputed, and at a longer prefix)."""
     from core.mpc.parties import run_local
 
     require_crypten()

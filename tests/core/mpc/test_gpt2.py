@@ -10,7 +10,7 @@ from core.mpc import gpt2 as G
 from core.mpc.accounting import CATEGORIES
 from core.mpc.merge_spec import merge_generate_plain, mm_generate_plain
 
-from .conftest import N_POS, NEW, PREFIX, require_crypten, tiny_merge_spec
+from .conftest import N_POS, NEW, PREFIX, long_prefix, require_crypten, tiny_merge_spec
 
 require_crypten()
 
@@ -60,6 +60,33 @@ def test_merge_module_alone_selects_tokens_every_step(two_party, prefix) -> None
     res = two_party[1]["mm"]
     assert torch.equal(res.tokens, mm_generate_plain(spec, prefix, NEW))
     assert res.costs["Softmax"]["bytes"] == 0 and res.costs["Generation"]["calls"] == NEW
+
+
+def _plain_merge_tokens(ids: torch.Tensor) -> torch.Tensor:
+    spec = tiny_merge_spec()
+    return merge_generate_plain(spec, spec.lm_head[ids], NEW)[0]
+
+
+def test_incremental_merge_equals_recomputed_reference(two_party, prefix) -> None:
+    inc, ref = two_party[1]["merge"], two_party[1]["merge_recompute"]
+    assert torch.equal(inc.tokens, ref.tokens)
+    long_ids = long_prefix()
+    assert torch.equal(two_party[1]["merge_long"].tokens, _plain_merge_tokens(long_ids))
+    for party in two_party:  # one new position per step instead of the whole sequence
+        assert all(a < b for a, b in zip(party["merge"].step_bytes[1:], party["merge_recompute"].step_bytes[1:]))
+
+
+def test_merge_step_bytes_do_not_depend_on_prefix_length(two_party) -> None:
+    for party in two_party:
+        short, long = party["merge"], party["merge_long"]
+        assert len(short.step_bytes) == len(short.step_rounds) == NEW
+        assert sum(short.step_bytes) <= short.comm_bytes
+        assert short.step_bytes[1:] == long.step_bytes[1:]  # prefix 4 vs 12, same model (N_max)
+        assert short.step_rounds[1:] == long.step_rounds[1:]
+        assert short.step_bytes[1] == short.step_bytes[2]  # nor on the position
+        assert long.step_bytes[0] > short.step_bytes[0]  # only the first step reads the whole prefix
+        vanilla = party["vanilla"].step_bytes  # recomputation: every step costs more than the one before
+        assert vanilla[0] < vanilla[1] < vanilla[2]
 
 
 @pytest.mark.parametrize("mode", [*G.GENERATION_MODES, "merge", "mm"])

@@ -20,7 +20,15 @@ from core.mpc.merge import (
     train_er,
     train_mm,
 )
-from core.mpc.merge_spec import merge_generate_plain, merged_block, merged_forward
+from core.mpc.merge_spec import (
+    MergeState,
+    merge_generate_plain,
+    merged_block,
+    merged_forward,
+    merged_forward_step,
+    merged_logits,
+    mm_generate_plain,
+)
 
 N_MAX = 12
 
@@ -69,6 +77,42 @@ def test_merged_block_equals_unmerged_constant_attention_block():
     h = torch.randn(3, 9, 16, dtype=torch.float64)
     for block, layer in zip(mm.blocks, spec.layers, strict=True):
         torch.testing.assert_close(merged_block(layer, h), block(h), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("d", "heads"), [(64, 2), (256, 8), (768, 12)])
+def test_exported_block_has_no_more_weights_than_a_gpt2_block(d, heads):
+    hf = GPT2LMHeadModel(
+        GPT2Config(vocab_size=8, n_positions=8, n_embd=d, n_layer=1, n_head=heads, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    c0 = torch.ones(8, 8).tril()
+    spec = export_spec(MergeModel(hf, (c0 / c0.sum(-1, keepdim=True)).expand(1, heads, 8, 8)))  # no training
+    gpt2_block = sum(p.numel() for p in hf.transformer.h[0].parameters())
+    assert gpt2_block == 12 * d * d + 13 * d
+    assert spec.layers[0].n_weights == 10 * d * d + 8 * d <= gpt2_block
+    assert spec.layers[0].M_u.shape == (d, 4 * d)  # eq. 10's M_u is d x d_I
+
+
+def test_incremental_steps_equal_the_whole_sequence():
+    mm = perturbed_merge_model()
+    spec = export_spec(mm)
+    E = mm.wte(synthetic_batches()[0])  # (4, 10, 16)
+    state, rows = MergeState(), []
+    for lo, hi in ((0, 4), (4, 5), (5, 6), (6, 10)):  # a prefix, single positions, a chunk
+        rows.append(merged_forward_step(spec, E[:, lo:hi], state))
+    assert state.length == 10
+    torch.testing.assert_close(torch.cat(rows, dim=1), merged_forward(spec, E), atol=1e-10, rtol=0)
+
+
+def test_incremental_generation_equals_recomputed_reference():
+    mm = perturbed_merge_model()
+    spec = export_spec(mm)
+    prefix = synthetic_batches()[0][:, :4]
+    tokens, hidden = merge_generate_plain(spec, mm.wte(prefix), 6)
+    ref_tokens, ref_hidden = merge_generate_plain(spec, mm.wte(prefix), 6, recompute=True)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-10, rtol=0)
+    torch.testing.assert_close(merged_logits(spec, hidden), merged_logits(spec, ref_hidden), atol=1e-9, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(mm_generate_plain(spec, prefix, 6), mm_generate_plain(spec, prefix, 6, recompute=True))
 
 
 def test_merged_forward_equals_model_forward_and_is_causal():
