@@ -94,6 +94,8 @@ def fmt(value: float, unit: str = "") -> str:
     """A stat as the report shows it: ``+3.1%`` (unit %), ``2.41x`` (unit x), else 4 significant digits."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
+    if value == 0 and unit in ("%", "pt"):
+        return "0%" if unit == "%" else "0 pt"
     if unit == "%":
         return f"{100 * value:+.1f}%"
     if unit == "pt":

@@ -1,0 +1,330 @@
+"""The claims registry and its verdicts: the registry's entries read columns their sources have; each verdict is
+reached on a hand-made store with a known answer (a claim with no runs is ``not run``); the intervals are the
+hand-computed ones (paired t over seeds, Welch when the seeds differ); a seed run again counts once; ``privbench
+report`` renders the registry from the store filled by real tiny runs of every stage."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from core.errors import ConfigError
+from pbconfig.claims import VERDICTS, Claim, load_claims
+from storage import claims as sc
+from storage import view_columns
+from storage.recording import record_run
+from tests.filled_store import FilledStore
+
+T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
+
+VIEW_COLUMNS = {
+    "privacy_utility": view_columns.PRIVACY_UTILITY_COLUMNS,
+    "clipping_bench": view_columns.CLIPPING_COLUMNS,
+    "tangent_accuracy": view_columns.TANGENT_ACCURACY_COLUMNS,
+    "unlearning": view_columns.UNLEARNING_COLUMNS,
+    "mpc_costs": view_columns.MPC_COSTS_COLUMNS,
+    "stip_overhead": view_columns.STIP_OVERHEAD_COLUMNS,
+    "stip_attacks": view_columns.STIP_ATTACKS_COLUMNS,
+    "film": view_columns.FILM_COLUMNS,
+    "membership": view_columns.MEMBERSHIP_COLUMNS,
+}
+
+
+def _claim(measure: dict[str, Any], rule: dict[str, Any], **extra: Any) -> Claim:
+    return Claim.model_validate(
+        {
+            "id": "test-claim",
+            "paper": "Test",
+            "stage": "train-dp",
+            "source": "Table 1",
+            "statement": "a beats b",
+            "paper_value": "+10%",
+            "measure": measure,
+            "rule": rule,
+            **extra,
+        }
+    )
+
+
+BEATS = {
+    "source": "privacy_utility",
+    "where": {"private": True},
+    "value": "ndcg_at_10",
+    "a": {"method": "dpformer"},
+    "b": {"method": "transformer"},
+    "per": ["epsilon"],
+    "require": {"epsilon": [5, 8]},
+    "stat": "relative",
+    "unit": "%",
+}
+ABOVE = {"kind": "above", "bound": 0, "min_n": 3}
+
+
+def _train_dp(method: str, seed: int, ndcg: float, epsilon: float | None = 8.0) -> None:
+    with record_run(
+        flow="train-dp",
+        stage="train-dp",
+        technique=method,
+        dataset="d",
+        profile="tiny",
+        config={"point": {"method": method, "seed": seed, "epsilon": epsilon}},
+        track=False,
+    ) as rec:
+        rec.metrics({"test_ndcg_at_10": ndcg, "test_hit_at_10": ndcg})
+        if epsilon is not None:
+            rec.privacy(
+                epsilon=epsilon,
+                delta=1e-5,
+                noise_multiplier=1.0,
+                sample_rate=0.1,
+                steps=10,
+                accountant="rdp",
+                target_epsilon=epsilon,
+            )
+
+
+def _grid(values: dict[tuple[str, float], list[float]]) -> None:
+    for (method, eps), ndcgs in values.items():
+        for seed, ndcg in enumerate(ndcgs):
+            _train_dp(method, seed, ndcg, eps)
+
+
+def test_registry_loads_and_reads_columns_its_sources_have() -> None:
+    claims = load_claims()
+    assert len(claims) >= 20
+    assert len({c.id for c in claims}) == len(claims)
+    papers = {c.paper for c in claims}
+    assert {"DPFormer", "TAFT", "MERGE", "STIP", "SEB", "Audit"} <= papers
+    for claim in claims:
+        m = claim.measure
+        if m.source in VIEW_COLUMNS:
+            missing = m.columns - set(VIEW_COLUMNS[m.source])
+            assert not missing, f"{claim.id}: {m.source} has no {missing}"
+        else:
+            assert m.stage
+
+
+def test_registry_errors_name_the_file_and_the_bad_entry(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(
+        "paper: P\ntitle: T\nfile: f.txt\nclaims:\n  - id: x\n    stage: s\n    source: s\n    statement: s\n"
+        "    paper_value: v\n    measure: {source: nowhere, value: v}\n    rule: {kind: above, bound: 0}\n"
+    )
+    with pytest.raises(ConfigError, match=r"(?s)bad\.yaml.*nowhere"):
+        load_claims(tmp_path)
+    with pytest.raises(ValueError, match="only column names"):
+        _claim({**BEATS, "value": "__import__('os')"}, ABOVE)
+    with pytest.raises(ValueError, match="needs a side b"):
+        _claim({**BEATS, "b": None}, ABOVE)
+    with pytest.raises(ValueError, match="not in per"):
+        _claim({**BEATS, "require": {"dataset": ["d"]}}, ABOVE)
+
+
+def test_no_runs_is_not_run(home: Path) -> None:
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.NOT_RUN and result.contexts == ()
+    assert "privbench run train-dp" in result.reason
+
+
+def test_reproduced_with_the_paired_interval(home: Path) -> None:
+    # per seed, dpformer / transformer - 1 = 0.18, 0.2, 0.22 at both budgets: mean 0.2, std 0.02
+    _grid(
+        {
+            ("dpformer", 5.0): [1.18, 2.4, 3.66],
+            ("transformer", 5.0): [1.0, 2.0, 3.0],
+            ("dpformer", 8.0): [1.18, 2.4, 3.66],
+            ("transformer", 8.0): [1.0, 2.0, 3.0],
+        }
+    )
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.REPRODUCED and result.reason == ""
+    assert [c.context for c in result.contexts] == ["ε=5", "ε=8"]
+    for context in result.contexts:
+        assert context.interval == "paired t over seeds" and context.n_a == context.n_b == 3
+        assert context.estimate == pytest.approx(0.2)
+        half = T_975_2 * 0.02 / math.sqrt(3)
+        assert (context.low, context.high) == pytest.approx((0.2 - half, 0.2 + half))
+    assert result.n == 3
+    assert "ε=5: +20.0% [" in result.ours()
+
+
+def test_not_reproduced_when_one_context_fails_and_says_why(home: Path) -> None:
+    _grid(
+        {
+            ("dpformer", 5.0): [1.18, 2.4, 3.66],
+            ("transformer", 5.0): [1.0, 2.0, 3.0],
+            ("dpformer", 8.0): [0.82, 1.6, 2.34],  # -18%, -20%, -22%
+            ("transformer", 8.0): [1.0, 2.0, 3.0],
+        }
+    )
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.NOT_REPRODUCED
+    assert [c.verdict for c in result.contexts] == [sc.REPRODUCED, sc.NOT_REPRODUCED]
+    assert result.reason.startswith("ε=8: -20.0% [") and "at or below 0%" in result.reason
+
+
+def test_identical_methods_are_not_reproduced_not_inconclusive(home: Path) -> None:
+    _grid(
+        {("dpformer", e): [1.0, 2.0, 3.0] for e in (5.0, 8.0)}
+        | {("transformer", e): [1.0, 2.0, 3.0] for e in (5.0, 8.0)}
+    )
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.NOT_REPRODUCED  # a zero-width interval at 0 is no gain
+
+
+@pytest.mark.parametrize(
+    ("grid", "why"),
+    [
+        (
+            {
+                ("dpformer", 5.0): [1.1],
+                ("transformer", 5.0): [1.0],
+                ("dpformer", 8.0): [1.1],
+                ("transformer", 8.0): [1.0],
+            },
+            "one seed",
+        ),
+        (  # the interval straddles 0
+            {("dpformer", 5.0): [1.3, 1.9, 3.2], ("transformer", 5.0): [1.0, 2.0, 3.0]}
+            | {("dpformer", 8.0): [1.3, 1.9, 3.2], ("transformer", 8.0): [1.0, 2.0, 3.0]},
+            "straddles",
+        ),
+        ({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]}, "ε=8: not run"),
+        (  # clears the bound with 2 seeds, the rule wants 3
+            {("dpformer", 5.0): [1.1, 2.22], ("transformer", 5.0): [1.0, 2.0]}
+            | {("dpformer", 8.0): [1.1, 2.22], ("transformer", 8.0): [1.0, 2.0]},
+            "wants n >= 3",
+        ),
+    ],
+)
+def test_inconclusive_cases(home: Path, grid: dict[tuple[str, float], list[float]], why: str) -> None:
+    _grid(grid)
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.INCONCLUSIVE
+    assert why in result.reason, result.reason
+
+
+def test_a_seed_run_again_counts_once_the_newest(home: Path) -> None:
+    _grid({("dpformer", 5.0): [9.0], ("transformer", 5.0): [1.0]})  # superseded below
+    _grid({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]})
+    result = sc.evaluate_claim(None, _claim({**BEATS, "require": {}}, ABOVE))
+    (context,) = result.contexts
+    assert context.n_a == 3 and context.estimate == pytest.approx(0.2)
+
+
+def test_unpaired_sides_use_welch(home: Path) -> None:
+    for seed, v in zip((0, 1, 2), (2.0, 3.0, 4.0), strict=True):
+        _train_dp("dpformer", seed, v, 5.0)
+    for seed, v in zip((10, 11, 12), (1.0, 1.5, 2.0), strict=True):
+        _train_dp("transformer", seed, v, 5.0)
+    measure = {**BEATS, "require": {}, "stat": "difference", "unit": ""}
+    (context,) = sc.evaluate_claim(None, _claim(measure, ABOVE)).contexts
+    va, vb = 1.0 / 3, 0.25 / 3
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, df) * se
+    assert context.interval == "Welch t"
+    assert context.estimate == pytest.approx(1.5)
+    assert (context.low, context.high) == pytest.approx((1.5 - half, 1.5 + half))
+
+
+def _metric_run(technique: str, metrics: dict[str, float], config: dict[str, Any] | None = None) -> None:
+    with record_run(
+        flow="tangent",
+        stage="tangent",
+        technique=technique,
+        dataset="imgs",
+        profile="tiny",
+        config=config or {},
+        track=False,
+    ) as rec:
+        rec.metrics(metrics)
+
+
+def test_bound_on_every_run_from_metrics(home: Path) -> None:
+    claim = _claim(
+        {"source": "metrics", "stage": "tangent", "techniques": ["forget-subtraction"], "value": "err.max"},
+        {"kind": "all_at_most", "bound": 1e-4},
+        stage="tangent",
+    )
+    _metric_run("forget-subtraction", {"err.max": 1e-7})
+    _metric_run("forget-retrain", {"err.max": 1.0})  # another technique: not measured
+    assert sc.evaluate_claim(None, claim).verdict == sc.REPRODUCED
+    _metric_run("forget-subtraction", {"err.max": 1e-2})
+    result = sc.evaluate_claim(None, claim)
+    assert result.verdict == sc.NOT_REPRODUCED and "worst run 0.01" in result.reason
+
+
+def test_value_b_and_config_columns(home: Path) -> None:
+    _metric_run("forget-retrain", {"retrain_s": 12.0})
+    _metric_run("forget-subtraction", {"subtraction_s": 0.5})
+    cheaper = _claim(
+        {
+            "source": "metrics",
+            "stage": "tangent",
+            "value": "retrain_s",
+            "value_b": "subtraction_s",
+            "a": {"method": "forget-retrain"},
+            "b": {"method": "forget-subtraction"},
+            "stat": "ratio",
+            "unit": "x",
+        },
+        {"kind": "all_at_least", "bound": 10},
+        stage="tangent",
+    )
+    result = sc.evaluate_claim(None, cheaper)
+    assert result.verdict == sc.REPRODUCED and result.contexts[0].estimate == pytest.approx(24.0)
+    for kind, acc in (("ours", 0.6), ("reg", 0.5)):
+        _metric_run("dp-full", {"test_accuracy": acc}, {"parameters": kind, "target_epsilon": 3.0})
+    tangent_dp = _claim(
+        {
+            "source": "metrics",
+            "stage": "tangent",
+            "techniques": ["dp-full"],
+            "value": "test_accuracy",
+            "a": {"config.parameters": "ours"},
+            "b": {"config.parameters": "reg"},
+            "per": ["method", "config.target_epsilon"],
+            "stat": "difference",
+            "unit": "pt",
+        },
+        {"kind": "above", "bound": 0, "min_n": 1},
+        stage="tangent",
+    )
+    result = sc.evaluate_claim(None, tangent_dp)
+    assert [c.context for c in result.contexts] == ["dp-full, target_epsilon=3"]
+    assert result.contexts[0].estimate == pytest.approx(0.1) and result.verdict == sc.INCONCLUSIVE
+
+
+def test_every_verdict_is_reachable() -> None:
+    assert set(VERDICTS) == {sc.REPRODUCED, sc.NOT_REPRODUCED, sc.INCONCLUSIVE, sc.NOT_RUN}
+
+
+def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry on real tiny runs of every stage: every claim gets a verdict, the measured ones are many, and
+    ``privbench report`` writes the Markdown with one table per paper and the stage figures."""
+    for key, value in filled_store.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    results = sc.evaluate_claims(filled_store.db_url)
+    assert {r.verdict for r in results} <= set(VERDICTS)
+    measured = [r.claim.id for r in results if r.verdict != sc.NOT_RUN]
+    assert len(measured) >= 12, [(r.claim.id, r.verdict, r.reason) for r in results]
+
+    from privbench.cli import app
+
+    out = tmp_path / "tiny.md"
+    run = CliRunner().invoke(app, ["report", "--profile", "tiny", "--out", str(out), "--json"])
+    assert run.exit_code == 0, run.output
+    text = out.read_text()
+    for paper in ("## DPFormer", "## TAFT", "## MERGE", "## STIP", "## SEB", "## Audit"):
+        assert paper in text
+    assert "| claim | source | paper | ours (mean [95% interval], n) | scale | verdict | rule |" in text
+    assert "Verdicts: " in text and "wall time" in text
+    pngs = sorted((tmp_path / "tiny").glob("*.png"))
+    assert pngs and all(f"tiny/{p.name}" in text for p in pngs)
