@@ -9,7 +9,7 @@ value is refused before anything runs, with a message that names the key, the va
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -25,6 +25,7 @@ from pbconfig.train_dp import TrainDPConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the YAML run profiles, at the repository root
 PROFILES = ("quick", "paper")
+ConfigT = TypeVar("ConfigT", bound=FrozenConfig)
 
 
 class BenchmarkConfig(FrozenConfig):
@@ -107,12 +108,22 @@ def load_config(
     """Build the config from a profile (or a YAML file) and ``key=value`` overrides, validated."""
     raw = _read_yaml(config_file) if config_file is not None else _read_yaml(_profile_path(profile))
     base = validate(BenchmarkConfig, raw, origin=str(config_file or _profile_path(profile)))
+    return with_overrides(base, overrides)
+
+
+def with_overrides(
+    config: ConfigT, overrides: tuple[str, ...], *, example: str = "prepare.datasets.0.min_interactions=10"
+) -> ConfigT:
+    """``config`` with ``key=value`` overrides (``--set``) applied and validated again, as a new object.
+
+    An unknown key is refused with the known keys at its level, a bad value with pydantic's reason (ConfigError,
+    naming the key and the value); ``example`` is the ``key=value`` shown when an item has no ``=``."""
     if not overrides:
-        return base
-    tree = base.model_dump(mode="json")
+        return config
+    tree = config.model_dump(mode="json")
     for item in overrides:
-        _apply_override(tree, item)
-    return validate(BenchmarkConfig, tree, origin="--set " + " ".join(overrides))
+        _apply_override(tree, item, example)
+    return validate(type(config), tree, origin="--set " + " ".join(overrides))
 
 
 def validate(model: type[FrozenConfig], data: Any, *, origin: str) -> Any:
@@ -144,10 +155,10 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(tree: dict[str, Any], item: str) -> None:
+def _apply_override(tree: dict[str, Any], item: str, example: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set expects key=value, got {item!r}; e.g. --set prepare.datasets.0.min_interactions=10")
+        raise ConfigError(f"--set expects key=value, got {item!r}; e.g. --set {example}")
     parts = key.strip().split(".")
     node: Any = tree
     for depth, part in enumerate(parts):

@@ -126,9 +126,19 @@ def bench(
             help="mpc-generation: comma-separated methods to run (default: all)",
         ),
     ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            help="mpc-generation: override one setting, secure_inference.KEY=VALUE (repeatable), e.g. "
+            "secure_inference.n_layer=4 or secure_inference.methods=vanilla,merge",
+        ),
+    ] = None,
 ) -> None:
     """Micro-benchmarks: ratios measured side by side in one run (interleaved, medians), plus absolutes."""
     from privbench.bench import BENCHMARKS, run_benchmark
+    from privbench.bench.harness import resolve_benchmark
 
     if list_ or not name:
         for key, spec in BENCHMARKS.items():
@@ -136,10 +146,19 @@ def bench(
         return
     if name not in BENCHMARKS:
         _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
+    options: dict[str, object] = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
+    if methods:
+        options["methods"] = tuple(m.strip() for m in methods.split(",") if m.strip())
+    if set_:
+        if "overrides" not in BENCHMARKS[name].options:
+            takers = [k for k, s in BENCHMARKS.items() if "overrides" in s.options]
+            _fail(f"benchmark {name} takes no --set overrides; --set works for: {', '.join(takers)}", code=2)
+        options["overrides"] = tuple(set_)
     try:
-        options: dict[str, object] = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
-        if methods:
-            options["methods"] = tuple(m.strip() for m in methods.split(",") if m.strip())
+        resolve_benchmark(name, profile, options)  # a bad profile, option or --set: refused before anything runs
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    try:
         result = run_benchmark(name, profile=profile, progress=err, **options)
     except PrivbenchError as exc:
         _fail(str(exc))

@@ -200,6 +200,7 @@ def _record_costs(
                 phase=phase,
                 calls=int(c.get("calls", 0)),
             )
+    # bytes as CrypTen logs them (sent + received); project_all projects the busiest party's bytes sent (half)
     per_party = {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in out["parties"]}
     proj = project_all(out["total_s"], per_party, _networks(cfg))
     metrics = {

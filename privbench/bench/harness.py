@@ -388,6 +388,20 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def resolve_benchmark(name: str, profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The setting benchmark ``name`` would run for ``profile`` and ``options``, resolved before anything runs or
+    is recorded; ConfigError for an unknown benchmark, profile, option or a bad option value."""
+    spec = get_benchmark(name)
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown profile {profile!r} for benchmark {name}; known: {', '.join(PROFILES)}")
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise ConfigError(
+            f"benchmark {name} has no option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or '(none)'}"
+        )
+    return dict(spec.setting(profile, options)) if spec.setting else {}
+
+
 def run_benchmark(
     name: str, *, profile: str = "quick", progress: Progress | None = None, **options: Any
 ) -> dict[str, Any]:
@@ -399,13 +413,7 @@ def run_benchmark(
     benchmark, profile or option, BenchmarkError when a measurement fails (the run is then marked failed).
     """
     spec = get_benchmark(name)
-    if profile not in PROFILES:
-        raise ConfigError(f"unknown profile {profile!r} for benchmark {name}; known: {', '.join(PROFILES)}")
-    unknown = sorted(set(options) - set(spec.options))
-    if unknown:
-        raise ConfigError(
-            f"benchmark {name} has no option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or '(none)'}"
-        )
+    setting = resolve_benchmark(name, profile, options)
     if progress is None:
         from rich.console import Console
 
@@ -413,7 +421,6 @@ def run_benchmark(
     from storage.provenance import git_commit
     from storage.recording import record_run
 
-    setting = dict(spec.setting(profile, options)) if spec.setting else {}
     config = {"benchmark": name, "profile": profile, "options": dict(options), "setting": setting}
     started_at, load_start = _now(), load_average()
     with record_run(flow="bench", stage="bench", technique=name, config=config, profile=profile) as rec:

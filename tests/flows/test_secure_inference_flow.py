@@ -72,6 +72,7 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
         assert metrics["mpc_plain_token_agreement"] == 1.0  # decrypted MPC output == plaintext twin
         assert 0.0 <= metrics["quality.rouge_l"] <= 1.0 and "quality.chrf" in metrics
         assert metrics["wan.projected_s"] > metrics["lan.projected_s"] >= metrics["total_s"] > 0
+        assert metrics["wan.bytes_sent"] == metrics["lan.bytes_sent"] == metrics["comm_bytes"] / 2  # sent + received
     assert summary["table1"]["merge"]["Softmax"] == 0.0  # constant attention: no softmax under MPC
     assert summary["table1"]["vanilla"]["speedup_over_vanilla"] == 1.0
     assert summary["scaling"][0]["gen_len"] == 1 and "Table 2 analogue" in summary["markdown"]

@@ -54,3 +54,45 @@ def test_cli_subset_and_bad_method(home, tiny) -> None:
         run_benchmark("mpc-generation", profile="quick", methods=("fast",))
     with pytest.raises(ConfigError, match="unknown profile 'huge'"):
         run_benchmark("mpc-generation", profile="huge")
+
+
+def test_set_overrides_change_the_shape_run_and_recorded(home, tiny) -> None:
+    sets = ["n_layer=2", "n_head=4", "gen_len=1", "batch_size=2", "vocab=50", "seed=3", "methods=vanilla"]
+    args = [a for s in sets for a in ("--set", f"secure_inference.{s}")]
+    result = CliRunner().invoke(app, ["bench", "mpc-generation", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    shape = {"n_layer": 2, "n_embd": 16, "n_head": 4, "gen_len": 1, "batch_size": 2, "vocab": 50, "seed": 3}
+    assert {k: body["setting"][k] for k in shape} == shape and body["setting"]["methods"] == ["vanilla"]
+    assert body["setting"]["overrides"] == [f"secure_inference.{s}" for s in sets]
+    assert set(body["methods"]) == {"vanilla"}
+    van = body["methods"]["vanilla"]
+    assert van["projection"]["wan"]["bytes_sent"] == van["comm_bytes"] / 2  # logged bytes are sent + received
+    config = ResultsRepository().get_run(body["run_id"])["config"]
+    assert {k: config["setting"][k] for k in shape} == shape
+    assert config["options"]["overrides"] == body["setting"]["overrides"]
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("secure_inference.layers=3", "unknown key 'layers' under secure_inference; known keys: batch_size, gen_len"),
+        ("layers=3", "unknown key 'layers' under <top level>; known keys: secure_inference"),
+        ("secure_inference.n_layer=0", "secure_inference.n_layer = 0: Input should be greater than or equal to 1"),
+        ("secure_inference.n_embd=15", "n_embd=15 must be a multiple of n_head=2"),
+        ("secure_inference.methods=vanilla,fast", "secure_inference.methods.1 = 'fast': Input should be 'vanilla'"),
+        ("secure_inference.n_layer", "--set expects key=value, got 'secure_inference.n_layer'"),
+    ],
+)
+def test_bad_set_is_refused_before_anything_runs(home, tiny, item: str, message: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "mpc-generation", "--set", item, "--json"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert message in " ".join(result.stderr.split()), result.stderr
+    assert ResultsRepository().list_runs() == []
+
+
+def test_set_is_refused_by_benchmarks_without_overrides(home) -> None:
+    result = CliRunner().invoke(app, ["bench", "stip", "--set", "secure_inference.n_layer=2"])
+    assert result.exit_code == 2 and "benchmark stip takes no --set overrides; --set works for: mpc-generation" in (
+        " ".join(result.stderr.split())
+    )

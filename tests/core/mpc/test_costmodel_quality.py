@@ -8,19 +8,61 @@ import pytest
 import torch
 
 from core.errors import ConfigError, DataError
-from core.mpc.costmodel import LAN, WAN, Network, project, project_all
+from core.mpc.accounting import CostMeter
+from core.mpc.costmodel import LAN, WAN, Network, project, project_all, sent_bytes
+from core.mpc.crypten_compat import crypten_available, import_crypten
 from core.mpc.quality import bleu, chrf, embedding_f1, rouge_l
+
+N_OPENED = 1000  # int64 ring elements opened in the convention test
 
 
 def test_projection_adds_transfer_and_latency() -> None:
     out = project(2.0, 1.25e9, 1000, Network("x", 1e9, 0.01))  # 10 Gbit over 1 Gbit/s = 10 s; 1000 x 10 ms
-    assert out == {"compute_s": 2.0, "transfer_s": 10.0, "latency_s": 10.0, "projected_s": 22.0}
+    assert out == {"compute_s": 2.0, "bytes_sent": 1.25e9, "transfer_s": 10.0, "latency_s": 10.0, "projected_s": 22.0}
     assert LAN.bandwidth_bps == 10e9 and LAN.rtt_s == 2e-4 and WAN.bandwidth_bps == 1e8 and WAN.rtt_s == 0.04
 
 
-def test_busiest_party_counts() -> None:
+def test_busiest_party_counts_with_bytes_sent_half_the_logged() -> None:
     out = project_all(1.0, {0: {"bytes": 100.0, "rounds": 3}, 1: {"bytes": 300.0, "rounds": 2}})
-    assert out["wan"]["transfer_s"] == pytest.approx(8 * 300 / 1e8) and out["wan"]["latency_s"] == pytest.approx(0.12)
+    # logged 300 = 150 sent + 150 received by the busiest party; only the 150 sent cross its outgoing link
+    assert out["wan"]["bytes_sent"] == out["lan"]["bytes_sent"] == 150.0
+    assert out["wan"]["transfer_s"] == pytest.approx(8 * 150 / 1e8) and out["wan"]["latency_s"] == pytest.approx(0.12)
+    assert out["lan"]["projected_s"] == pytest.approx(1.0 + 8 * 150 / 1e10 + 3 * 2e-4)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf, "16000", None, True])
+def test_sent_bytes_halves_the_logged_count_and_names_a_bad_one(bad: object) -> None:
+    assert sent_bytes(16_000) == 8_000.0 and sent_bytes(0) == 0.0
+    with pytest.raises(ConfigError, match=r"logged_bytes must be a finite number >= 0, got logged_bytes="):
+        sent_bytes(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="logged_bytes must be"):
+        project_all(1.0, {0: {"bytes": bad, "rounds": 1}})
+
+
+def _open_shares(ctx, n: int) -> dict:
+    """Share n values from party 0, then open them to both parties, metering only the opening."""
+    crypten = import_crypten()
+    x = crypten.cryptensor(torch.arange(float(n)), src=0)
+    meter = CostMeter()  # the counters privbench logs per party (``crypten_comm_stats``)
+    with meter.region():
+        plain = x.get_plain_text()
+    return {"rank": ctx.rank, "plain": plain, **meter.totals()}
+
+
+@pytest.mark.skipif(not crypten_available(), reason="CrypTen is not installed")
+def test_crypten_logs_sent_plus_received_bytes_per_party() -> None:
+    """The convention, measured: opening N int64 elements between two parties sends 8 N bytes each way; CrypTen
+    logs 16 N bytes (sent + received) and one round for each party, so the projection counts 8 N."""
+    from core.mpc.parties import run_local
+
+    parties = run_local(_open_shares, (N_OPENED,), timeout_s=120)
+    for p in parties:
+        assert torch.equal(p["plain"], torch.arange(float(N_OPENED))), p["rank"]
+        assert p["comm_bytes"] == 2 * 8 * N_OPENED == 16_000 and p["rounds"] == 1, p
+        assert sent_bytes(p["comm_bytes"]) == 8 * N_OPENED
+    per_party = {p["rank"]: {"bytes": p["comm_bytes"], "rounds": p["rounds"]} for p in parties}
+    wan = project_all(0.0, per_party)["wan"]
+    assert wan["bytes_sent"] == 8_000 and wan["transfer_s"] == pytest.approx(8 * 8_000 / 1e8)
 
 
 @pytest.mark.parametrize(
