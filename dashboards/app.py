@@ -22,6 +22,7 @@ import streamlit as st
 from core.errors import PrivbenchError
 from dashboards import plots, tables
 from pbconfig.settings import get_settings
+from storage import claims as claim_verdicts
 from storage import leaderboard as ranking
 from storage import views
 
@@ -44,6 +45,13 @@ def load(view: str, db_url: str, filters: Filters) -> pd.DataFrame:
 def load_leaderboard(db_url: str, filters: Filters) -> pd.DataFrame:
     """``storage.leaderboard.leaderboard`` for ``db_url`` and ``filters`` (cached, keyed on both)."""
     return ranking.leaderboard(db_url, **dict(filters))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def load_claims(db_url: str, filters: Filters) -> pd.DataFrame:
+    """The verdict table of ``storage.claims`` (the same as ``privbench report``) for the filtered runs."""
+    given = dict(filters)
+    return claim_verdicts.claims_table(claim_verdicts.evaluate_claims(db_url, **given), given.get("profile"))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -322,8 +330,35 @@ def attacks(db_url: str, filters: Filters) -> None:
     )
 
 
+VERDICT_ICONS = {"reproduced": "✅", "not reproduced": "❌", "inconclusive": "❔", "not run": "⏸"}
+
+
+def claims(db_url: str, filters: Filters) -> None:
+    """Per paper, each headline claim with the paper's value, ours (95% interval, n), the verdict and its rule:
+    the table of ``privbench report``, computed from the filtered runs."""
+    frame = load_claims(db_url, filters)
+    if frame.empty or (frame["verdict"] == "not run").all():
+        empty("No claim can be judged yet: run `privbench run benchmark --profile quick` (or `make run`)", filters)
+        return
+    counts = frame["verdict"].value_counts()
+    st.caption(
+        "Verdicts computed from the store by the rule beside each (registry: `configs/claims/*.yaml`): "
+        + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICT_ICONS)
+        + ". Pick a profile in the sidebar to judge one profile's runs."
+    )
+    for paper, rows in frame.groupby("paper", sort=False):
+        st.subheader(str(paper))
+        shown = rows.assign(verdict=[f"{VERDICT_ICONS.get(v, '')} {v}" for v in rows["verdict"]])
+        st.dataframe(
+            shown[["claim", "source", "statement", "paper_value", "ours", "n", "scale", "verdict", "rule", "reason"]],
+            hide_index=True,
+            width="stretch",
+        )
+
+
 TABS: dict[str, Callable[[str, Filters], None]] = {
     "Overview": overview,
+    "Claims": claims,
     "Private training": training,
     "Tangent": tangent,
     "Secure inference": secure_inference,

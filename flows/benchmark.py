@@ -1,6 +1,8 @@
-"""The whole chain: prepare -> private training -> tangent -> secure inference -> attacks.
+"""The whole chain: prepare -> private training -> tangent -> secure inference -> attacks, then the claims report.
 
-Stages are appended here as they land; each runs as a subflow under the benchmark's parent run.
+Each stage runs as a subflow under the benchmark's parent run; the chain ends by judging the papers' claims on
+its own runs (``tasks.report``) and logs the report (``report/report.md`` and its figures) and the verdict counts
+(``claims.*`` metrics) to the parent run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flows.tangent import tangent_flow, tangent_runner
 from flows.train_dp import train_dp_flow, train_dp_runner
 from pbconfig.benchmark import BenchmarkConfig
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.report import claims_report
 
 
 @flow(
@@ -60,6 +63,12 @@ def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
             if config.tangent
             else None,
         )
-    summary = {"run_id": run.run_id, "stages": stages}
-    close_flow_record(run, metrics={"n_stages": len(stages)}, summary=summary)
+    report = claims_report(run, config.profile)
+    summary = {"run_id": run.run_id, "stages": stages, "claims": report["counts"]}
+    close_flow_record(
+        run,
+        metrics={"n_stages": len(stages), **report["metrics"]},
+        summary=summary,
+        artifact_dirs={"report": report["folder"]} if report["folder"] else None,
+    )
     return summary

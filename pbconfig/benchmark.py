@@ -24,7 +24,7 @@ from pbconfig.tangent import TangentConfig
 from pbconfig.train_dp import TrainDPConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the YAML run profiles, at the repository root
-PROFILES = ("quick", "paper")
+PROFILES = ("quick", "reference", "paper")
 ConfigT = TypeVar("ConfigT", bound=FrozenConfig)
 
 

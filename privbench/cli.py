@@ -344,6 +344,38 @@ def results_reap(
 
 
 @app.command()
+def report(
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="judge the runs of this profile")] = "quick",
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="the Markdown file (default docs/results/<profile>.md)")
+    ] = None,
+    root: Annotated[str | None, typer.Option("--root", help="only this run and its descendants (one chain)")] = None,
+    figures: Annotated[bool, typer.Option("--figures/--no-figures", help="draw the stage figures")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """The papers' claims judged from the results store: one table per paper (claim, the paper's value, ours with
+    a 95% interval, the verdict and its rule), the stage figures and where the numbers come from, as Markdown
+    with the figures in a folder beside it. The registry is configs/claims/*.yaml."""
+    from tasks.report import render_report
+
+    target = out or Path("docs") / "results" / f"{profile or 'all'}.md"
+    try:
+        result = _store_call(lambda: render_report(target, profile=profile, root=root, figures=figures))
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc), code=2)
+    table = result.table
+    if as_json:
+        print(table.to_json(orient="records", indent=2))
+    shown = Table("paper", "claim", "ours", "verdict", box=None, pad_edge=False)
+    for row in table.itertuples(index=False):
+        colour = {"reproduced": "green", "not reproduced": "red", "inconclusive": "yellow"}.get(row.verdict, "dim")
+        shown.add_row(_literal(row.paper), _literal(row.claim), _literal(row.ours[:70]), Text(row.verdict, colour))
+    err.print(shown)
+    counts = ", ".join(f"{n} {v}" for v, n in result.counts.items())
+    err.print(_literal(f"{counts}; wrote {target} ({len(result.figures)} figures in {target.with_suffix('')}/)"))
+
+
+@app.command()
 def ui(
     port: Annotated[int, typer.Option(help="port on 127.0.0.1")] = 5000,
     host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")] = "127.0.0.1",

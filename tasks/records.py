@@ -10,6 +10,7 @@ a flow run that Prefect knows has ended (a killed worker's) are marked failed, a
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -110,18 +111,33 @@ def open_flow_record(
 
 
 @task(name="close-flow-record")
-def close_flow_record(ref: RunRef, *, metrics: dict[str, float] | None = None, summary: Any | None = None) -> RunRef:
-    """Finish the parent run with the flow's summary metrics, a ``summary.json`` artifact and the PNG figures of
-    its result groups (``figures/``, see ``tasks.figures``)."""
+def close_flow_record(
+    ref: RunRef,
+    *,
+    metrics: dict[str, float] | None = None,
+    summary: Any | None = None,
+    artifact_dirs: dict[str, Path] | None = None,
+) -> RunRef:
+    """Finish the parent run with the flow's summary metrics, a ``summary.json`` artifact, the PNG figures of
+    its result groups (``figures/``, see ``tasks.figures``) and the files of ``artifact_dirs`` (artifact folder ->
+    a temporary folder whose files, subfolders kept, are logged there and which is then removed)."""
     recorder = Recorder(ref=ref)
     recorder.metrics(metrics or {})
     if summary is not None:
         recorder.artifact_json("summary.json", summary)
-    with tempfile.TemporaryDirectory() as tmp:
-        if ref.tracked and ref.mlflow_run_id is not None:
-            for path in _figures(ref, Path(tmp)):
-                recorder.artifact_file(path, "figures")
-        finish_run(recorder)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if ref.tracked and ref.mlflow_run_id is not None:
+                for path in _figures(ref, Path(tmp)):
+                    recorder.artifact_file(path, "figures")
+                for name, folder in (artifact_dirs or {}).items():
+                    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+                        parent = path.parent.relative_to(folder)
+                        recorder.artifact_file(path, name if parent == Path(".") else f"{name}/{parent.as_posix()}")
+            finish_run(recorder)
+    finally:
+        for folder in (artifact_dirs or {}).values():
+            shutil.rmtree(folder, ignore_errors=True)
     return ref
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from prefect import task
 
 from pbconfig.claims import load_papers
 from storage.claims import (
@@ -212,4 +214,24 @@ def render_report(
     return report
 
 
-__all__ = ["VERDICT_ORDER", "Report", "render_report"]
+@task(name="claims-report")
+def claims_report(parent: Any, profile: str | None) -> dict[str, Any]:
+    """The ``benchmark`` flow's last step: the report of its own runs (``root`` = its parent run) rendered into a
+    temporary folder (``report.md`` and ``report/*.png``) that ``close_flow_record`` logs to MLflow as the
+    ``report`` artifact folder of the parent run; ``metrics`` counts the verdicts (``claims.<verdict>``) and
+    each claim's verdict as a number (``claims.<id>``: 1 reproduced, 0 not reproduced, 0.5 inconclusive; a claim
+    not run has none). A failure to render is logged and never fails the measured chain."""
+    folder = Path(tempfile.mkdtemp(prefix="privbench-report-"))
+    try:
+        done = render_report(folder / "report.md", profile=profile, root=parent.run_id)
+    except Exception as exc:  # noqa: BLE001 -- the report never fails the measured runs
+        log.warning("could not render the claims report: %s: %s", type(exc).__name__, exc)
+        shutil.rmtree(folder, ignore_errors=True)
+        return {"folder": None, "metrics": {}, "counts": {}}
+    scores = {REPRODUCED: 1.0, NOT_REPRODUCED: 0.0, "inconclusive": 0.5}
+    metrics = {f"claims.{v.replace(' ', '_')}": float(n) for v, n in done.counts.items()}
+    metrics |= {f"claims.{r.claim.id}": scores[r.verdict] for r in done.results if r.verdict in scores}
+    return {"folder": folder, "metrics": metrics, "counts": done.counts}
+
+
+__all__ = ["VERDICT_ORDER", "Report", "claims_report", "render_report"]

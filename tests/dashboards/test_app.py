@@ -102,3 +102,22 @@ def test_filled_store_renders_every_stage_with_links_and_filters(
     assert set(_runs(at)["stage"]) == {"stip"}
     assert [b["setting"].iloc[0] for b in _boards(at)] == ["gpt2-tiny"]  # only the STIP board is left
     assert any(i.startswith("No private-training runs yet") for i in _infos(at))
+
+
+def test_claims_tab_shows_the_report_table(filled_store: FilledStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Claims tab: one table per paper, the claims of ``storage.claims`` in registry order with their
+    verdicts (the same computation as ``privbench report``)."""
+    from storage import claims as sc
+
+    for key, value in filled_store.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    at = _app()
+    assert not at.exception
+    expected = sc.claims_table(sc.evaluate_claims(filled_store.db_url))
+    shown = [d.value for d in at.dataframe if {"claim", "verdict", "ours", "rule"} <= set(d.value.columns)]
+    assert len(shown) == expected["paper"].nunique()
+    claims = pd.concat(shown, ignore_index=True)
+    assert claims["claim"].tolist() == expected["claim"].tolist()
+    assert [v.split(" ", 1)[1] for v in claims["verdict"]] == expected["verdict"].tolist()
+    assert claims["ours"].tolist() == expected["ours"].tolist()

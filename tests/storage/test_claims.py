@@ -6,7 +6,9 @@ report`` renders the registry from the store filled by real tiny runs of every s
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -328,3 +330,17 @@ def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, m
     assert "Verdicts: " in text and "wall time" in text
     pngs = sorted((tmp_path / "tiny").glob("*.png"))
     assert pngs and all(f"tiny/{p.name}" in text for p in pngs)
+
+    # the benchmark flow's last step, on one chain (here the train-dp flow run): verdict metrics and a folder
+    from tasks.report import claims_report
+
+    root = filled_store.flow_runs["train-dp"]
+    done = claims_report.fn(SimpleNamespace(run_id=root), "tiny")
+    try:
+        assert (done["folder"] / "report.md").is_file() and list((done["folder"] / "report").glob("*.png"))
+        assert sum(done["counts"].values()) == len(load_claims())
+        assert done["metrics"]["claims.not_run"] == done["counts"]["not run"] < len(load_claims())
+        assert done["metrics"]["claims.dpformer-beats-transformer"] in (0.0, 0.5, 1.0)
+        assert not any(k.startswith("claims.film") for k in done["metrics"])  # not in this chain: not run
+    finally:
+        shutil.rmtree(done["folder"], ignore_errors=True)
