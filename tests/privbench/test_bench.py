@@ -196,6 +196,8 @@ def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny:
     ghost = out["methods"]["opacus_ghost_untied"]
     assert ghost["d_model"] == 8 and not ghost["tied"] and out["methods"]["phantom"]["d_model"] == 16
     assert len(out["order"]) == len(METHODS) and "max_batch" not in out
+    # Claim 4.1 at the bench's shape: Phantom's norms equal a per-sample backward loop (float64)
+    assert out["exactness"]["dtype"] == "float64" and out["exactness"]["phantom_norm_max_rel_err"] < 1e-12
     assert out["machine"]["cpu_model"] and out["machine"]["torch"] and out["machine"]["torch_threads"] == 1
     assert "round 1/1" in result.stderr  # progress goes to stderr
 
