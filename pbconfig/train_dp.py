@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pbconfig.base import Delta, Epsilon, FrozenConfig
 
@@ -21,13 +21,36 @@ class TrainDatasetSpec(FrozenConfig):
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
 
 
+class NonPrivateSchedule(FrozenConfig):
+    """The non-private baselines' own schedule; a key left out (None) keeps the private grid point's value.
+
+    Lets the baseline train to convergence (e.g. more epochs, a larger learning rate) while the private runs
+    keep theirs: DP-SGD's noise and the baseline want different schedules, and a baseline cut at the private
+    runs' epoch count understates the cost of privacy.
+    """
+
+    epochs: int | None = Field(None, ge=1, description="None: train_dp.epochs")
+    lr: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="None: each of train_dp.lrs")
+    batch_size: int | None = Field(None, ge=1, description="None: each of train_dp.batch_sizes")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> NonPrivateSchedule:
+        if self.epochs is None and self.lr is None and self.batch_size is None:
+            raise ValueError(
+                "nonprivate_schedule sets none of epochs, lr, batch_size; set at least one, "
+                "or use nonprivate_schedule=null for the private grid point's schedule"
+            )
+        return self
+
+
 class TrainDPConfig(FrozenConfig):
     """Stage 2: DP-SGD training of sequential recommenders (DPFormer Sec. 6, App. E).
 
     The grid is datasets x methods x epsilons x seeds (x learning rates x batch sizes), plus each
     method trained without DP when ``nonprivate`` is set (except ``dpformer``: without DP noise its
     Re-Attention corrects nothing and it is the vanilla ``transformer``), plus the Opacus peers at
-    ``peer_epsilons``.
+    ``peer_epsilons``. ``nonprivate_schedule`` (None: the private grid point's) gives the non-private runs
+    their own epochs / learning rate / batch size; non-private points that it makes identical run once.
     """
 
     datasets: tuple[TrainDatasetSpec, ...] = Field(min_length=1)
@@ -35,6 +58,7 @@ class TrainDPConfig(FrozenConfig):
     epsilons: tuple[Epsilon, ...] = Field((5.0, 8.0, 10.0), min_length=1)
     seeds: tuple[int, ...] = Field((0,), min_length=1)
     nonprivate: bool = True
+    nonprivate_schedule: NonPrivateSchedule | None = None
     peers: tuple[PeerMethod, ...] = PEER_METHODS
     peer_epsilons: tuple[Epsilon, ...] = (8.0,)
     delta: Delta | None = Field(None, description="None: 1/(10 N) for N users, always below 1/N")
@@ -61,3 +85,12 @@ class TrainDPConfig(FrozenConfig):
         if bad:
             raise ValueError(f"learning rates and batch sizes must be > 0, got {bad}")
         return values
+
+    @model_validator(mode="after")
+    def _schedule_needs_nonprivate(self) -> TrainDPConfig:
+        if self.nonprivate_schedule is not None and not self.nonprivate:
+            raise ValueError(
+                f"nonprivate_schedule={self.nonprivate_schedule.model_dump(exclude_none=True)} is set but "
+                "nonprivate=false: no run would use it; set nonprivate=true or nonprivate_schedule=null"
+            )
+        return self

@@ -113,6 +113,8 @@ class PrivacyLedger(Base):
     clip_norm: Mapped[float | None] = mapped_column(Float)
     target_epsilon: Mapped[float | None] = mapped_column(Float)
     unit: Mapped[str | None] = mapped_column(String(32))  # the protected unit: "user", "example", ...
+    # the neighbouring relation the guarantee holds for: "add/remove" (one unit) or "replace" (one unit)
+    neighbouring: Mapped[str | None] = mapped_column(String(32))
 
     run: Mapped[Run] = relationship(back_populates="privacy")
 

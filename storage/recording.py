@@ -132,7 +132,10 @@ class Recorder:
         clip_norm: float | None = None,
         target_epsilon: float | None = None,
         unit: str | None = None,
+        neighbouring: str | None = None,
     ) -> None:
+        """One ledger row: what the accountant spent, for which protected ``unit`` and ``neighbouring`` relation
+        (``"add/remove"``: datasets differing by one unit more or less; ``"replace"``: by one unit swapped)."""
         self._rows.append(
             PrivacyLedger(
                 epsilon=epsilon,
@@ -144,6 +147,7 @@ class Recorder:
                 clip_norm=clip_norm,
                 target_epsilon=target_epsilon,
                 unit=unit,
+                neighbouring=neighbouring,
             )
         )
 

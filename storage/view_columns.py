@@ -32,6 +32,8 @@ PRIVACY_UTILITY_COLUMNS = [
     "steps",
     "ndcg_at_10",
     "hit_at_10",
+    "ndcg_at_10_masked",
+    "hit_at_10_masked",
     "final_ndcg_at_10",
     "final_hit_at_10",
     "train_wall_s",

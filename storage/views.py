@@ -190,7 +190,9 @@ def runs(
 def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Train-dp grid points (``PRIVACY_UTILITY_COLUMNS``): ``epsilon`` is the target epsilon (NaN for the
     non-private baselines, ``private`` False), ``epsilon_spent`` the accountant's, ``ndcg_at_10`` /
-    ``hit_at_10`` the test metrics at the best validation epoch, ``final_*`` at the last epoch."""
+    ``hit_at_10`` the test metrics at the best validation epoch, ``final_*`` at the last epoch (full ranking, the
+    user's history ranked); ``*_masked`` the same with the history masked (RecBole's protocol), at the best epoch on
+    masked validation (NaN for runs recorded before both protocols were)."""
     engine, f = _engine(db_url), _filters(filters)
     base = _result_runs(engine, f, Run.stage == "train-dp", Run.technique.not_in(_NOT_TRAINED_MODELS))
     if base.empty:
@@ -198,6 +200,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     names = [
         "test_ndcg_at_10",
         "test_hit_at_10",
+        "test_ndcg_at_10_masked",
+        "test_hit_at_10_masked",
         "final_test_ndcg_at_10",
         "final_test_hit_at_10",
         "train_wall_s",
@@ -223,6 +227,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
             "technique": "method",
             "test_ndcg_at_10": "ndcg_at_10",
             "test_hit_at_10": "hit_at_10",
+            "test_ndcg_at_10_masked": "ndcg_at_10_masked",
+            "test_hit_at_10_masked": "hit_at_10_masked",
             "final_test_ndcg_at_10": "final_ndcg_at_10",
             "final_test_hit_at_10": "final_hit_at_10",
         }

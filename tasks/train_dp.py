@@ -5,34 +5,45 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from prefect import task
 
 from core.data.sequential import SequentialDataset
-from core.dp.trainer import DPTrainConfig, EpochLog, TrainResult, method_config, train_seqrec
+from core.dp.trainer import (
+    EVAL_PROTOCOL,
+    NEIGHBOURING,
+    PRIVACY_UNIT,
+    DPTrainConfig,
+    EpochLog,
+    TrainResult,
+    method_config,
+    train_seqrec,
+)
 from core.errors import DivergedError
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare import load_prepared
 from tasks.records import RESUMABLE, task_record
 
-CURVES = ("train_loss", "valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10", "epsilon_spent")
+_RANKING = ("valid_ndcg10", "valid_hit10", "test_ndcg10", "test_hit10")
+CURVES = ("train_loss", *_RANKING, *(f"{name}_masked" for name in _RANKING), "epsilon_spent")
 _METRIC_NAMES = {
-    "valid_ndcg10": "valid_ndcg_at_10",
-    "valid_hit10": "valid_hit_at_10",
-    "test_ndcg10": "test_ndcg_at_10",
-    "test_hit10": "test_hit_at_10",
-}
+    f"{name}{masked}": f"{name[:-2]}_at_10{masked}" for name in _RANKING for masked in ("", "_masked")
+}  # valid_ndcg10 -> valid_ndcg_at_10, valid_ndcg10_masked -> valid_ndcg_at_10_masked, ...
 
 logger = logging.getLogger("privbench.train_dp")
 
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One training run of the grid: method, privacy level (None: non-private), seed and optimiser setting."""
+    """One training run of the grid: method, privacy level (None: non-private), seed and optimiser setting.
+
+    ``epochs`` None trains ``train_dp.epochs``; a non-private point takes it (and ``lr``, ``batch_size``) from
+    ``train_dp.nonprivate_schedule`` where that sets them.
+    """
 
     dataset: str
     dataset_path: str
@@ -42,24 +53,44 @@ class GridPoint:
     seed: int
     lr: float
     batch_size: int
+    epochs: int | None = None
 
     @property
     def label(self) -> str:
         eps = "nonprivate" if self.epsilon is None else f"eps{self.epsilon:g}"
-        return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}"
+        epochs = "" if self.epochs is None else f":e{self.epochs}"
+        return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}{epochs}"
 
 
 def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
-    """datasets x (methods x epsilons [+ non-private] + peers x peer_epsilons) x seeds x lrs x batch sizes."""
+    """datasets x (methods x epsilons [+ non-private] + peers x peer_epsilons) x seeds x lrs x batch sizes.
+
+    The non-private points follow ``cfg.nonprivate_schedule`` where it is set; points it makes identical (e.g.
+    one fixed ``lr`` across the ``lrs`` grid) are kept once, in grid order.
+    """
     runs: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
     if cfg.nonprivate:  # without DP noise Re-Attention corrects nothing: dpformer would repeat transformer
         runs += [(m, None) for m in cfg.methods if m != "dpformer"]
     runs += [(p, e) for p in cfg.peers for e in cfg.peer_epsilons]
-    return [
-        GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch)
+    points = (
+        _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch), cfg)
         for d in cfg.datasets
         for (method, eps), seed, lr, batch in itertools.product(runs, cfg.seeds, cfg.lrs, cfg.batch_sizes)
-    ]
+    )
+    return list(dict.fromkeys(points))
+
+
+def _scheduled(point: GridPoint, cfg: TrainDPConfig) -> GridPoint:
+    """``point`` with ``cfg.nonprivate_schedule`` applied if it is non-private (private points keep theirs)."""
+    schedule = cfg.nonprivate_schedule
+    if point.epsilon is not None or schedule is None:
+        return point
+    return replace(
+        point,
+        epochs=schedule.epochs,
+        lr=point.lr if schedule.lr is None else schedule.lr,
+        batch_size=point.batch_size if schedule.batch_size is None else schedule.batch_size,
+    )
 
 
 @task(name="plan-train-grid")
@@ -104,6 +135,8 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
         "status": "finished",
         "test_ndcg_at_10": result.test_ndcg10,
         "test_hit_at_10": result.test_hit10,
+        "test_ndcg_at_10_masked": result.test_ndcg10_masked,
+        "test_hit_at_10_masked": result.test_hit10_masked,
         "wall_s": result.wall_s,
     }
 
@@ -123,7 +156,7 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
         "max_len": cfg.max_len,
         "n_heads": cfg.n_heads,
         "n_layers": cfg.n_layers,
-        "epochs": cfg.epochs,
+        "epochs": cfg.epochs if point.epochs is None else point.epochs,
         "batch_size": point.batch_size,
         "lr": point.lr,
         "weight_decay": cfg.weight_decay,
@@ -146,7 +179,7 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
 
 
 def _run_config(point: GridPoint, train_cfg: Any) -> dict[str, Any]:
-    return {"point": asdict(point), "train": asdict(train_cfg)}
+    return {"point": asdict(point), "train": asdict(train_cfg), "protocol": EVAL_PROTOCOL}
 
 
 def _record_epoch(rec: Recorder, log: EpochLog) -> None:
@@ -157,13 +190,25 @@ def _record_epoch(rec: Recorder, log: EpochLog) -> None:
 
 
 def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None:
+    """Best/final metrics under both protocols (``*_masked``: history masked), each at its own best epoch."""
+    best = next(log for log in result.history if log.epoch == result.best_epoch)
+    best_masked = next(log for log in result.history if log.epoch == result.best_epoch_masked)
     rec.metrics(
         {
             "test_ndcg_at_10": result.test_ndcg10,
             "test_hit_at_10": result.test_hit10,
+            "valid_ndcg_at_10": best.valid_ndcg10,
+            "valid_hit_at_10": best.valid_hit10,
             "final_test_ndcg_at_10": result.final_test_ndcg10,
             "final_test_hit_at_10": result.final_test_hit10,
             "best_epoch": result.best_epoch,
+            "test_ndcg_at_10_masked": result.test_ndcg10_masked,
+            "test_hit_at_10_masked": result.test_hit10_masked,
+            "valid_ndcg_at_10_masked": best_masked.valid_ndcg10_masked,
+            "valid_hit_at_10_masked": best_masked.valid_hit10_masked,
+            "final_test_ndcg_at_10_masked": result.final_test_ndcg10_masked,
+            "final_test_hit_at_10_masked": result.final_test_hit10_masked,
+            "best_epoch_masked": result.best_epoch_masked,
             "n_params": result.n_params,
             "steps": result.steps,
             "train_wall_s": result.wall_s,
@@ -181,8 +226,10 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
             accountant=str(ledger.accountant),
             clip_norm=ledger.clip_norm,
             target_epsilon=ledger.target_epsilon,
-            unit="user",
+            unit=PRIVACY_UNIT,
+            neighbouring=NEIGHBOURING,
         )
         rec.metric("epsilon", ledger.epsilon)
     rec.artifact_json("curves.json", [asdict(log) for log in result.history])
     rec.tag("privbench.dp", "nonprivate" if point.epsilon is None else f"eps={point.epsilon:g}")
+    rec.tag("privbench.protocol", EVAL_PROTOCOL)

@@ -14,7 +14,8 @@
    file order; stored CSR-style as one ``items`` array and per-user ``offsets``.
 4. **Leave-last-out split**: for a user with sequence ``s`` (``len(s) >= 3``), training uses the
    prefix ``s[:-2]``, validation predicts ``s[-2]`` from ``s[:-2]`` and test predicts ``s[-1]``
-   from ``s[:-1]``.
+   from ``s[:-1]``. :meth:`SequentialDataset.history_mask` marks the items of that input part (the
+   target excepted) for a full ranking that excludes them, RecBole's protocol.
 
 Item frequencies ``p_i`` (:meth:`SequentialDataset.item_frequencies`) are computed on the
 training prefixes only, so that they reveal nothing about held-out targets; DPFormer's
@@ -297,6 +298,32 @@ class SequentialDataset:
         inputs = _left_padded(self.items, starts, ends, length)
         targets = _left_padded(self.items, starts + 1, ends + 1, length)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+    def history_mask(self, user_idx: ArrayLike | torch.Tensor, split: Split = "test") -> torch.Tensor:
+        """Items to exclude from the full ranking of each user's ``split`` target (RecBole's protocol).
+
+        Row ``b`` marks every item user ``user_idx[b]`` interacted with before the target of
+        :meth:`padded_batch`: ``"test"``: the items of ``s[:-1]`` (training prefix and validation
+        item); ``"valid"``: those of ``s[:-2]``; ``"train"``: those of ``s[:-3]``. The whole prefix
+        counts, not only the last ``max_len`` items the model sees. The target itself is never
+        marked, even where it also occurs earlier in the sequence; column 0 (padding) is never
+        marked. Pass it as ``exclude=`` to :func:`core.metrics.rank_of_target`, which is the same as
+        setting the marked scores to ``-inf``.
+
+        Returns:
+            ``(B, M + 1)`` bool, True = excluded.
+        """
+        if split not in _SPLIT_SHIFT:
+            raise ConfigError(f"split must be one of {list(_SPLIT_SHIFT)}, got split={split!r}")
+        users = self._user_index(user_idx)
+        starts, ends = self.offsets[users], self.offsets[users + 1] - _SPLIT_SHIFT[split]
+        lens = ends - starts
+        rows = np.repeat(np.arange(len(users)), lens)  # (H,): the row of each history interaction
+        positions = np.arange(lens.sum()) + np.repeat(starts - (np.cumsum(lens) - lens), lens)  # (H,) into items
+        mask = np.zeros((len(users), self.n_items + 1), dtype=bool)
+        mask[rows, self.items[positions]] = True
+        mask[np.arange(len(users)), self.items[ends]] = False  # the target always competes
+        return torch.from_numpy(mask)
 
     def _user_index(self, user_idx: ArrayLike | torch.Tensor) -> np.ndarray:
         users = np.asarray(user_idx.cpu() if isinstance(user_idx, torch.Tensor) else user_idx)

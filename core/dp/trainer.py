@@ -5,7 +5,10 @@
 
 **Privacy unit.** Each user contributes exactly one training sequence (the last ``max_len`` items of
 the training prefix, :meth:`SequentialDataset.train_examples`), so the guarantee is user-level
-(App. E.1): ``N`` = number of users.
+(App. E.1): ``N`` = number of users. Neighbouring datasets differ by **adding or removing one user**
+(:data:`NEIGHBOURING`), the relation of the Poisson-subsampled Gaussian's RDP analysis the accountants
+implement; a user's clipped contribution has norm at most ``C`` and the noisy sum is divided by the
+fixed ``q N``, not by the batch's size.
 
 **DP-SGD (eq. 3.1).** ``T = epochs * round(1 / q)`` steps (capped by ``max_steps``) over
 Poisson-sampled batches with rate ``q = batch_size / N`` (:mod:`core.dp.sampling`). The noise
@@ -35,9 +38,15 @@ positions), ordinary backward; same optimiser and schedule.
 
 **Evaluation** every ``eval_every`` epochs and after the last step: full ranking over all items
 (:func:`~core.metrics.rank_of_target`, padding excluded, pessimistic ties) of the validation target
-(input ``s[:-2]``) and the test target (input ``s[:-1]``) of every user; NDCG@10 and HIT@10 means.
-The training loss and all metrics are diagnostics computed on private data: they are not covered by
-the guarantee (neither is hyper-parameter selection on them, footnote 9).
+(input ``s[:-2]``) and the test target (input ``s[:-1]``) of every user; NDCG@10 and HIT@10 means,
+under two protocols (:data:`EVAL_PROTOCOL`) from the same scores: **history ranked** (``*10``: the
+items the user already interacted with compete with the target) and **history masked** (``*10_masked``,
+RecBole's full ranking: :meth:`~core.data.sequential.SequentialDataset.history_mask` removes every item
+of the sequence before the target, the target itself excepted, as if scored ``-inf``). Each protocol
+picks its own best evaluation on its own validation NDCG@10 (``best_epoch``, ``best_epoch_masked``);
+test metrics are never used to select. The training loss and all metrics are diagnostics computed on
+private data: they are not covered by the guarantee (neither is hyper-parameter selection on them,
+footnote 9).
 
 **Divergence.** A non-finite loss or gradient, or a per-token training loss that explodes above
 ``max(10 l_1, l_1 + 10)`` (``l_1``: the first step's; :class:`~core.divergence.DivergenceGuard`), stops
@@ -78,7 +87,10 @@ from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, build_seqrec, seq
 from core.models.seqrec import Corrections
 
 __all__ = [
+    "EVAL_PROTOCOL",
     "METHODS",
+    "NEIGHBOURING",
+    "PRIVACY_UNIT",
     "DPTrainConfig",
     "EpochLog",
     "TrainResult",
@@ -91,6 +103,15 @@ __all__ = [
 
 EVAL_BATCH_SIZE = 256
 TOP_K = 10
+#: The protected unit and the neighbouring relation of the (epsilon, delta) guarantee (module docstring).
+PRIVACY_UNIT, NEIGHBOURING = "user", "add/remove"
+#: How :func:`train_seqrec` evaluates (recorded with every run as ``privbench.protocol``).
+EVAL_PROTOCOL = (
+    "full ranking over all items, pessimistic ties, leave-last-out; two protocols: history ranked (*_at_10: "
+    "the user's earlier items compete with the target) and history masked (*_at_10_masked, RecBole: the "
+    "user's earlier items excluded, the target never); each selects its best epoch on its own validation "
+    "NDCG@10 (best_epoch, best_epoch_masked), never on test"
+)
 
 
 class TrainingDivergedError(DivergedError, PrivacyError):
@@ -106,7 +127,8 @@ class EpochLog:
     """One evaluation: after ``step`` optimiser steps, in (possibly partial) epoch ``epoch`` (1-based).
 
     ``train_loss``: mean next-item cross-entropy per target position over the epoch's batches (NaN
-    if they were all empty). ``epsilon_spent``: privacy spent so far (``math.inf`` if non-private).
+    if they were all empty). ``*10``: history ranked; ``*10_masked``: history masked (:data:`EVAL_PROTOCOL`).
+    ``epsilon_spent``: privacy spent so far (``math.inf`` if non-private).
     ``wall_s``: seconds since :func:`train_seqrec` was called, noise calibration included (excluded
     from ``==``).
     """
@@ -118,6 +140,10 @@ class EpochLog:
     valid_hit10: float
     test_ndcg10: float
     test_hit10: float
+    valid_ndcg10_masked: float
+    valid_hit10_masked: float
+    test_ndcg10_masked: float
+    test_hit10_masked: float
     epsilon_spent: float
     wall_s: float = field(compare=False)
 
@@ -128,6 +154,8 @@ class TrainResult:
 
     ``test_ndcg10``/``test_hit10`` are taken at ``best_epoch``, the evaluation with the highest
     validation NDCG@10 (first on ties; the paper reports best results); ``final_*`` at the last one.
+    The ``*_masked`` fields are the same under the history-masked protocol, at ``best_epoch_masked``
+    (highest *masked* validation NDCG@10).
     ``ledger`` is None for non-private runs (``noise_multiplier`` 0). ``model`` is the trained model
     (excluded from ``==`` and ``repr``, as is ``wall_s``).
     """
@@ -138,6 +166,11 @@ class TrainResult:
     test_hit10: float
     final_test_ndcg10: float
     final_test_hit10: float
+    best_epoch_masked: int
+    test_ndcg10_masked: float
+    test_hit10_masked: float
+    final_test_ndcg10_masked: float
+    final_test_hit10_masked: float
     ledger: PrivacyLedger | None
     noise_multiplier: float
     sample_rate: float
@@ -263,6 +296,7 @@ class _Run:
 
     def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
+        self.data = data  # for the history masks of evaluation
         self.t = _tensors(data, cfg.max_len, device)
         model_cfg = SeqRecConfig(
             num_items=data.n_items, max_len=cfg.max_len, d_model=cfg.d_model, n_heads=cfg.n_heads,
@@ -381,22 +415,30 @@ class _Run:
 
     # ---------------------------------------------------------------------------- evaluation
     @torch.inference_mode()
-    def _ranking_metrics(self, inputs: Tensor, targets: Tensor) -> tuple[float, float]:
-        ranks = []
+    def _ranking_metrics(self, inputs: Tensor, targets: Tensor, split: str) -> tuple[float, float, float, float]:
+        """NDCG@10 and HIT@10 with the history ranked, then with it masked, from one scoring of every user."""
+        ranks, masked = [], []
         for start in range(0, len(inputs), EVAL_BATCH_SIZE):
-            ids = inputs[start : start + EVAL_BATCH_SIZE]
+            ids, target = inputs[start : start + EVAL_BATCH_SIZE], targets[start : start + EVAL_BATCH_SIZE]
             correction = self._correction(ids)
             hidden = self.model.hidden(ids, correction)[:, -1]  # (b, d), the last (most recent) position
             scores = self.model.output(hidden)  # (b, M + 1)
-            ranks.append(rank_of_target(scores, targets[start : start + EVAL_BATCH_SIZE]))
-        rank = torch.cat(ranks)
-        return float(ndcg_from_ranks(rank, k=TOP_K).mean()), float(hit_from_ranks(rank, k=TOP_K).mean())
+            history = self.data.history_mask(np.arange(start, start + len(ids)), split)  # (b, M + 1)
+            ranks.append(rank_of_target(scores, target))
+            masked.append(rank_of_target(scores, target, exclude=history.to(scores.device)))
+        rank, rank_masked = torch.cat(ranks), torch.cat(masked)
+        return (
+            float(ndcg_from_ranks(rank, k=TOP_K).mean()),
+            float(hit_from_ranks(rank, k=TOP_K).mean()),
+            float(ndcg_from_ranks(rank_masked, k=TOP_K).mean()),
+            float(hit_from_ranks(rank_masked, k=TOP_K).mean()),
+        )
 
     def evaluate(self, epoch: int, started: float) -> EpochLog:
         self.net.eval()
         try:
-            valid = self._ranking_metrics(*self.t.valid)
-            test = self._ranking_metrics(*self.t.test)
+            valid = self._ranking_metrics(*self.t.valid, "valid")
+            test = self._ranking_metrics(*self.t.test, "test")
         finally:
             self.net.train()
         train_loss = self.loss_sum / self.loss_tokens if self.loss_tokens else math.nan
@@ -404,6 +446,8 @@ class _Run:
         return EpochLog(
             epoch=epoch, step=self.step, train_loss=train_loss,
             valid_ndcg10=valid[0], valid_hit10=valid[1], test_ndcg10=test[0], test_hit10=test[1],
+            valid_ndcg10_masked=valid[2], valid_hit10_masked=valid[3],
+            test_ndcg10_masked=test[2], test_hit10_masked=test[3],
             epsilon_spent=math.inf if self.epsilon is None else self.epsilon.epsilon(),
             wall_s=time.perf_counter() - started,
         )  # fmt: skip
@@ -465,10 +509,15 @@ def train_seqrec(
         finally:
             run.close()
     ledger = None if run.accountant is None else _final_ledger(run.accountant, cfg)
-    best = max(history, key=lambda log: log.valid_ndcg10)  # first maximum on ties
+    best = max(history, key=lambda log: log.valid_ndcg10)  # first maximum on ties; never on test
+    best_masked = max(history, key=lambda log: log.valid_ndcg10_masked)
+    final = history[-1]
     return TrainResult(
         history=history, best_epoch=best.epoch, test_ndcg10=best.test_ndcg10, test_hit10=best.test_hit10,
-        final_test_ndcg10=history[-1].test_ndcg10, final_test_hit10=history[-1].test_hit10,
+        final_test_ndcg10=final.test_ndcg10, final_test_hit10=final.test_hit10,
+        best_epoch_masked=best_masked.epoch, test_ndcg10_masked=best_masked.test_ndcg10_masked,
+        test_hit10_masked=best_masked.test_hit10_masked, final_test_ndcg10_masked=final.test_ndcg10_masked,
+        final_test_hit10_masked=final.test_hit10_masked,
         ledger=ledger, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate, steps=run.step,
         n_params=sum(p.numel() for p in run.params), config=cfg,
         wall_s=time.perf_counter() - started, model=run.model.eval(),

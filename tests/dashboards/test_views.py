@@ -97,6 +97,8 @@ def test_privacy_utility_matches_the_metric_and_ledger_rows(filled_store: Filled
     for row in frame.to_dict("records"):
         assert row["ndcg_at_10"] == _metric(repo, row["run_id"], "test_ndcg_at_10")
         assert row["hit_at_10"] == _metric(repo, row["run_id"], "test_hit_at_10")
+        assert row["ndcg_at_10_masked"] == _metric(repo, row["run_id"], "test_ndcg_at_10_masked")
+        assert row["hit_at_10_masked"] == _metric(repo, row["run_id"], "test_hit_at_10_masked")
         _, ledger = repo.query(
             "select epsilon, target_epsilon from privacy_ledger where run_id = :r", {"r": row["run_id"]}
         )

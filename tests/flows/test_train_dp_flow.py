@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
+from core.dp.trainer import EVAL_PROTOCOL
 from flows.train_dp import train_dp_flow, train_dp_runner
 from pbconfig.benchmark import BenchmarkConfig, validate
 from storage.repository import ResultsRepository
-from tasks.train_dp import expand_grid
+from tasks.train_dp import expand_grid, train_overrides
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -53,6 +55,24 @@ def test_grid_expansion_counts_every_combination() -> None:
     assert labels == [("dpformer", 8.0), ("transformer", 0.0), ("transformer", 8.0), ("transformer_opacus_hooks", 8.0)]
 
 
+def test_nonprivate_schedule_applies_to_the_baselines_only() -> None:
+    assert TINY.train_dp is not None
+    grid = TINY.train_dp.model_copy(update={"lrs": (0.001, 0.005), "batch_sizes": (32, 64)})
+    scheduled = grid.model_validate(grid.model_dump() | {"nonprivate_schedule": {"epochs": 7, "lr": 0.01}})
+    points = expand_grid(scheduled, {"ml-1m-tiny": "/x"})
+    private = [p for p in points if p.epsilon is not None]
+    assert private == [p for p in expand_grid(grid, {"ml-1m-tiny": "/x"}) if p.epsilon is not None]
+    assert {(p.epochs, p.lr) for p in private} == {(None, 0.001), (None, 0.005)}
+    baselines = [p for p in points if p.epsilon is None]  # one lr now: the lrs grid collapses, batch sizes stay
+    assert [(p.method, p.epochs, p.lr, p.batch_size) for p in baselines] == [
+        ("transformer", 7, 0.01, 32),
+        ("transformer", 7, 0.01, 64),
+    ]
+    assert baselines[0].label == "transformer:ml-1m-tiny:nonprivate:seed0:lr0.01:b32:e7"
+    assert train_overrides(baselines[0], scheduled)["epochs"] == 7
+    assert train_overrides(private[0], scheduled)["epochs"] == grid.epochs == 1
+
+
 def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
     assert TINY.train_dp is not None
     flow = train_dp_flow.with_options(task_runner=train_dp_runner(TINY.train_dp))
@@ -72,7 +92,18 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
         assert 0 < eps <= target == 8.0 and eps > 7.0  # the budget is spent, never exceeded
         assert 0 < delta < 1 / 302 and sigma > 0 and 0 < q < 1 and steps >= 1  # 302 users in the tiny set
         assert 0.0 <= ndcg <= 1.0
+    _, ledger = repo.query("select unit, neighbouring from privacy_ledger")
+    assert set(ledger) == {("user", "add/remove")}
     run = repo.get_run(summary["runs"][0]["run_id"])
     curve = [m for m in run["metrics"] if m["name"] == "curve/valid_ndcg_at_10"]
     assert [m["step"] for m in curve] == [1]
     assert run["mlflow_run_id"] and run["status"] == "finished"
+    metrics = {m["name"]: m["value"] for m in run["metrics"] if m["step"] is None}
+    for name in ("test_ndcg_at_10", "test_hit_at_10", "valid_ndcg_at_10", "valid_hit_at_10"):
+        ranked, masked = metrics[name], metrics[f"{name}_masked"]
+        assert 0.0 <= ranked <= masked <= 1.0, name  # one epoch: both protocols rank the same scores
+    assert metrics["best_epoch"] == metrics["best_epoch_masked"] == 1
+    assert [m["step"] for m in run["metrics"] if m["name"] == "curve/test_ndcg_at_10_masked"] == [1]
+    assert summary["runs"][0]["test_ndcg_at_10_masked"] == metrics["test_ndcg_at_10_masked"]
+    mlflow_run = MlflowClient().get_run(run["mlflow_run_id"])
+    assert mlflow_run.data.tags["privbench.protocol"] == EVAL_PROTOCOL

@@ -124,6 +124,32 @@ def test_privacy_critical_train_values_are_validated(override: str, expected: st
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("train_dp.nonprivate_schedule={}", "sets none of epochs, lr, batch_size"),
+        ("train_dp.nonprivate_schedule={epochs: 0}", "nonprivate_schedule.epochs = 0: Input should be greater"),
+        ("train_dp.nonprivate_schedule={lr: -1}", "nonprivate_schedule.lr = -1: Input should be greater than 0"),
+        ("train_dp.nonprivate_schedule={lr: .inf}", "nonprivate_schedule.lr = inf: Input should be a finite"),
+        ("train_dp.nonprivate_schedule={batch_size: 0}", "nonprivate_schedule.batch_size = 0: Input should be"),
+        ("train_dp.nonprivate_schedule={epoch: 5}", "nonprivate_schedule.epoch: unknown key"),
+    ],
+)
+def test_bad_nonprivate_schedule_names_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("quick", overrides=(override,))
+    assert message in str(err.value)
+
+
+def test_nonprivate_schedule_is_optional_and_needs_nonprivate_runs() -> None:
+    assert load_config("quick").train_dp.nonprivate_schedule is None  # the private grid point's schedule
+    cfg = load_config("quick", overrides=("train_dp.nonprivate_schedule={epochs: 20, lr: 0.01}",))
+    schedule = cfg.train_dp.nonprivate_schedule
+    assert (schedule.epochs, schedule.lr, schedule.batch_size) == (20, 0.01, None)
+    with pytest.raises(ConfigError, match="is set but nonprivate=false: no run would use it"):
+        load_config("quick", overrides=("train_dp.nonprivate=false", "train_dp.nonprivate_schedule={epochs: 5}"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
         ("tangent.fig1_shards=7", "fig1_shards=7 is not one of shards"),
         ("tangent.shards=[1, 5]", "every shard count must be >= 2"),
         ("tangent.shards=[5, 5]", "shard counts must be distinct"),

@@ -155,6 +155,53 @@ def test_vectorised_batches_match_loop_reference(small, max_len: int, split: str
     assert (inputs.tolist(), targets.tolist()) == reference_train(small, users, max_len)
 
 
+def test_history_mask_by_hand(hand) -> None:
+    """user 0 = [3, 1, 2], user 1 = [3, 2, 1, 4]; a repeated item that is also the target stays unmasked."""
+
+    def masked(ds: SequentialDataset, users: list[int], split: str) -> list[list[int]]:
+        mask = ds.history_mask(users, split)  # type: ignore[arg-type]
+        assert mask.dtype == torch.bool and mask.shape == (len(users), ds.n_items + 1)
+        return [torch.nonzero(row).flatten().tolist() for row in mask]
+
+    assert masked(hand, [0, 1], "test") == [[1, 3], [1, 2, 3]]
+    assert masked(hand, [1, 0], "valid") == [[2, 3], [3]]
+    assert masked(hand, [0, 1], "train") == [[], [3]]
+    repeat = SequentialDataset(
+        items=np.array([2, 1, 2, 3, 2]), timestamps=np.arange(5), offsets=np.array([0, 5]),
+        raw_user_ids=np.array([7]), raw_item_ids=np.array([10, 20, 30]),
+    )  # fmt: skip
+    assert masked(repeat, [0], "test") == [[1, 3]]  # target 2 was seen twice before: still ranked
+    assert masked(repeat, [0], "valid") == [[1, 2]]  # target 3 is new
+    with pytest.raises(ConfigError, match="split must be one of"):
+        hand.history_mask([0], "dev")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"user_idx must lie in 0\.\.1"):
+        hand.history_mask([2])
+
+
+def reference_history_mask(ds: SequentialDataset, users: np.ndarray, split: str) -> list[set[int]]:
+    shift = {"train": 3, "valid": 2, "test": 1}[split]
+    out = []
+    for u in users:
+        seq = ds.sequence(u).tolist()
+        out.append(set(seq[: len(seq) - shift]) - {seq[len(seq) - shift]})
+    return out
+
+
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
+def test_history_mask_matches_loop_reference(small, split: str) -> None:
+    rng = np.random.default_rng(7)
+    lens = rng.integers(3, 13, size=30)
+    repeats = SequentialDataset(
+        items=rng.integers(1, 9, size=lens.sum()), timestamps=np.arange(lens.sum()),
+        offsets=np.concatenate(([0], np.cumsum(lens))), raw_user_ids=np.arange(30), raw_item_ids=np.arange(8),
+    )  # fmt: skip  # 8 items: most sequences repeat items, and many targets were seen before
+    for ds in (small, repeats):
+        users = rng.integers(0, ds.n_users, size=23)
+        mask = ds.history_mask(users, split)  # type: ignore[arg-type]
+        got = [set(torch.nonzero(row).flatten().tolist()) for row in mask]
+        assert got == reference_history_mask(ds, users, split)
+
+
 def test_batch_argument_errors(hand) -> None:
     with pytest.raises(ConfigError, match="split must be one of"):
         hand.padded_batch([0], 3, "dev")  # type: ignore[arg-type]

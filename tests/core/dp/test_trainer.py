@@ -61,7 +61,9 @@ def data() -> SequentialDataset:
 
 def _finite(result: trainer.TrainResult) -> bool:
     values = [result.test_ndcg10, result.test_hit10, result.final_test_ndcg10, result.final_test_hit10]
+    values += [result.test_ndcg10_masked, result.test_hit10_masked]
     values += [v for log in result.history for v in (log.valid_ndcg10, log.valid_hit10, log.train_loss)]
+    values += [v for log in result.history for v in (log.valid_ndcg10_masked, log.test_ndcg10_masked)]
     return all(math.isfinite(v) for v in values)
 
 
