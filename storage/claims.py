@@ -88,6 +88,7 @@ class _Sides:
     a: dict[Any, float] = field(default_factory=dict)  # replicate -> value
     b: dict[Any, float] = field(default_factory=dict)
     runs: set[str] = field(default_factory=set)
+    order: tuple[Any, ...] = ()  # the context's sort key (numbers in numeric order)
 
 
 def fmt(value: float, unit: str = "") -> str:
@@ -236,7 +237,7 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
     frame["order"] = [_sort_key(k) for k in keys]
     frame = frame.sort_values("order", kind="stable")
     reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False).agg(
-        value=("value", measure.reduce), started_at=("started_at", "max")
+        value=("value", measure.reduce), started_at=("started_at", "max"), order=("order", "first")
     )
     reduced["replicate"] = [
         f"seed:{int(seeds[r])}" if seeds.get(r) is not None and not pd.isna(seeds.get(r)) else f"run:{r}"
@@ -247,10 +248,10 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
     )
     out: dict[str, _Sides] = {}
     for row in reduced.itertuples(index=False):
-        sides = out.setdefault(row.context, _Sides())
+        sides = out.setdefault(row.context, _Sides(order=row.order))
         getattr(sides, row.side)[row.replicate] = float(row.value)
         sides.runs.add(row.run_id)
-    return out
+    return dict(sorted(out.items(), key=lambda item: item[1].order))
 
 
 def _stat(kind: str, a: float, b: float) -> float:

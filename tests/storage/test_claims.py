@@ -344,3 +344,13 @@ def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, m
         assert not any(k.startswith("claims.film") for k in done["metrics"])  # not in this chain: not run
     finally:
         shutil.rmtree(done["folder"], ignore_errors=True)
+
+
+def test_contexts_in_numeric_order_whatever_the_run_order(home: Path) -> None:
+    _grid({("dpformer", 10.0): [1.0], ("transformer", 10.0): [1.0]})  # recorded first
+    _grid(
+        {("dpformer", 5.0): [1.0], ("transformer", 5.0): [1.0], ("dpformer", 8.0): [1.0], ("transformer", 8.0): [1.0]}
+    )
+    measure = {**BEATS, "require": {"epsilon": [5, 8, 10]}}
+    result = sc.evaluate_claim(None, _claim(measure, ABOVE))
+    assert [c.context for c in result.contexts] == ["ε=5", "ε=8", "ε=10"]
