@@ -201,6 +201,14 @@ def render_report(
         "",
         *_provenance(profile, stages),
     ]
+    if profile != "paper" and stage_runs(db_url, profile="paper").empty:
+        lines += [
+            (
+                "The paper profile has not run: no `paper` run is in this store (it needs hours and a GPU worker; "
+                "`make run PROFILE=paper`)."
+            ),
+            "",
+        ]
     papers = load_papers()
     for paper, spec in papers.items():
         rows = table[table["paper"] == paper]
