@@ -34,6 +34,9 @@ class StipConfig(FrozenConfig):
     activations of ``attack_queries`` queries and has reference activations of the base model on other public
     text), ``token_frequency`` (permuted-vocabulary design: P2 sees a stream of ``stream_tokens`` substituted
     token ids and knows public unigram frequencies).
+
+    ``seed`` is recorded with the run, so it drives public things only; every secret permutation is drawn fresh
+    from the OS CSPRNG (``core.stip.keys``) and never recorded.
     """
 
     models: tuple[StipModelSpec, ...] = Field(min_length=1)
@@ -46,7 +49,12 @@ class StipConfig(FrozenConfig):
     stream_tokens: int = Field(20000, ge=100)
     timing_repeats: int = Field(5, ge=1)
     party_timeout_s: float = Field(600.0, gt=0.0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(
+        0,
+        ge=0,
+        description="public randomness only (model init, prompts, simulated fine-tune, corpus split); the secret "
+        "permutations come from the OS CSPRNG, never from this seed",
+    )
 
     @field_validator("models")
     @classmethod

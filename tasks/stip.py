@@ -2,7 +2,11 @@
 each attack on the permutation (recovered fraction and what it reveals of the user's input); one run each.
 
 Runs (``technique``): ``stip-<design>`` (tag ``privbench.result_group`` = ``protocol``) and ``attack-<name>``
-(``attacks``, rows in ``attack_results`` with ``recovered_fraction``)."""
+(``attacks``, rows in ``attack_results`` with ``recovered_fraction``).
+
+Secrets: every permutation (the protocol's ``pi``, ``rho``, ``sigma`` and each attack's target) is drawn from the OS
+CSPRNG inside ``core.stip`` and never leaves it; ``cfg.seed`` drives only the model, the prompt and the corpus
+split. Each run records where its secrets came from (tag ``privbench.secret_source``), never a secret."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from prefect import task
 
 from core.stip import evaluate as E
+from core.stip.keys import SECRET_SOURCE, SECRET_SOURCE_TAG
 from core.stip.models import build_model
 from pbconfig.stip import StipConfig, StipModelSpec
 from tasks.records import RESUMABLE, task_record
@@ -47,12 +52,12 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
         run_name=f"STIP {design} on {spec.name}",
     ) as rec:
         rec.tag("privbench.result_group", "protocol")
+        rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
         out = E.protocol_costs(
             model,
             _prompt(model, cfg.prompt_len, cfg.seed),
             cfg.gen_len,
             design=design,
-            seed=cfg.seed,
             repeats=cfg.timing_repeats,
             timeout_s=cfg.party_timeout_s,
         )
@@ -83,6 +88,7 @@ def attack(spec: StipModelSpec, name: str, cfg: StipConfig, parent: Any) -> dict
         run_name=f"{name} attack on {spec.name}",
     ) as rec:
         rec.tag("privbench.result_group", "attacks")
+        rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
         if name == "weight_matching":
             out = E.attack_weight_matching(model, rel_noise=cfg.finetune_noise, seed=cfg.seed)
         elif name == "activation_stats":
@@ -91,7 +97,7 @@ def attack(spec: StipModelSpec, name: str, cfg: StipConfig, parent: Any) -> dict
             )
         else:
             stream, reference, vocab = E.corpus_streams(cfg.stream_tokens, cfg.seed)
-            out = E.attack_token_frequency(stream, reference, vocab, seed=cfg.seed)
+            out = E.attack_token_frequency(stream, reference, vocab)
         flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
         rec.metrics(flat)
         rec.attack(

@@ -2,8 +2,10 @@
 
 Yuan et al., "Secure Transformer Inference" (Theorem 1, Algorithm 1). Modules:
 
-- ``core.stip.transform``: ``random_permutation``, ``check_permutation``, ``permute_model``
-  (GPT-2 and LLaMA blocks, final norm), ``permute_vocab`` (secret vocabulary substitution).
+- ``core.stip.keys``: the secrets (``pi``, per-layer ``rho``, ``sigma``) from the OS CSPRNG, never from a seed
+  (``secure_permutation``, ``draw_keys``, ``StipKeys``).
+- ``core.stip.transform``: ``check_permutation``, ``permute_model`` (GPT-2 and LLaMA blocks, final norm),
+  ``permute_vocab`` (secret vocabulary substitution), ``random_permutation`` (seeded: tests only).
 - ``core.stip.parties``: the three-party protocol (P1 developer, P2 cloud, P3 user) in separate
   processes (``run_stip``) or in one process (``run_stip_inprocess``), two designs; ``core.stip.wire``: the
   frames and sockets between them.

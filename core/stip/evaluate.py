@@ -12,6 +12,10 @@ correctness and costs, and the three attacks on the permutation with what each r
   has the base model's inputs on other text; coordinates are matched by their statistics.
 * :func:`attack_token_frequency`: permuted-vocabulary design; P2 sees a substituted token stream and knows
   public unigram frequencies (:func:`corpus_streams`: the stream and the public text, from the offline corpus).
+
+Secrets: every permutation an attack targets (and every protocol run's ``pi``, ``rho``, ``sigma``) is drawn from the
+OS CSPRNG (``core.stip.keys``), fresh per call; ``seed`` drives only public things (the simulated fine-tune, the
+user's random-token inputs, the corpus split). ``pi=``/``sigma=`` let a test fix the target.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 from torch import nn
 
 from core.stip import attacks as A
+from core.stip import keys as K
 from core.stip.parties import run_stip, run_stip_inprocess
-from core.stip.transform import _arch, base_model_of, random_permutation
+from core.stip.transform import _arch, base_model_of, check_permutation
 from core.stip.vocab_attack import token_frequency_attack
 
 __all__ = [
@@ -50,13 +55,13 @@ def embedding_table(model: nn.Module) -> torch.Tensor:
 
 
 def protocol_costs(
-    model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, seed: int, repeats: int, timeout_s: float
+    model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, repeats: int, timeout_s: float
 ) -> dict[str, Any]:
-    """Correctness and costs of one design (see the module docstring)."""
-    res = run_stip(model, prompt, n_new, design=design, seed=seed, timeout_s=timeout_s)
+    """Correctness and costs of one design (see the module docstring); every run draws fresh secrets."""
+    res = run_stip(model, prompt, n_new, design=design, timeout_s=timeout_s)
     ratios, fractions, p2s, plains = [], [], [], []
-    for r in range(repeats):
-        ip = run_stip_inprocess(model, prompt, n_new, design=design, seed=seed + r)
+    for _ in range(repeats):
+        ip = run_stip_inprocess(model, prompt, n_new, design=design)
         ratios.append(ip.p2_seconds / ip.plain_seconds)
         fractions.append(ip.p3_seconds / (ip.p2_seconds + ip.p3_seconds))
         p2s.append(ip.p2_seconds)
@@ -105,11 +110,18 @@ def _user_inputs(model: nn.Module, n: int, length: int, seed: int) -> torch.Tens
     return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-def attack_weight_matching(base: nn.Module, *, rel_noise: float, seed: int) -> dict[str, Any]:
+def _target(pi: torch.Tensor | None, d: int) -> torch.Tensor:
+    """The secret under attack: a fresh CSPRNG permutation, or the test's own."""
+    return K.secure_permutation(d) if pi is None else check_permutation(pi, d)
+
+
+def attack_weight_matching(
+    base: nn.Module, *, rel_noise: float, seed: int, pi: torch.Tensor | None = None
+) -> dict[str, Any]:
     arch = _arch(base)
     deployed = simulate_finetune(base, rel_noise, seed)
     d = model_dim(base)
-    pi = random_permutation(d, seed)
+    pi = _target(pi, d)
     state = _block_state(deployed)
     axes = A.model_dim_axes(state, arch)
     transformed = A.permute_state(state, pi, axes)
@@ -141,11 +153,11 @@ def _input_activations(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def attack_activation_stats(
-    base: nn.Module, *, n_queries: int, seq_len: int, rel_noise: float, seed: int
+    base: nn.Module, *, n_queries: int, seq_len: int, rel_noise: float, seed: int, pi: torch.Tensor | None = None
 ) -> dict[str, Any]:
     deployed = simulate_finetune(base, rel_noise, seed)
     d = model_dim(base)
-    pi = random_permutation(d, seed + 1)
+    pi = _target(pi, d)
     seen = _input_activations(deployed, _user_inputs(base, n_queries, seq_len, seed + 2))[:, pi]
     reference = _input_activations(base, _user_inputs(base, max(n_queries, 64), seq_len, seed + 3))
     t0 = time.perf_counter()
@@ -170,10 +182,10 @@ def attack_activation_stats(
 
 
 def attack_token_frequency(
-    stream: torch.Tensor, reference: torch.Tensor, vocab_size: int, *, seed: int
+    stream: torch.Tensor, reference: torch.Tensor, vocab_size: int, *, sigma: torch.Tensor | None = None
 ) -> dict[str, Any]:
     """``stream``: the user's token ids (substituted here with a secret sigma); ``reference``: public text ids."""
-    sigma = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+    sigma = _target(sigma, vocab_size)
     freqs = torch.bincount(reference, minlength=vocab_size).double()
     t0 = time.perf_counter()
     res = token_frequency_attack(

@@ -1,7 +1,8 @@
 """STIP three-party protocol (Yuan et al., Algorithm 1) with greedy autoregressive generation.
 
 Parties
-    P1 (model developer): draws ``pi`` (and ``sigma``), runs ``permute_model``, ships the
+    P1 (model developer): draws ``pi``, the per-layer MLP permutations ``rho`` (and ``sigma``) from the OS
+        CSPRNG (``core.stip.keys``; no seed, nothing recorded), runs ``permute_model``, ships the
         transformed blocks to P2 and the secrets to P3, then leaves.
     P2 (cloud): holds only transformed parameters, keeps a KV cache, computes every step.
     P3 (user): holds the prompt, the secrets, and produces the tokens.
@@ -44,14 +45,8 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError, PrivbenchError
-from core.stip.transform import (
-    _arch,
-    base_model_of,
-    inverse_permutation,
-    permute_model,
-    permute_vocab,
-    random_permutation,
-)
+from core.stip.keys import StipKeys, draw_keys
+from core.stip.transform import _arch, base_model_of, inverse_permutation, permute_model, permute_vocab
 from core.stip.wire import Link, decode_body, encode_frame, from_bytes, to_bytes
 
 __all__ = [
@@ -126,19 +121,26 @@ def _embed_and_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Developer:
-    """P1: draws the secrets and builds the two packages (bytes) for P2 and P3."""
+    """P1: draws the secrets and builds the two packages (bytes) for P2 and P3.
 
-    def __init__(self, model: nn.Module, *, design: Design, seed: int) -> None:
+    ``keys``: None (the protocol) draws fresh secrets from the OS CSPRNG (``core.stip.keys.draw_keys``) when the
+    packages are built; tests of the algebra may pass their own.
+    """
+
+    def __init__(self, model: nn.Module, *, design: Design, keys: StipKeys | None = None) -> None:
         if design not in get_args(Design):
             raise ConfigError(f"design must be one of {get_args(Design)}, got {design=!r}")
-        self.model, self.design, self.seed = model, design, seed
+        if keys is not None and (keys.sigma is None) != (design == "user_embed"):
+            raise ConfigError(f"keys {keys!r} do not fit design {design!r} (sigma exactly for vocab_perm)")
+        self.model, self.design, self.keys = model, design, keys
         self.arch = _arch(model)
 
     def packages(self) -> tuple[bytes, bytes]:
         model, cfg = self.model, self.model.config
         embed, head = _embed_and_head(model)
-        pi = random_permutation(cfg.hidden_size, self.seed)
-        base = base_model_of(permute_model(model, pi, mlp_seed=self.seed + 1))
+        keys = self.keys if self.keys is not None else draw_keys(model, self.design)
+        pi = keys.pi
+        base = base_model_of(permute_model(model, pi, rho=keys.rho))
         emb_key = "wte.weight" if self.arch == "gpt2" else "embed_tokens.weight"
         state = {k: v for k, v in base.state_dict().items() if k != emb_key}
         p2: dict = {"arch": self.arch, "config": cfg.to_json_string(use_diff=False), "state": state}
@@ -146,7 +148,7 @@ class Developer:
             p2.update(embed=None, head=None)
             p3 = {"pi": pi, "embed": embed.clone(), "head": head.clone(), "sigma": None}
         else:
-            sigma = random_permutation(embed.shape[0], self.seed + 2)
+            sigma = keys.sigma
             e2, h2 = permute_vocab(embed, head, pi, sigma)
             p2.update(embed=e2, head=h2)
             p3 = {"pi": None, "embed": None, "head": None, "sigma": sigma}
@@ -273,12 +275,14 @@ def _validate(model: nn.Module, prompt: torch.Tensor, n_new: int, design: str) -
 
 
 def run_stip_inprocess(
-    model: nn.Module, prompt_ids, n_new: int, *, design: Design = "user_embed", seed: int = 0
+    model: nn.Module, prompt_ids, n_new: int, *, design: Design = "user_embed", keys: StipKeys | None = None
 ) -> StipResult:
-    """Algorithm 1 with all three parties in this process (same objects and frames as ``run_stip``)."""
+    """Algorithm 1 with all three parties in this process (same objects and frames as ``run_stip``).
+
+    ``keys``: None draws fresh secrets (``Developer``); tests may pass their own."""
     prompt = _validate(model, prompt_ids, n_new, design)
     plain_tokens, plain_s = _plain_greedy(model, prompt, n_new)
-    pkg2, pkg3 = Developer(model, design=design, seed=seed).packages()
+    pkg2, pkg3 = Developer(model, design=design, keys=keys).packages()
     cloud, user = Cloud(pkg2), User(pkg3)
     t_gen = time.perf_counter()
     counts = {"up": 0, "down": 0}
@@ -314,13 +318,14 @@ def run_stip(
     n_new: int,
     *,
     design: Design = "user_embed",
-    seed: int = 0,
+    keys: StipKeys | None = None,
     timeout_s: float = 60.0,
     start_method: str = "fork",
     _crash: Party | None = None,
 ) -> StipResult:
     """Algorithm 1 with P1, P2, P3 as three processes over loopback sockets.
 
+    ``keys``: None makes P1 draw fresh secrets in its own process (``Developer``); tests may pass their own.
     ``timeout_s`` bounds every single wait (accept, receive); the whole run is bounded by
     ``timeout_s * (n_new + 4)``. ``_crash`` (tests only) makes that party exit abruptly mid-protocol.
     Raises ``PartyError``/``PartyTimeoutError`` naming the failing party; no process outlives the call.
@@ -329,7 +334,7 @@ def run_stip(
     prompt = _validate(model, prompt_ids, n_new, design)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s=}")
-    reports = _run_processes(model, prompt, n_new, design, seed, timeout_s, start_method, _crash)
+    reports = _run_processes(model, prompt, n_new, design, keys, timeout_s, start_method, _crash)
     p1, p2, p3 = reports["P1"], reports["P2"], reports["P3"]
     plain_tokens, plain_s = _plain_greedy(model, prompt, n_new)
     return StipResult(
@@ -375,8 +380,8 @@ def _accept(server: socket.socket, timeout_s: float, expected: str) -> socket.so
     return conn
 
 
-def _p1(model, design, seed, port2, port3, timeout_s, crash) -> dict:
-    pkg2, pkg3 = Developer(model, design=design, seed=seed).packages()
+def _p1(model, design, keys, port2, port3, timeout_s, crash) -> dict:
+    pkg2, pkg3 = Developer(model, design=design, keys=keys).packages()
     to3 = Link(socket.create_connection(("127.0.0.1", port3), timeout=timeout_s), "P3", timeout_s)
     to3.send("package", pkg3)  # the small package first, so P3 is not left waiting
     _maybe_crash("P1", crash)
@@ -468,7 +473,7 @@ def _collect(procs: dict, queue, deadline: float) -> dict:
     return reports
 
 
-def _run_processes(model, prompt, n_new, design, seed, timeout_s, start_method, crash) -> dict:
+def _run_processes(model, prompt, n_new, design, keys, timeout_s, start_method, crash) -> dict:
     import multiprocessing as mp
 
     ctx = mp.get_context(start_method)
@@ -476,7 +481,7 @@ def _run_processes(model, prompt, n_new, design, seed, timeout_s, start_method, 
     srv2, srv3 = _listener(), _listener()
     port2, port3 = srv2.getsockname()[1], srv3.getsockname()[1]
     bodies = {
-        "P1": (_p1, (model, design, seed, port2, port3, timeout_s, crash)),
+        "P1": (_p1, (model, design, keys, port2, port3, timeout_s, crash)),
         "P2": (_p2, (srv2, timeout_s, crash)),
         "P3": (_p3, (srv3, port2, prompt, n_new, timeout_s, crash)),
     }

@@ -15,7 +15,11 @@ LayerNorm/RMSNorm silently breaks the theorem).
 Only the model dimension ``d`` is permuted: per-head dimensions, hence rotary position embeddings
 (applied to ``q``/``k`` of size ``head_dim`` after the projection), are untouched, because
 ``q' = x pi pi^T W_q = q``. The MLP hidden dimension ``m`` may additionally be permuted by a secret
-per-layer permutation ``rho`` (``mlp_seed``); the activation is element-wise so it commutes.
+per-layer permutation ``rho`` (``permute_model(..., rho=...)``); the activation is element-wise so it commutes.
+
+Where the secrets come from is ``core.stip.keys`` (the OS CSPRNG, never a recorded seed); this module only
+applies permutations it is given. ``random_permutation`` is seeded and reproducible: for tests and public
+randomness only, never for a secret.
 
 What is transformed (``permute_model``): every decoder block, the final norm, and for GPT-2 the
 learned position table ``wpe`` (columns), which the base model adds to ``inputs_embeds`` inside its
@@ -30,6 +34,7 @@ decoder (causal) and an encoder-style bidirectional mask work; tests check both 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -40,6 +45,7 @@ __all__ = [
     "base_model_of",
     "check_permutation",
     "inverse_permutation",
+    "mlp_hidden_sizes",
     "permute_model",
     "permute_vocab",
     "random_permutation",
@@ -47,7 +53,9 @@ __all__ = [
 
 
 def random_permutation(d: int, seed: int) -> torch.Tensor:
-    """A uniformly random permutation of ``range(d)`` as an int64 index vector, shape ``(d,)``."""
+    """A uniformly random permutation of ``range(d)`` as an int64 index vector, shape ``(d,)``, drawn from
+    ``seed``: reproducible, so anyone who knows ``seed`` regenerates it. Tests and public randomness only; a
+    secret comes from ``core.stip.keys.secure_permutation``."""
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:
         raise ConfigError(f"permutation size must be a positive int, got {d=!r}")
     gen = torch.Generator().manual_seed(int(seed))
@@ -167,10 +175,6 @@ def _conv_out(conv: nn.Module, pi: torch.Tensor, done: set[int]) -> None:
     _perm_(conv.bias, 0, pi, done)
 
 
-def _hidden_perm(m: int, gen: torch.Generator | None) -> torch.Tensor | None:
-    return None if gen is None else torch.randperm(m, generator=gen)
-
-
 # ---------------------------------------------------------------- blocks
 
 
@@ -227,37 +231,52 @@ def _check_all_done(module: nn.Module, done: set[int], where: str) -> None:
             raise ConfigError(f"parameter {where}.{name} was not transformed; refusing a silent wrong output")
 
 
-def permute_model(model: nn.Module, pi: torch.Tensor, *, mlp_seed: int | None = None) -> nn.Module:
+def mlp_hidden_sizes(model: nn.Module) -> list[int]:
+    """The MLP hidden size ``m`` of every block, in order (one ``rho`` of this size per block)."""
+    base = base_model_of(model)
+    if _arch(model) == "gpt2":
+        return [int(block.mlp.c_fc.weight.shape[1]) for block in base.h]  # Conv1D (d, m)
+    return [int(layer.mlp.gate_proj.weight.shape[0]) for layer in base.layers]  # Linear (m, d)
+
+
+def _check_rho(rho: Sequence[torch.Tensor] | None, model: nn.Module) -> list[torch.Tensor] | None:
+    if rho is None:
+        return None
+    sizes = mlp_hidden_sizes(model)
+    if len(rho) != len(sizes):
+        raise ConfigError(f"rho has {len(rho)} permutations for a model with {len(sizes)} blocks")
+    return [check_permutation(r, m) for r, m in zip(rho, sizes, strict=True)]
+
+
+def permute_model(model: nn.Module, pi: torch.Tensor, *, rho: Sequence[torch.Tensor] | None = None) -> nn.Module:
     """Return a transformed deep copy ``f_theta'`` of ``model`` (Theorem 1); ``model`` is untouched.
 
     ``model``: ``GPT2LMHeadModel``/``GPT2Model``/``LlamaForCausalLM``/``LlamaModel``.
     ``pi``: permutation of the model dimension ``d`` (``config.hidden_size``/``n_embd``).
-    ``mlp_seed``: if given, also permute each layer's MLP hidden dimension by an independent
-    random permutation drawn from this seed (the output is unchanged; it only hides ``m``'s order).
+    ``rho``: if given, one permutation of the MLP hidden dimension per block (``mlp_hidden_sizes``), applied
+    to that block's MLP (the output is unchanged; it only hides ``m``'s order).
 
     With ``X`` the token embeddings ``(B, T, d)``, the copy's base model satisfies
     ``base'(inputs_embeds=X[..., pi]).last_hidden_state == base(inputs_embeds=X).last_hidden_state[..., pi]``.
     The token embedding table and LM head are left as in ``model`` (see ``permute_vocab``).
-    Raises ``ConfigError`` for another model type, a bad ``pi`` or an unknown module in a block.
+    Raises ``ConfigError`` for another model type, a bad ``pi`` or ``rho``, or an unknown module in a block.
     """
     arch = _arch(model)
     d = model.config.hidden_size
     pi = check_permutation(pi, d)
+    rhos = _check_rho(rho, model)
     new = copy.deepcopy(model).eval()
     base = base_model_of(new)
-    gen = None if mlp_seed is None else torch.Generator().manual_seed(int(mlp_seed))
     done: set[int] = set()
     if arch == "gpt2":
         for i, block in enumerate(base.h):
-            rho = _hidden_perm(block.mlp.c_fc.weight.shape[1], gen)
-            _gpt2_block(block, pi, rho, done)
+            _gpt2_block(block, pi, None if rhos is None else rhos[i], done)
             _check_all_done(block, done, f"h.{i}")
         _norm(base.ln_f, pi, done)
         _perm_(base.wpe.weight, 1, pi, done)  # (n_positions, d): added to inputs_embeds
     else:
         for i, layer in enumerate(base.layers):
-            rho = _hidden_perm(layer.mlp.gate_proj.weight.shape[0], gen)
-            _llama_layer(layer, pi, rho, done)
+            _llama_layer(layer, pi, None if rhos is None else rhos[i], done)
             _check_all_done(layer, done, f"layers.{i}")
         _norm(base.norm, pi, done)
     return new

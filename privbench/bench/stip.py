@@ -6,6 +6,10 @@ plaintext model's seconds are measured side by side; the median over ``repeats``
 reported. Bytes per generated token come from one run with three processes over loopback sockets. Attacks as
 ``core.stip.evaluate``; the token-frequency attack uses the offline dialogue corpus in GPT-2 BPE ids.
 
+Secrets (every ``pi``, ``rho``, ``sigma``) come from the OS CSPRNG (``core.stip.keys``), fresh per run and never in
+the JSON (``setting.secret_source`` names the source); ``seed`` drives only the model, the prompt and the public
+inputs.
+
 JSON: ``ratios.server_over_plaintext_time``, ``ratios.user_overhead_fraction``, ``errors.max_abs_err``,
 ``bytes_per_token`` (``up``: user -> cloud, ``down``: cloud -> user, per design), ``attacks.<name>.recovery_rate``
 (and what each reveals of the user's input), ``targets``.
@@ -75,6 +79,7 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     import torch
 
     from core.stip import evaluate as E
+    from core.stip.keys import SECRET_SOURCE
 
     setting = resolve_setting(profile)
     torch.set_num_threads(bench_threads())
@@ -96,7 +101,6 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             prompt,
             setting.gen_len,
             design=design,
-            seed=setting.seed,
             repeats=setting.repeats,
             timeout_s=setting.timeout_s,
         )
@@ -115,7 +119,7 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         ),
     }
     stream, reference, vocab = E.corpus_streams(setting.stream_tokens, seed=0)  # the corpus split of StipConfig's seed
-    attacks["token_frequency"] = E.attack_token_frequency(stream, reference, vocab, seed=setting.seed)
+    attacks["token_frequency"] = E.attack_token_frequency(stream, reference, vocab)
     for name, a in attacks.items():
         progress.print(f"  attack {name}: recovery {a['recovery_rate']:.3f}")
     main = designs["user_embed"]
@@ -127,7 +131,12 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     }
     max_err = max(d["max_abs_err"] for d in designs.values())
     return {
-        "setting": {**asdict(setting), "model_name": spec.name, "threads": bench_threads()},
+        "setting": {
+            **asdict(setting),
+            "model_name": spec.name,
+            "threads": bench_threads(),
+            "secret_source": SECRET_SOURCE,
+        },
         "ratios": ratios,
         "errors": {"max_abs_err": max_err, **{f"{k}_max_abs_err": d["max_abs_err"] for k, d in designs.items()}},
         "bytes_per_token": {

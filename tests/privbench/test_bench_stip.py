@@ -7,6 +7,7 @@ import math
 import pytest
 
 from core.errors import ConfigError
+from core.stip.keys import SECRET_SOURCE
 from privbench.bench import run_benchmark, stip
 
 
@@ -31,5 +32,6 @@ def test_contract_keys(home, tiny) -> None:
     assert set(out["attacks"]) == {"weight_matching", "activation_stats", "token_frequency"}
     assert all(0 <= a["recovery_rate"] <= 1 for a in out["attacks"].values())
     assert out["attacks"]["weight_matching"]["recovery_rate"] == 1.0
+    assert out["setting"]["secret_source"] == SECRET_SOURCE  # the source is reported, never a secret or its seed
     with pytest.raises(ConfigError, match="unknown profile 'huge'"):
         run_benchmark("stip", profile="huge")

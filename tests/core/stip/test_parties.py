@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from core.errors import ConfigError, DataError
+from core.stip.keys import draw_keys
 from core.stip.models import tiny_llama
-from core.stip.parties import PartyError, run_stip, run_stip_inprocess
-from core.stip.wire import decode_body, encode_frame
+from core.stip.parties import Developer, PartyError, run_stip, run_stip_inprocess
+from core.stip.transform import random_permutation
+from core.stip.wire import decode_body, encode_frame, from_bytes
 from tests.core.stip.tiny import stip_gpt2
 
 PROMPT = [5, 17, 42, 3, 9]
@@ -35,7 +37,7 @@ def _check(result, d: int, vocab: int, design: str):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_inprocess_matches_plaintext(models, arch, design):
     model = models[arch]
-    r = run_stip_inprocess(model, PROMPT, N_NEW, design=design, seed=1)
+    r = run_stip_inprocess(model, PROMPT, N_NEW, design=design)  # fresh CSPRNG secrets
     _check(r, model.config.hidden_size, model.config.vocab_size, design)
 
 
@@ -43,10 +45,11 @@ def test_inprocess_matches_plaintext(models, arch, design):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_three_processes_match_plaintext(models, arch, design):
     model = models[arch]
-    r = run_stip(model, PROMPT, N_NEW, design=design, seed=2, timeout_s=30)
+    keys = draw_keys(model, design, source=lambda n: random_permutation(n, 2))  # test-only seeded secrets
+    r = run_stip(model, PROMPT, N_NEW, design=design, keys=keys, timeout_s=30)
     _check(r, model.config.hidden_size, model.config.vocab_size, design)
     # same protocol in one process gives the same tokens and byte counts
-    r_in = run_stip_inprocess(model, PROMPT, N_NEW, design=design, seed=2)
+    r_in = run_stip_inprocess(model, PROMPT, N_NEW, design=design, keys=keys)
     assert r.tokens == r_in.tokens
     assert (r.bytes_p3_to_p2, r.bytes_p2_to_p3) == (r_in.bytes_p3_to_p2, r_in.bytes_p2_to_p3)
 
@@ -66,6 +69,23 @@ def test_bad_arguments(models, kwargs, match):
     args = {"prompt_ids": PROMPT, "n_new": 2} | kwargs
     with pytest.raises(ConfigError, match=match):
         run_stip_inprocess(models["gpt2"], **args)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_developer_draws_fresh_secrets_or_ships_the_given_ones(models, design):
+    model = models["gpt2"]
+    shipped = [from_bytes(Developer(model, design=design).packages()[1]) for _ in range(2)]
+    key = "pi" if design == "user_embed" else "sigma"
+    assert not torch.equal(shipped[0][key], shipped[1][key])  # no seed: two deployments, two secrets
+    keys = draw_keys(model, design, source=lambda n: random_permutation(n, 5))
+    to_user = from_bytes(Developer(model, design=design, keys=keys).packages()[1])
+    assert torch.equal(to_user[key], keys.pi if design == "user_embed" else keys.sigma)
+
+
+def test_developer_rejects_keys_of_the_other_design(models):
+    keys = draw_keys(models["gpt2"], "user_embed")
+    with pytest.raises(ConfigError, match="do not fit design 'vocab_perm'"):
+        Developer(models["gpt2"], design="vocab_perm", keys=keys)
 
 
 def test_frame_round_trip():

@@ -12,6 +12,7 @@ from core.stip.transform import (
     base_model_of,
     check_permutation,
     inverse_permutation,
+    mlp_hidden_sizes,
     permute_model,
     permute_vocab,
     random_permutation,
@@ -37,6 +38,11 @@ def arch(request):
 
 def _model(arch: str, dtype=torch.float32) -> nn.Module:
     return (stip_gpt2() if arch == "gpt2" else tiny_llama()).to(dtype)
+
+
+def _rho(model: nn.Module, seed: int) -> list[torch.Tensor]:
+    """Seeded per-block MLP permutations (test-only; the protocol draws them from the OS CSPRNG)."""
+    return [random_permutation(m, seed + i) for i, m in enumerate(mlp_hidden_sizes(model))]
 
 
 def test_random_permutation_is_permutation_and_seeded():
@@ -68,11 +74,20 @@ def test_permute_model_rejects_bad_pi():
         permute_model(stip_gpt2(), torch.arange(16))
 
 
+def test_permute_model_rejects_bad_rho():
+    model = stip_gpt2()
+    pi, rho = random_permutation(32, 0), _rho(model, 1)
+    with pytest.raises(ConfigError, match="rho has 1 permutations"):
+        permute_model(model, pi, rho=rho[:1])
+    with pytest.raises(ConfigError, match="wrong size"):
+        permute_model(model, pi, rho=[torch.arange(7)] * len(rho))
+
+
 def test_gpt2_block_theorem1_decoder_and_encoder_masks():
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-10)):
         model = _model("gpt2", dtype)
         pi = random_permutation(model.config.n_embd, 0)
-        new = permute_model(model, pi, mlp_seed=5)
+        new = permute_model(model, pi, rho=_rho(model, 5))
         x = torch.randn(2, T, model.config.n_embd, dtype=dtype)
         for mask in _masks(T, dtype).values():
             for blk, blk_t in zip(model.transformer.h, new.transformer.h, strict=True):
@@ -84,7 +99,7 @@ def test_gpt2_block_theorem1_decoder_and_encoder_masks():
 def test_llama_layer_theorem1_with_rotary():
     model = _model("llama")
     pi = random_permutation(model.config.hidden_size, 0)
-    new = permute_model(model, pi, mlp_seed=5)
+    new = permute_model(model, pi, rho=_rho(model, 5))
     x = torch.randn(2, T, model.config.hidden_size)
     pos = model.model.rotary_emb(x, torch.arange(T).view(1, T))
     for mask in _masks(T, torch.float32).values():
@@ -96,11 +111,12 @@ def test_llama_layer_theorem1_with_rotary():
 
 @pytest.mark.parametrize("mlp_seed", [None, 7])
 def test_whole_model_theorem1_and_logits_recovered(arch, mlp_seed):
+    """With and without the per-block MLP permutations rho."""
     model = _model(arch)
     d = model.config.hidden_size
     pi = random_permutation(d, 1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    new = permute_model(model, pi, mlp_seed=mlp_seed)
+    new = permute_model(model, pi, rho=None if mlp_seed is None else _rho(model, mlp_seed))
     ids = torch.randint(0, model.config.vocab_size, (2, T))
     x = base_model_of(model).get_input_embeddings()(ids)
     h = base_model_of(model)(inputs_embeds=x).last_hidden_state
