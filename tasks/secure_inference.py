@@ -13,6 +13,10 @@ Runs (``technique`` column; ``privbench.result_group`` tag):
 * ``generation``: one run per method (``vanilla``, ``vanilla_kv``, ``mpcformer_2relu``, ``mpcformer_2quad``,
   ``thex``, ``merge_er``, ``merge_mm``, ``merge``): the Table 1/2 analogues and quality;
 * ``scaling``: ``scaling-<method>`` runs, time and bytes vs generated length and model size (Fig. 4).
+
+The MPC runs record where their share randomness came from (tag ``privbench.secret_source``:
+:data:`core.mpc.parties.SHARE_RANDOMNESS`, CrypTen's own ``os.urandom``-seeded generators); ``cfg.seed`` seeds
+model training and the prompts only and never reaches a share.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from core.mpc.accounting import CATEGORIES
 from core.mpc.costmodel import Network, project_all
 from core.mpc.finetune import eval_prompts
 from core.mpc.methods import generate_plain, method_spec, run_method_party
-from core.mpc.parties import run_local
+from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, run_local
 from core.mpc.quality import text_quality
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
@@ -246,6 +250,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         run_name=f"{method}: {cfg.gen_len} tokens under 2-party MPC",
     ) as rec:
         rec.tag("privbench.result_group", "generation")
+        rec.tag(SECRET_SOURCE_TAG, SHARE_RANDOMNESS)
         out = run_encrypted(method, payload, prefix, cfg.gen_len, cfg)
         rec_costs = _record_costs(rec, out, cfg)
         plain = generate_plain(method, payload, prefix, cfg.gen_len)
@@ -312,6 +317,7 @@ def scaling_point(
         run_name=f"{method}, {gen_len} tokens, {label}",
     ) as rec:
         rec.tag("privbench.result_group", "scaling")
+        rec.tag(SECRET_SOURCE_TAG, SHARE_RANDOMNESS)
         out = run_encrypted(method, payload, prefix, gen_len, cfg)
         metrics = _record_costs(rec, out, cfg, phase=f"gen{gen_len}")["metrics"]
         n_params = _payload_params(payload)

@@ -13,6 +13,13 @@ party and its error; no process is left behind.
 ``MASTER_ADDR`` and ``MASTER_PORT`` (rendezvous ``tcp://MASTER_ADDR:MASTER_PORT``, party 0 listens there),
 optionally ``DISTRIBUTED_BACKEND`` (default gloo), and returns this party's value. Start it on every host,
 e.g. ``RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m my_job``.
+
+Share randomness: every party calls ``crypten.init()``, which seeds CrypTen's share generators (``prev``/``next``:
+the pairwise seeds of the zero sharings, ``local``: the trusted-first-party triples and the binary shares,
+``global``) from ``os.urandom(8)`` each (CrypTen 0.4.1, ``crypten._setup_prng``), fresh per run and per process.
+Nothing here reseeds them and no share is drawn from torch's global generator, so ``torch.manual_seed(cfg.seed)``
+(model initialisation, prompts) never reaches a share: the recorded seed does not regenerate the masks. Runs record
+:data:`SHARE_RANDOMNESS` (tag ``privbench.secret_source``), never a seed.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from core.mpc.crypten_compat import import_crypten
 
 MODEL_OWNER = 0
 CLIENT = 1
+SECRET_SOURCE_TAG = "privbench.secret_source"
+SHARE_RANDOMNESS = "crypten.init: share generators seeded from os.urandom per run and party, never recorded"
 _ENV_KEYS = ("DISTRIBUTED_BACKEND", "RENDEZVOUS", "WORLD_SIZE", "RANK")
 
 

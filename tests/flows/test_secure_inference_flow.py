@@ -10,7 +10,7 @@ import pytest
 
 from core.mpc.crypten_compat import crypten_available
 from core.mpc.methods import run_method_party
-from core.mpc.parties import PartyError
+from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, PartyError
 from flows.secure_inference import secure_inference_flow
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.repository import ResultsRepository
@@ -76,6 +76,11 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
     assert summary["table1"]["merge"]["Softmax"] == 0.0  # constant attention: no softmax under MPC
     assert summary["table1"]["vanilla"]["speedup_over_vanilla"] == 1.0
     assert summary["scaling"][0]["gen_len"] == 1 and "Table 2 analogue" in summary["markdown"]
+    from mlflow import MlflowClient  # every MPC run names its share randomness (CrypTen's os.urandom seeds)
+
+    _, ml = repo.query("select technique, mlflow_run_id from runs where stage = 'secure-inference'")
+    source = {t: MlflowClient().get_run(m).data.tags.get(SECRET_SOURCE_TAG) for t, m in ml}
+    assert {source[t] for t in (*TINY.methods, "scaling-merge")} == {SHARE_RANDOMNESS}
 
 
 def _dying_party(ctx, *args):

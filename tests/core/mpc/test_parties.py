@@ -38,6 +38,15 @@ def _fail(ctx, pid_dir, how):
     return (x * x).get_plain_text()
 
 
+def _shares(ctx, seed):
+    torch.manual_seed(seed)  # what a party's model code does with the recorded config seed
+    crypten = import_crypten()
+    x = crypten.cryptensor(torch.arange(8.0), src=0)
+    y = crypten.cryptensor(torch.ones(8), src=1)
+    z = x * y  # a Beaver triple from the trusted-first-party provider
+    return x.share.clone(), z.share.clone(), z.get_plain_text()
+
+
 def _sleep(ctx):
     Path(os.environ["PB_PID_DIR"], f"{ctx.rank}.pid").write_text(str(os.getpid()))
     time.sleep(60)
@@ -78,6 +87,19 @@ def test_timeout_kills_all_parties(tmp_path, monkeypatch) -> None:
         run_local(_sleep, timeout_s=2)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def test_share_randomness_is_fresh_under_the_same_torch_seed() -> None:
+    """The recorded seed does not regenerate the masks: two runs seeded alike share the same values differently."""
+    torch.manual_seed(0)
+    first = run_local(_shares, (0,), timeout_s=60)
+    torch.manual_seed(0)
+    second = run_local(_shares, (0,), timeout_s=60)
+    for rank in (0, 1):
+        (x1, z1, p1), (x2, z2, p2) = first[rank], second[rank]
+        assert not torch.equal(x1, x2) and not torch.equal(z1, z2)
+        assert torch.allclose(p1, torch.arange(8.0)) and torch.allclose(p2, torch.arange(8.0))
+    assert not torch.equal(first[0][0], first[1][0])  # and the two parties' shares differ from each other
 
 
 def _env_party(rank, port, q):
