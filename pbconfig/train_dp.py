@@ -51,6 +51,11 @@ class TrainDPConfig(FrozenConfig):
     Re-Attention corrects nothing and it is the vanilla ``transformer``), plus the Opacus peers at
     ``peer_epsilons``. ``nonprivate_schedule`` (None: the private grid point's) gives the non-private runs
     their own epochs / learning rate / batch size; non-private points that it makes identical run once.
+
+    ``secure_mode`` (default false, so that research runs are reproducible): a private run's noise is otherwise
+    drawn from a generator seeded by the recorded seed, and anyone who reads the seed regenerates it; with
+    ``secure_mode`` it comes from the OS CSPRNG and is never recorded (``core.dp.noise``). Every run records which
+    (tag ``privbench.noise_source``, ``noise_source`` in its config).
     """
 
     datasets: tuple[TrainDatasetSpec, ...] = Field(min_length=1)
@@ -65,6 +70,11 @@ class TrainDPConfig(FrozenConfig):
     clip_norm: float = Field(1.0, gt=0.0)
     normalize: bool = True
     accountant: Literal["rdp", "prv"] = "rdp"
+    secure_mode: bool = Field(
+        False,
+        description="private runs draw DP noise and Poisson batches from OS-CSPRNG-seeded generators that are never "
+        "recorded (not reproducible); false: from the recorded seed, which regenerates the noise stream",
+    )
     epochs: int = Field(100, ge=1)
     lrs: tuple[float, ...] = Field((1e-3,), min_length=1)
     batch_sizes: tuple[int, ...] = Field((256,), min_length=1)

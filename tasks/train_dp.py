@@ -20,6 +20,7 @@ from core.dp.trainer import (
     EpochLog,
     TrainResult,
     method_config,
+    noise_source_of,
     train_seqrec,
 )
 from core.errors import DivergedError
@@ -124,6 +125,7 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
             dataset=point.dataset,
             run_name=point.label,
         ) as rec:
+            rec.tag("privbench.noise_source", noise_source_of(train_cfg))
             result = _train(data, train_cfg, rec)
             _record_result(rec, result, point)
     except DivergedError as exc:  # raised by training, so ``rec`` is bound and its row is already failed
@@ -175,11 +177,17 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
         "clip_norm": cfg.clip_norm,
         "normalize": cfg.normalize,
         "accountant": cfg.accountant,
+        "secure_mode": cfg.secure_mode,
     }
 
 
-def _run_config(point: GridPoint, train_cfg: Any) -> dict[str, Any]:
-    return {"point": asdict(point), "train": asdict(train_cfg), "protocol": EVAL_PROTOCOL}
+def _run_config(point: GridPoint, train_cfg: DPTrainConfig) -> dict[str, Any]:
+    return {
+        "point": asdict(point),
+        "train": asdict(train_cfg),
+        "protocol": EVAL_PROTOCOL,
+        "noise_source": noise_source_of(train_cfg),
+    }
 
 
 def _record_epoch(rec: Recorder, log: EpochLog) -> None:

@@ -85,7 +85,9 @@ class DPTrainConfig:
     non-private ones), ``delta`` (None: ``default_delta(N) = 1 / (10 N)``; an explicit delta must be
     below ``1 / N``, checked against the data by the trainer), ``clip_norm`` ``C``, ``normalize``
     (automatic clipping ``C g / (||g|| + 0.01)``, the paper's normalised gradients with ``C = 1``),
-    ``accountant`` (``"rdp"`` or ``"prv"``).
+    ``accountant`` (``"rdp"`` or ``"prv"``), ``secure_mode`` (private runs only: draw the DP noise and the
+    Poisson batches from generators seeded by the OS CSPRNG and never recorded, instead of from ``seed``, which
+    is recorded and regenerates them; :mod:`core.dp.noise`).
 
     Optimisation: ``epochs``; ``batch_size`` (the *expected* batch size ``q N`` of Poisson sampling,
     ``q = batch_size / N``; the fixed batch size of non-private runs); Adam ``lr`` and
@@ -110,6 +112,7 @@ class DPTrainConfig:
     clip_norm: float = 1.0
     normalize: bool = True
     accountant: str = Accountant.RDP.value
+    secure_mode: bool = False
     epochs: int
     batch_size: int
     lr: float
@@ -133,7 +136,7 @@ class DPTrainConfig:
     def _check_model(self) -> None:
         if self.arch not in get_args(Arch):
             raise ConfigError(f"unknown arch={self.arch!r}; known: {', '.join(get_args(Arch))}")
-        for name in ("tied", "reattention", "normalize", "norm_first"):
+        for name in ("tied", "reattention", "normalize", "norm_first", "secure_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         for name in ("d_model", "n_heads", "n_layers", "max_len"):
@@ -169,6 +172,11 @@ class DPTrainConfig:
                     f"epsilon must be a finite number > 0 for private training (clipping={self.clipping!r}), "
                     f"got epsilon={self.epsilon!r}; or train without DP with clipping='nonprivate'"
                 )
+        elif self.secure_mode:
+            raise ConfigError(
+                "secure_mode=True secures the DP noise, but clipping='nonprivate' adds none; "
+                "leave secure_mode=False or pick a clipping method (e.g. 'phantom')"
+            )
         elif self.epsilon is not None or self.delta is not None:
             raise ConfigError(
                 f"clipping='nonprivate' trains without DP, so epsilon and delta must be None, got "

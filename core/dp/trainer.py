@@ -22,6 +22,13 @@ E.3) steps with a learning rate warmed up linearly over the first ``warmup_frac`
 decayed linearly to 0 (Sec. 6). An empty Poisson batch is a noise-only step. Every step is recorded
 by a :class:`~core.dp.accounting.PrivacyAccountant`, and the budget is checked at the end.
 
+**Randomness.** ``cfg.seed`` (recorded with the run) seeds initialisation and dropout and, by default, the
+Poisson batches and the DP noise: a rerun reproduces the run exactly, and so does anyone who reads the seed,
+who can then regenerate the noise stream; such a run is DP only while its seed stays secret. With
+``cfg.secure_mode`` the batches come from a generator seeded by ``secrets.randbits(64)`` and the noise from a
+fresh CSPRNG-seeded generator per step (:mod:`core.dp.noise`), neither recorded; :func:`noise_source_of` names
+what a run used (recorded as ``privbench.noise_source``).
+
 **Re-Attention (Sec. 5).** For ``reattention=True`` the item embedding's effective error variance
 ``(sigma C / (q N p_i))^2`` (Claim 5.4) -- with ``p_i`` the fraction of training sequences that
 contain item ``i`` (eq. C.3), floored at ``1 / N`` for items absent from every training window --
@@ -56,6 +63,7 @@ training with :class:`TrainingDivergedError` naming the step, the loss and the l
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,7 +86,7 @@ from core.dp.accounting import (
 )
 from core.dp.clipping import Clipper, make_clipper
 from core.dp.methods import METHODS, DPTrainConfig, build_reattention, method_config
-from core.dp.noise import privatize_grads_
+from core.dp.noise import noise_source, privatize_grads_
 from core.dp.reattention import ReAttention
 from core.dp.sampling import poisson_batches, sample_rate_for
 from core.errors import ConfigError, DataError, DivergedError, PrivacyError
@@ -98,6 +106,7 @@ __all__ = [
     "build_reattention",
     "lr_multiplier",
     "method_config",
+    "noise_source_of",
     "train_seqrec",
 ]
 
@@ -179,6 +188,11 @@ class TrainResult:
     config: DPTrainConfig
     wall_s: float = field(compare=False)
     model: SeqRecModel | None = field(default=None, compare=False, repr=False)
+
+
+def noise_source_of(cfg: DPTrainConfig) -> str:
+    """Where ``cfg``'s DP noise comes from (:data:`core.dp.noise.NOISE_SOURCES`), or ``"none (non-private)"``."""
+    return noise_source(cfg.secure_mode) if cfg.private else "none (non-private)"
 
 
 def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int) -> float:
@@ -310,8 +324,9 @@ class _Run:
             self.optimizer,
             lambda s: lr_multiplier(s, total_steps=plan.total_steps, warmup_steps=plan.warmup_steps),
         )
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed)
-        self.noise_gen = torch.Generator(device).manual_seed(cfg.seed + 0x5EED)
+        # secure_mode: batches and noise from the OS CSPRNG, never from the recorded seed (module docstring)
+        self.sample_gen = torch.Generator().manual_seed(secrets.randbits(64) if cfg.secure_mode else cfg.seed)
+        self.noise_gen = None if cfg.secure_mode else torch.Generator(device).manual_seed(cfg.seed + 0x5EED)
         self.clipper: Clipper | None = None
         self.accountant: PrivacyAccountant | None = None
         self.epsilon: _EpsilonTracker | None = None
@@ -394,6 +409,7 @@ class _Run:
                 privatize_grads_(
                     self.params, noise_multiplier=self.plan.sigma, clip_norm=self.cfg.clip_norm,
                     expected_batch_size=self.plan.expected_batch, generator=self.noise_gen,
+                    secure_mode=self.cfg.secure_mode,
                 )  # fmt: skip
         except TrainingDivergedError:
             raise
@@ -487,7 +503,8 @@ def train_seqrec(
     """Train ``cfg``'s method on ``data`` (module docstring); ``on_epoch`` gets every :class:`EpochLog`.
 
     Seeded by ``cfg.seed``: initialisation and dropout use torch's global RNG, forked so that the
-    caller's RNG state is left untouched; batch sampling and DP noise use their own generators.
+    caller's RNG state is left untouched; batch sampling and DP noise use their own generators, seeded
+    from ``cfg.seed`` too unless ``cfg.secure_mode`` (then from the OS CSPRNG, not reproducible).
     An exception raised by ``on_epoch`` stops training (e.g. early stopping).
 
     Raises:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
+from core.dp.noise import NOISE_SOURCES
 from core.dp.trainer import EVAL_PROTOCOL
 from flows.train_dp import train_dp_flow, train_dp_runner
 from pbconfig.benchmark import BenchmarkConfig, validate
@@ -73,6 +75,16 @@ def test_nonprivate_schedule_applies_to_the_baselines_only() -> None:
     assert train_overrides(private[0], scheduled)["epochs"] == grid.epochs == 1
 
 
+def test_secure_mode_reaches_the_private_runs_only() -> None:
+    assert TINY.train_dp is not None and TINY.train_dp.secure_mode is False  # reproducible research runs by default
+    secure = TINY.train_dp.model_copy(update={"secure_mode": True})
+    points = expand_grid(secure, {"ml-1m-tiny": "/x"})
+    assert {p.epsilon is not None: train_overrides(p, secure).get("secure_mode") for p in points} == {
+        True: True,
+        False: None,  # non-private: no noise to secure
+    }
+
+
 def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
     assert TINY.train_dp is not None
     flow = train_dp_flow.with_options(task_runner=train_dp_runner(TINY.train_dp))
@@ -107,3 +119,12 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
     assert summary["runs"][0]["test_ndcg_at_10_masked"] == metrics["test_ndcg_at_10_masked"]
     mlflow_run = MlflowClient().get_run(run["mlflow_run_id"])
     assert mlflow_run.data.tags["privbench.protocol"] == EVAL_PROTOCOL
+    _, sources = repo.query(  # every run names its noise source, in its config and as a tag
+        "select r.mlflow_run_id, r.config_json, p.epsilon from runs r left join privacy_ledger p on p.run_id = r.id "
+        "where r.stage = 'train-dp' and r.technique != 'flow'"
+    )
+    assert len(sources) == 4
+    for mlflow_id, config_json, eps in sources:
+        expected = NOISE_SOURCES["seeded"] if eps is not None else "none (non-private)"
+        assert json.loads(config_json)["noise_source"] == expected
+        assert MlflowClient().get_run(mlflow_id).data.tags["privbench.noise_source"] == expected

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import kstest
 
-from core.dp.noise import add_gaussian_noise_, privatize_grads_
+from core.dp.noise import NOISE_SOURCES, add_gaussian_noise_, noise_source, privatize_grads_
 from core.errors import ConfigError, PrivacyError
 
 
@@ -158,3 +158,60 @@ def test_invalid_arguments(kwargs: dict, name: str) -> None:
 def test_keyword_only() -> None:
     with pytest.raises(TypeError):
         add_gaussian_noise_([_param(1)], 1.0, 1.0, None)  # type: ignore[misc]
+
+
+def test_secure_mode_noise_is_gaussian_with_std_sigma_times_clip_norm() -> None:
+    """Secure mode (Opacus's four-sample sum): same distribution as the seeded path, bands as above; the KS
+    p-value is random here (no seed), so its floor is 1e-6 (a false failure once in a million runs)."""
+    sigma, clip = 1.3, 0.7
+    p = _param(100_000, grad=torch.zeros(100_000))
+    add_gaussian_noise_([p], noise_multiplier=sigma, clip_norm=clip, generator=None, secure_mode=True)
+    noise, std = p.grad.double(), sigma * clip
+    assert float(noise.std()) == pytest.approx(std, rel=0.015)
+    assert abs(float(noise.mean())) < 5 * std / math.sqrt(noise.numel())
+    assert kstest(noise.numpy() / std, "norm").pvalue > 1e-6
+
+
+def test_secure_mode_ignores_every_seed() -> None:
+    """What a rerun with the recorded seed does (torch's global seed, the same call) does not regenerate it."""
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        p = _param(64, grad=torch.zeros(64))
+        privatize_grads_(
+            [p], noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=1.0, generator=None, secure_mode=True
+        )
+        draws.append(p.grad.clone())
+    assert not torch.equal(draws[0], draws[1])
+    seeded = []
+    for _ in range(2):  # the seeded path, by contrast, is a function of its seed
+        p = _param(64, grad=torch.zeros(64))
+        add_gaussian_noise_([p], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(3))
+        seeded.append(p.grad.clone())
+    assert torch.equal(seeded[0], seeded[1])
+
+
+def test_secure_mode_refuses_a_generator_and_keeps_dtype() -> None:
+    p = _param(8, dtype=torch.float64, grad=torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="pass generator=None"):
+        add_gaussian_noise_(
+            [p], noise_multiplier=1.0, clip_norm=1.0, generator=torch.Generator().manual_seed(0), secure_mode=True
+        )
+    with pytest.raises(ConfigError, match="secure_mode must be a bool"):
+        add_gaussian_noise_([p], noise_multiplier=1.0, clip_norm=1.0, generator=None, secure_mode=1)
+    q = _param(8, dtype=torch.bfloat16)  # no grad: a noise-only gradient, in the parameter's dtype
+    add_gaussian_noise_([q], noise_multiplier=1.0, clip_norm=1.0, generator=None, secure_mode=True)
+    assert q.grad.dtype == torch.bfloat16 and bool(q.grad.ne(0).any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_secure_mode_draws_on_the_parameters_device() -> None:
+    p = torch.nn.Parameter(torch.zeros(10_000, device="cuda"))
+    p.grad = torch.zeros(10_000, device="cuda")
+    add_gaussian_noise_([p], noise_multiplier=2.0, clip_norm=1.0, generator=None, secure_mode=True)
+    assert p.grad.device.type == "cuda" and float(p.grad.std()) == pytest.approx(2.0, rel=0.05)
+
+
+def test_noise_sources_name_the_regenerable_one() -> None:
+    assert "seed kept secret" in noise_source(False) and noise_source(True).startswith("secure")
+    assert set(NOISE_SOURCES) == {"seeded", "secure"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Iterator
 
 import numpy as np
@@ -158,6 +159,24 @@ def test_same_seed_same_result_and_rng_untouched(data: SequentialDataset) -> Non
     assert not torch.equal(first.model.item_emb.weight, other.model.item_emb.weight)
 
 
+def test_secure_mode_is_not_reproducible_from_the_seed(data: SequentialDataset, monkeypatch) -> None:
+    """secure_mode: the same config and seed train different models (noise and batches from the OS CSPRNG), the
+    seeded generators are never built, and the run names its noise source; the default names the seeded one."""
+    cfg = method_config("dpformer", **TINY, epsilon=8.0, max_steps=3, secure_mode=True)
+    first, second = train_seqrec(data, cfg), train_seqrec(data, cfg)
+    assert not torch.equal(first.model.item_emb.weight, second.model.item_emb.weight)
+    assert first.ledger.epsilon == second.ledger.epsilon <= 8.0  # the same mechanism, the same accounting
+    replayed = []  # every random choice beyond init and dropout goes through secrets.randbits: replaying it replays
+    for _ in range(2):  # the run, so nothing else (no seeded generator) feeds the batches or the noise
+        draws = iter(range(1, 10_000))
+        monkeypatch.setattr(secrets, "randbits", lambda k, draws=draws: next(draws))
+        replayed.append(train_seqrec(data, cfg).model.item_emb.weight)
+    assert torch.equal(replayed[0], replayed[1])
+    assert trainer.noise_source_of(cfg).startswith("secure")
+    assert "seed kept secret" in trainer.noise_source_of(method_config("dpformer", **TINY, epsilon=8.0))
+    assert trainer.noise_source_of(method_config("transformer", **TINY, clipping="nonprivate")) == "none (non-private)"
+
+
 def test_reattention_changes_training_and_penalises_rare_items(data: SequentialDataset) -> None:
     vanilla = train_seqrec(data, method_config("transformer", **TINY, epsilon=8.0, max_steps=3))
     dpformer = train_seqrec(data, method_config("dpformer", **TINY, epsilon=8.0, max_steps=3))
@@ -251,6 +270,8 @@ def test_lr_schedule_warms_up_then_decays_linearly() -> None:
             "norm_first=False .* needs arch='transformer'",
         ),
         ({"norm_first": 1, "epsilon": 8.0}, "norm_first must be a bool"),
+        ({"secure_mode": "yes", "epsilon": 8.0}, "secure_mode must be a bool"),
+        ({"clipping": "nonprivate", "secure_mode": True}, "secure_mode=True secures the DP noise"),
         ({"epsilon": 8.0, "lr": 0.0}, "lr must be"),
         ({"epsilon": 8.0, "batch_size": 0}, "batch_size must be a positive integer"),
         ({"epsilon": 8.0, "warmup_frac": 1.0}, "warmup_frac"),
