@@ -198,7 +198,8 @@ def _record_epoch(rec: Recorder, log: EpochLog) -> None:
 
 
 def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None:
-    """Best/final metrics under both protocols (``*_masked``: history masked), each at its own best epoch."""
+    """Best/final metrics under both protocols (``*_masked``: history masked), each at its own best epoch, and
+    Re-Attention's per-block correction sizes (``reattention.block<k>.*``) where it ran."""
     best = next(log for log in result.history if log.epoch == result.best_epoch)
     best_masked = next(log for log in result.history if log.epoch == result.best_epoch_masked)
     rec.metrics(
@@ -223,6 +224,9 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
         },
         units={"train_wall_s": "s"},
     )
+    if result.correction_sizes:  # Re-Attention (dpformer): per-block correction size over the last epoch
+        nats = {name: "nats" for name in result.correction_sizes if ".correction_" in name}
+        rec.metrics(result.correction_sizes, units=nats)
     if result.ledger is not None:
         ledger = result.ledger
         rec.privacy(

@@ -24,13 +24,13 @@ Methods (Tables 1-2 and Sec. 4.3):
 al., 2017), i.e. *post-LN* blocks ``LN(x + Attn(x))``. Every transformer method above therefore sets
 ``norm_first=False``; pass ``norm_first=True`` to get the pre-LN model (``x + Attn(LN(x))``, the
 default of :class:`~core.models.SeqRecConfig` and of a bare :class:`DPTrainConfig`). The layout
-changes what Re-Attention corrects (:func:`build_reattention`): in post-LN the first attention layer
-sees the raw embedding sum ``E[x] + P``, so a rare item's effective error (Claim 5.4) reaches its key
-through ``W_K`` alone (eq. 5.5) and is not bounded; in pre-LN the block's LayerNorm divides the noisy
-embedding by its own (noise-inflated) feature std, which bounds the key variance. The logit penalty
-``C sigma^2 / 2`` also scales with ``C = |q|^2 / d_h``, which is small for post-LN's raw first-layer
-input (embeddings initialised with std ``d^-1/2``), so the post-LN first-layer correction is not
-larger across the board: only the rarest items get a larger one.
+changes what Re-Attention corrects (:func:`build_reattention`, every block): in post-LN the first
+attention sees the raw embedding sum ``E[x] + P``, so a rare item's effective error (Claim 5.4)
+reaches its key through ``W_K`` alone (eq. 5.5) and is not bounded, but the logit variance also
+scales with the raw input's small norm (embeddings initialised with std ``d^-1/2``), so the first
+post-LN block's correction is tiny except for the rarest items; every later post-LN block, and every
+pre-LN block, reads LayerNorm-ed tokens whose noise is bounded by the LayerNorm but whose norm is not
+small, and gets corrections orders of magnitude larger (docs/stages/train-dp.md has the measured sizes).
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ from torch import Tensor
 
 from core.dp.accounting import Accountant
 from core.dp.clipping import ClippingMethod
+from core.dp.propagation import BlockReAttention, EffectiveErrors
 from core.dp.reattention import (
-    KeyPropagation,
-    ReAttention,
     block_error_variance,
     embedding_error_variance,
     token_presence_frequency,
@@ -268,26 +267,19 @@ def build_reattention(
     noise_multiplier: float,
     clip_norm: float,
     expected_batch_size: float,
-) -> ReAttention:
-    """Re-Attention (Sec. 5.2) for ``model`` trained on the windows ``train_inputs``/``train_targets`` (N, L).
+) -> BlockReAttention:
+    """Re-Attention (Sec. 5.2) in every block of ``model``, trained on the windows ``train_inputs``/``train_targets``.
+
+    ``train_inputs``/``train_targets``: (N, L) item ids.
 
     Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
-    floored at ``1 / N``; block and key-projection variances: Claim 5.3; position ``j``: Claim 5.4
-    with the fraction of windows whose input is not padding at ``j`` (a padded position gets no
-    gradient). The frequencies are treated as public (Remark C.1) although computed from the data.
+    floored at ``1 / N``; every block parameter: Claim 5.3; position ``j``: Claim 5.4 with the fraction
+    of windows whose input is not padding at ``j`` (a padded position gets no gradient). The
+    frequencies are treated as public (Remark C.1) although computed from the data.
 
-    The key input of the first block is ``E[ids] + P[pos]`` (right-aligned positions, as the model):
-    pre-LN (``model.cfg.norm_first``) propagates it through the block's ``ln_attn`` and ``W_K``;
-    post-LN (App. E.2) through ``W_K`` only (eq. 5.5), the attention seeing the raw embedding sum.
-    The model multiplies the input of padding positions by 0; :class:`ReAttention` sets their key
-    variance to 0 (those keys are masked), so the un-masked moments computed there are never used.
-
-    Caveat: :class:`ReAttention` applies these *first-layer* key variances at every layer. For
-    pre-LN that is a fair proxy (every attention sees LayerNorm-ed inputs; Monte Carlo at init on
-    MovieLens-100k at epsilon 8: layer-2 keys within ~10%). For post-LN the later layers see the
-    output of a LayerNorm, whose key variance is bounded like pre-LN's, so the raw first-layer
-    variance is off there (same check: 0.05x for frequent items up to 35x for the rarest); exact
-    per-layer variances need the block-by-block propagation of :mod:`core.dp.moments`.
+    :class:`~core.dp.propagation.BlockReAttention` propagates them block by block, pre-LN or post-LN as
+    the model is built, to each block's attention logits and corrects every block by its own logit
+    variance (:mod:`core.dp.propagation`).
     """
     if not isinstance(model, TransformerSeqRec):
         raise ConfigError(f"Re-Attention needs a TransformerSeqRec (attention), got {type(model).__name__}")
@@ -298,26 +290,8 @@ def build_reattention(
     item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
     position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
     position_var = embedding_error_variance(**sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n)
-    v_block = block_error_variance(**sizes)
-    block = model.blocks[0]
     device = model.item_emb.weight.device
-    propagation = KeyPropagation(
-        item_embedding=model.item_emb.weight.detach(),
-        key_weight=block.attn.k_proj.weight.detach(),
-        key_bias=block.attn.k_proj.bias.detach(),
-        key_weight_var=v_block,
-        key_bias_var=v_block,
-        position_embedding=model.pos_emb.weight.detach(),
-        position_error_var=position_var.to(device),
-        position_alignment="right",
-        layer_norm=_key_layer_norm(model),
+    errors = EffectiveErrors(
+        item=item_var.to(device), position=position_var.to(device), block=block_error_variance(**sizes)
     )
-    return ReAttention(item_var.to(device), propagation=propagation)
-
-
-def _key_layer_norm(model: TransformerSeqRec) -> tuple[Tensor, Tensor, float] | None:
-    """The LayerNorm between the embeddings and the first keys: ``ln_attn`` for pre-LN, none for post-LN."""
-    block = model.blocks[0]
-    if not model.cfg.norm_first:
-        return None
-    return block.ln_attn.weight.detach(), block.ln_attn.bias.detach(), block.ln_attn.eps
+    return BlockReAttention(model, errors)

@@ -29,13 +29,17 @@ noise of eq. 5.4).
 
       Var[y_k] ~= (gamma_k^2 / s'^2) [ v_k (1 - 2 a_kk) + (S0 + 2 xhat_k S1 + xhat_k^2 S2) / d^2 ]
 
-  with ``S0 = sum_j v_j``, ``S1 = sum_j xhat_j v_j``, ``S2 = sum_j xhat_j^2 v_j``, and mean
-  ``~= LN(mu)``. The plain delta method has ``s'^2 = s^2``; we evaluate the prefactor at the
-  *expected* feature variance of the noisy input, ``s'^2 = s^2 + mean_j(v_j) (d - 1)/d``. Both
-  agree to first order in ``v``; ours stays bounded as the noise grows (Monte Carlo: within a
-  few % for ``v << v(mu)`` and within ~10% even at ``v = v(mu)``, where the plain delta method
-  is off by 2-10x). For isotropic noise it reads ``gamma_k^2 v / s'^2 (1 - (1 + xhat_k^2)/d)``:
-  LN rescales the noise by the token's inverse feature std. LN also makes its output
+  with ``S0 = sum_j v_j``, ``S1 = sum_j xhat_j v_j``, ``S2 = sum_j xhat_j^2 v_j``. The plain delta
+  method has ``s'^2 = s^2``; we evaluate the prefactor at the *expected* feature variance of the
+  noisy input, ``s'^2 = s^2 + mean_j(v_j) (d - 1)/d``. Both agree to first order in ``v``; ours
+  stays bounded as the noise grows (Monte Carlo: within a few % for ``v << v(mu)`` and within
+  ~10% even at ``v = v(mu)``, where the plain delta method is off by 2-10x). The mean, likewise,
+  is ``gamma (mu - m(mu)) / s' + beta``: ``LN(mu)`` to first order, and shrinking towards ``beta``
+  as the noise takes over the feature variance, as ``E[LN(X)]`` does (the noise's direction is
+  random). Downstream products of means need this: with ``LN(mu)`` itself, the pre-LN attention
+  logits' variance came out up to 2x too large for items whose noise exceeds their embedding.
+  For isotropic noise the variance reads ``gamma_k^2 v / s'^2 (1 - (1 + xhat_k^2)/d)``: LN
+  rescales the noise by the token's inverse feature std. LN also makes its output
   coordinates correlated (it projects out the ``1`` and ``xhat`` directions); for LN followed by
   a linear layer (e.g. a pre-LN key projection) :func:`layer_norm_linear_moments` propagates
   through the composed Jacobian ``W diag(gamma) J`` so that this correlation is kept.
@@ -51,6 +55,13 @@ noise of eq. 5.4).
 
 * Residual sums add means and variances (the correlation between a branch and its input is
   ignored, as in the paper's layer-wise scheme).
+* A linear read-out ``r . f(X)`` of a token, ``f`` = identity or LayerNorm
+  (:func:`projected_variance`): ``Var = sum_j r_j^2 v_j`` without LN; through LN the composed
+  Jacobian as in :func:`layer_norm_linear_moments`, for many read-outs ``r`` against many tokens at
+  once (all pairs) or one read-out per token (paired). An attention logit with its query held fixed,
+  ``tau <q_i, W_K f(X_j) + b>``, is such a read-out with ``r = tau W_K^T q_i``; pulling the query back
+  through ``W_K`` keeps the correlation that ``W_K`` gives the key's coordinates, which per-coordinate
+  key variances lose.
 """
 
 from __future__ import annotations
@@ -72,6 +83,7 @@ __all__ = [
     "layer_norm_moments",
     "linear_moments",
     "logit_variance",
+    "projected_variance",
     "relu_moments",
     "softmax_moments",
 ]
@@ -178,6 +190,7 @@ class _LayerNormLinearisation:
     """First-order expansion of LayerNorm (without affine) around the input mean, see module docstring."""
 
     xhat: torch.Tensor  # (..., d) normalised mean
+    feature_var: torch.Tensor  # (..., 1) s^2 = v(mu) + eps
     inv_var: torch.Tensor  # (..., 1) 1 / s'^2
     v: torch.Tensor  # (..., d) input variance
     s0: torch.Tensor  # (..., 1) sum_j v_j
@@ -196,6 +209,7 @@ class _LayerNormLinearisation:
         inv_var = 1.0 / (feature_var + v.mean(dim=-1, keepdim=True) * (d - 1) / d)
         return cls(
             xhat=xhat,
+            feature_var=feature_var,
             inv_var=inv_var,
             v=v,
             s0=v.sum(dim=-1, keepdim=True),
@@ -210,24 +224,32 @@ def layer_norm_moments(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    weight_var: float = 0.0,
+    bias_var: float = 0.0,
 ) -> GaussianMoments:
     """First-order (delta-method) moments of ``LayerNorm`` over the last dim (module docstring).
 
+    ``weight_var``/``bias_var``: noise variance of the LN's own affine parameters (e.g. Claim 5.3),
+    adding ``weight_var (xhat^2 + Var[xhat]) + bias_var``.
     Per-coordinate variances only: LN makes its output coordinates (negatively) correlated, which a
     following linear layer would see; use :func:`layer_norm_linear_moments` for LN -> Linear.
     """
+    _check_nonnegative("weight_var", weight_var)
+    _check_nonnegative("bias_var", bias_var)
     lin = _LayerNormLinearisation.of(x, eps)
     d = x.mean.shape[-1]
     xhat = lin.xhat
     a_diag = (1 + xhat.pow(2)) / d
     var = lin.inv_var * (lin.v * (1 - 2 * a_diag) + (lin.s0 + 2 * xhat * lin.s1 + xhat.pow(2) * lin.s2) / d**2)
-    mean = xhat
+    var = var.clamp_min(0)
+    param_var = weight_var * (xhat.pow(2) + var) + bias_var
+    mean = xhat * (lin.inv_var * lin.feature_var).sqrt()  # (mu - m(mu)) / s', LN(mu) to first order
     if weight is not None:
         mean = mean * weight
         var = var * weight.pow(2)
     if bias is not None:
         mean = mean + bias
-    return GaussianMoments(mean, var.clamp_min(0))
+    return GaussianMoments(mean, var + param_var)
 
 
 def layer_norm_linear_moments(
@@ -305,3 +327,58 @@ def logit_variance(query: torch.Tensor, key_var: torch.Tensor, *, logit_scale: f
     """
     tau = 1.0 / math.sqrt(query.shape[-1]) if logit_scale is None else float(logit_scale)
     return (tau**2) * query.pow(2).sum(dim=-1, keepdim=True) * key_var.unsqueeze(-2)
+
+
+def projected_variance(
+    x: GaussianMoments,
+    rows: torch.Tensor,
+    *,
+    layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
+    layer_norm_var: float = 0.0,
+    pairwise: bool = True,
+) -> torch.Tensor:
+    """First-order ``Var[r . f(X)]`` of read-outs ``r`` of tokens ``X``, ``f`` = identity or LayerNorm.
+
+    ``x``: per-coordinate moments of the tokens ``(..., N, d)``; ``rows``: read-outs ``(..., R, d)``
+    (leading dims broadcast). ``pairwise=True``: every read-out against every token, ``(..., R, N)``;
+    ``pairwise=False``: read-out ``n`` against token ``n`` (``R == N``), ``(..., N)``. ``layer_norm``:
+    ``(weight, bias, eps)`` of a LayerNorm applied to each token first, with the composed Jacobian of
+    :func:`layer_norm_linear_moments` (``U = r * gamma``, ``a = U 1``, ``b = U xhat``)::
+
+        Var = [sum_j U_j^2 v_j - (2 a / d) sum_j U_j v_j - (2 b / d) sum_j U_j xhat_j v_j
+               + (a^2 S0 + 2 a b S1 + b^2 S2) / d^2] / s'^2  +  sum_j r_j^2 (xhat_j^2 + 1) layer_norm_var
+
+    the last term being the noise of the LN's own weight and bias (variance ``layer_norm_var`` each).
+    Without LN: ``sum_j r_j^2 v_j``, exact for independent coordinates.
+    """
+    _check_nonnegative("layer_norm_var", layer_norm_var)
+    v = x.full_var()
+    if layer_norm is None:
+        return _readout(rows.pow(2), v, pairwise)
+    ln_weight, _, eps = layer_norm
+    lin = _LayerNormLinearisation.of(x, eps)
+    d = x.mean.shape[-1]
+    u = rows if ln_weight is None else rows * ln_weight
+    a = u.sum(dim=-1)  # (..., R)
+    b = _readout(u, lin.xhat, pairwise)  # (..., R, N) or (..., N)
+    s0, s1, s2, inv_var = (t.squeeze(-1) for t in (lin.s0, lin.s1, lin.s2, lin.inv_var))  # (..., N)
+    if pairwise:
+        a = a.unsqueeze(-1)  # (..., R, 1)
+        s0, s1, s2, inv_var = (t.unsqueeze(-2) for t in (s0, s1, s2, inv_var))  # (..., 1, N)
+    var = (
+        _readout(u.pow(2), v, pairwise)
+        - (2 / d) * a * _readout(u, v, pairwise)
+        - (2 / d) * b * _readout(u, lin.xhat * v, pairwise)
+        + (a.pow(2) * s0 + 2 * a * b * s1 + b.pow(2) * s2) / d**2
+    )
+    var = (inv_var * var).clamp_min(0)
+    if layer_norm_var:
+        var = var + layer_norm_var * _readout(rows.pow(2), lin.xhat.pow(2) + 1, pairwise)
+    return var
+
+
+def _readout(rows: torch.Tensor, tokens: torch.Tensor, pairwise: bool) -> torch.Tensor:
+    """``rows (..., R, d) . tokens (..., N, d)``: all pairs ``(..., R, N)`` or paired ``(..., N)``."""
+    if pairwise:
+        return rows @ tokens.transpose(-1, -2)
+    return (rows * tokens).sum(dim=-1)

@@ -56,9 +56,10 @@ Wiring (trainer + model; ``core.models.attention`` calls a correction that accep
     logits = score_correction(logits, query=q)   # per-query C = tau^2 |q|^2, or
     logits = score_correction(logits)            # constant C from ReAttention(..., scale=C)
 
-The same first-layer key variance is used by every layer; deeper layers would need the block
-outputs' moments, which the primitives of :mod:`core.dp.moments` can propagate inside the model's
-forward pass.
+:class:`ReAttention` uses the same first-layer key variance at every layer. The trainer instead
+corrects every block by its own propagated logit variance: :mod:`core.dp.propagation`
+(:class:`~core.dp.propagation.BlockReAttention`, built by :func:`core.dp.methods.build_reattention`),
+which carries the effective errors through every block, pre-LN and post-LN.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from core.dp.moments import (
     layer_norm_moments,
     linear_moments,
     logit_variance,
+    projected_variance,
     relu_moments,
     softmax_moments,
 )
@@ -104,6 +106,7 @@ __all__ = [
     "layer_norm_moments",
     "linear_moments",
     "logit_variance",
+    "projected_variance",
     "reattention_correction",
     "relu_moments",
     "softmax_moments",
@@ -387,8 +390,8 @@ class ReAttention:
     ``item_error_var (M+1,)``: :func:`embedding_error_variance`. ``propagation``: carries it to the
     keys (:class:`KeyPropagation`); ``None`` uses the embedding variance itself as the key variance
     (keys = embeddings, or a variance-preserving ``W_K``). Key variances at ``padding_idx`` positions
-    are set to 0 (those keys are masked). The same key variance is used at every layer unless the
-    model tracks moments layer by layer with the primitives of :mod:`core.dp.moments`.
+    are set to 0 (those keys are masked). The same key variance is used at every layer; for one
+    correction per block see :class:`core.dp.propagation.BlockReAttention`.
     """
 
     def __init__(

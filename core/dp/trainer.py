@@ -32,10 +32,12 @@ what a run used (recorded as ``privbench.noise_source``).
 **Re-Attention (Sec. 5).** For ``reattention=True`` the item embedding's effective error variance
 ``(sigma C / (q N p_i))^2`` (Claim 5.4) -- with ``p_i`` the fraction of training sequences that
 contain item ``i`` (eq. C.3), floored at ``1 / N`` for items absent from every training window --
-and the block variance ``(sigma C / (q N))^2`` (Claim 5.3) are carried to the first layer's keys by
-:class:`~core.dp.reattention.KeyPropagation` (positions: Claim 5.4 with the fraction of sequences
-reaching each position; through the first LayerNorm for pre-LN, through ``W_K`` only for post-LN).
-The per-batch correction is passed to every forward, in training and in evaluation. As in the paper
+and the block variance ``(sigma C / (q N))^2`` (Claim 5.3) are propagated block by block to every
+block's attention logits by :class:`~core.dp.propagation.BlockReAttention` (positions: Claim 5.4 with
+the fraction of sequences reaching each position), and each block's logits are corrected by half their
+propagated variance. The per-batch corrections are passed to every forward, in training and in
+evaluation; their sizes over the last epoch's training batches are returned
+(``TrainResult.correction_sizes``, :class:`~core.dp.propagation.CorrectionSizes`). As in the paper
 (Remark C.1) the frequencies are treated as **public**: they are computed here from the private
 training data and are *not* covered by the DP guarantee.
 
@@ -87,7 +89,7 @@ from core.dp.accounting import (
 from core.dp.clipping import Clipper, make_clipper
 from core.dp.methods import METHODS, DPTrainConfig, build_reattention, method_config
 from core.dp.noise import noise_source, privatize_grads_
-from core.dp.reattention import ReAttention
+from core.dp.propagation import BlockReAttention, CorrectionSizes
 from core.dp.sampling import poisson_batches, sample_rate_for
 from core.errors import ConfigError, DataError, DivergedError, PrivacyError
 from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
@@ -166,7 +168,9 @@ class TrainResult:
     The ``*_masked`` fields are the same under the history-masked protocol, at ``best_epoch_masked``
     (highest *masked* validation NDCG@10).
     ``ledger`` is None for non-private runs (``noise_multiplier`` 0). ``model`` is the trained model
-    (excluded from ``==`` and ``repr``, as is ``wall_s``).
+    (excluded from ``==`` and ``repr``, as is ``wall_s``). ``correction_sizes``: Re-Attention's
+    per-block correction sizes over the last epoch (:meth:`~core.dp.propagation.CorrectionSizes.metrics`),
+    empty without Re-Attention.
     """
 
     history: tuple[EpochLog, ...]
@@ -188,6 +192,7 @@ class TrainResult:
     config: DPTrainConfig
     wall_s: float = field(compare=False)
     model: SeqRecModel | None = field(default=None, compare=False, repr=False)
+    correction_sizes: dict[str, float] = field(default_factory=dict)
 
 
 def noise_source_of(cfg: DPTrainConfig) -> str:
@@ -330,7 +335,8 @@ class _Run:
         self.clipper: Clipper | None = None
         self.accountant: PrivacyAccountant | None = None
         self.epsilon: _EpsilonTracker | None = None
-        self.reattention: ReAttention | None = None
+        self.reattention: BlockReAttention | None = None
+        self.correction_sizes = CorrectionSizes()
         if cfg.private:
             self.accountant = require_accountant(PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta))
             self.epsilon = _EpsilonTracker(self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate)
@@ -363,24 +369,18 @@ class _Run:
                 yield batch
 
     # ------------------------------------------------------------------------------ training
-    def _correction(self, ids: Tensor) -> Corrections:
-        """Re-Attention for this batch: every block for pre-LN; the first block only for post-LN.
-
-        The propagated key variances are those of the first block's keys. Pre-LN blocks all see
-        LayerNorm-ed inputs, so they are a fair proxy there (see ``build_reattention``); post-LN blocks
-        after the first see a LayerNorm output whose variance the first block's does not describe
-        (up to 35x too large for rare items), so they are left uncorrected rather than mis-corrected.
-        """
+    def _correction(self, ids: Tensor, *, track: bool = False) -> Corrections:
+        """Re-Attention for this batch, one correction per block; ``track``: tally its size (training)."""
         if self.reattention is None:
             return None
-        correction = self.reattention.for_batch(ids)
-        if self.cfg.norm_first:
-            return correction
-        return [correction] + [None] * (self.cfg.n_layers - 1)
+        errors = self.reattention.propagate(ids)
+        if track:
+            self.correction_sizes.add(self.epoch, errors, ids)
+        return BlockReAttention.corrections(errors)
 
     def _per_sequence_loss(self, users: Tensor) -> Tensor:
         ids, targets = self.t.inputs[users], self.t.targets[users]
-        correction = self._correction(ids)
+        correction = self._correction(ids, track=True)
         logits = self.net(ids) if correction is None else self.net(ids, score_correction=correction)
         loss = sequence_loss(logits, targets, reduction="none")  # (B,)
         total, tokens = float(loss.detach().sum()), int((targets != PADDING_ID).sum())
@@ -538,6 +538,7 @@ def train_seqrec(
         ledger=ledger, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate, steps=run.step,
         n_params=sum(p.numel() for p in run.params), config=cfg,
         wall_s=time.perf_counter() - started, model=run.model.eval(),
+        correction_sizes=run.correction_sizes.metrics(),
     )  # fmt: skip
 
 

@@ -126,7 +126,7 @@ def _slow_layer_norm_linear_var(x: GaussianMoments, weight, weight_var, ln_weigh
     jac = ln_weight[:, None] * projector / expected_feature_var.sqrt()[..., None]  # (..., d, d)
     cov = jac @ torch.diag_embed(v) @ jac.transpose(-1, -2)
     from_input = torch.einsum("kd,...de,ke->...k", weight, cov, weight)
-    ln_out = torch.nn.functional.layer_norm(mu, (d,), ln_weight, ln_bias, eps)
+    ln_out = ln_weight * centred / expected_feature_var.sqrt() + ln_bias  # E[LN(x)], shrunk by the noise
     second_moment = torch.diagonal(cov, dim1=-2, dim2=-1) + ln_out.pow(2)
     return from_input + weight_var * second_moment.sum(-1, keepdim=True)
 

@@ -25,6 +25,7 @@ from core.dp.trainer import (
 )
 from core.errors import ConfigError, DataError, PrivacyError
 from core.models import SeqRecConfig, build_seqrec
+from core.models.attention import attention_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")  # Opacus RDP, extreme eps
 
@@ -182,6 +183,7 @@ def test_reattention_changes_training_and_penalises_rare_items(data: SequentialD
     dpformer = train_seqrec(data, method_config("dpformer", **TINY, epsilon=8.0, max_steps=3))
     assert vanilla.noise_multiplier == dpformer.noise_multiplier
     assert not torch.equal(vanilla.model.item_emb.weight, dpformer.model.item_emb.weight)
+    assert vanilla.correction_sizes == {} and len(dpformer.correction_sizes) == 3 * 2  # 3 sizes x 2 blocks
     # windows (N = 3): items 1 and 2 occur in 2 of them, item 3 in 1 -> item 3 has the larger variance
     inputs = torch.tensor([[1, 2, 2, 2], [2, 1, 1, 1], [3, 3, 3, 3]])
     targets = torch.tensor([[2, 2, 2, 2], [1, 1, 1, 1], [3, 3, 3, 3]])
@@ -190,14 +192,14 @@ def test_reattention_changes_training_and_penalises_rare_items(data: SequentialD
         model, torch.nn.functional.pad(inputs, (4, 0)), torch.nn.functional.pad(targets, (4, 0)),
         noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=2.0,
     )  # fmt: skip
-    assert reattention.item_error_var[3] > reattention.item_error_var[1] > 0
-    assert reattention.item_error_var[0] == 0
+    assert reattention.errors.item[3] > reattention.errors.item[1] > 0
+    assert reattention.errors.item[0] == 0
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_dpformer_trains_in_both_block_layouts(data: SequentialDataset, norm_first: bool) -> None:
-    """dpformer is post-LN by default (App. E.2) and pre-LN on request; Re-Attention follows the layout:
-    the first keys' variance is propagated through the first LayerNorm only for pre-LN."""
+    """dpformer is post-LN by default (App. E.2) and pre-LN on request; Re-Attention follows the layout,
+    corrects every block, and reports each block's correction size."""
     cfg = method_config("dpformer", **TINY, epsilon=8.0, max_steps=3, norm_first=norm_first)
     result = train_seqrec(data, cfg)
     assert result.steps == 3 and _finite(result) and result.config.norm_first is norm_first
@@ -209,9 +211,16 @@ def test_dpformer_trains_in_both_block_layouts(data: SequentialDataset, norm_fir
         model, inputs, targets, noise_multiplier=result.noise_multiplier, clip_norm=1.0,
         expected_batch_size=8.0,
     )  # fmt: skip
-    assert (reattention.propagation.layer_norm is None) is not norm_first
-    key_var = reattention.key_variance(inputs)
-    assert bool((key_var[inputs == 0] == 0).all()) and bool((key_var[inputs != 0] > 0).all())
+    errors = reattention.propagate(inputs)
+    assert len(errors) == model.cfg.n_layers == 2
+    counted = attention_mask(inputs != 0) & (inputs != 0)[:, None, :, None]  # real query, real earlier key
+    for block in errors:
+        assert bool((block.penalty[counted.expand_as(block.penalty)] > 0).all())
+    sizes = result.correction_sizes
+    names = ("correction_median", "correction_max", "attention_tv")
+    assert set(sizes) == {f"reattention.block{k}.{name}" for k in (1, 2) for name in names}
+    assert all(math.isfinite(v) and v >= 0 for v in sizes.values())
+    assert sizes["reattention.block1.correction_max"] >= sizes["reattention.block1.correction_median"]
 
 
 # --------------------------------------------------------------------------------------- learning
@@ -325,10 +334,11 @@ def test_nan_loss_stops_training_naming_the_step(data: SequentialDataset, monkey
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_reattention_corrects_every_pre_ln_block_but_only_the_first_post_ln_block(
+def test_reattention_corrects_every_block_in_both_layouts(
     data: SequentialDataset, norm_first: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The propagated variances describe the first block's keys: post-LN later blocks stay uncorrected."""
+    """The effective errors are propagated block by block (core.dp.propagation): every block, pre- and
+    post-LN, gets its own correction, in training and in evaluation."""
     from core.models.attention import CausalSelfAttention
 
     seen: list[bool] = []
@@ -342,4 +352,4 @@ def test_reattention_corrects_every_pre_ln_block_but_only_the_first_post_ln_bloc
     cfg = method_config("dpformer", **TINY, epsilon=8.0, max_steps=1, n_layers=2, norm_first=norm_first)
     train_seqrec(data, cfg)
     per_forward = [seen[i : i + 2] for i in range(0, len(seen), 2)]
-    assert per_forward and all(p == ([True, True] if norm_first else [True, False]) for p in per_forward)
+    assert per_forward and all(p == [True, True] for p in per_forward)
