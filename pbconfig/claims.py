@@ -12,7 +12,13 @@ with the run's ``method`` (its technique), ``dataset`` and its config as ``confi
 arithmetic expression of columns (``empirical_epsilon - accountant_epsilon``), giving one number per row; the rows
 of one run reduce to one number (``reduce``: mean, max or min), the runs of one seed to the newest. ``a`` (and
 ``b`` for a comparison) select the two sides by column values; ``value_b`` (optional) is side b's value when it is
-another column. ``per`` names the columns whose values are the *contexts* compared separately (the privacy budget,
+another column. ``b_source`` (optional, instead of ``b``) reads side b from another source: a peer's runs against
+ours (RecBole's SASRec against our non-private Transformer); its ``source``, ``stage``, ``techniques``, ``where``
+and ``value`` mean what they mean for the measure, every row it keeps is side b, and ``profile`` (optional) names
+the profile of its runs: without it side b reads the runs of every profile and of every chain (the report's
+``profile``, ``root`` and ``commit`` filters select our runs, not the peer's). Its seeds are never paired with
+ours (a seed number means nothing across implementations): the two sides' intervals are unpaired (Welch).
+``per`` names the columns whose values are the *contexts* compared separately (the privacy budget,
 the number of shards); a context without both sides is left out. ``require`` maps a ``per`` column to the values
 that must all be measured for a verdict (``{epsilon: [5, 8, 10]}``); contexts with other values are left out.
 ``stat`` is what the rule is applied to, per context:
@@ -102,6 +108,46 @@ def _names(expression: str) -> set[str]:
     return names
 
 
+def _check_source(source: str, stage: str | None, techniques: tuple[str, ...], where: str) -> None:
+    if source == "metrics" and not stage:
+        raise ValueError(f"source 'metrics' needs the runs' stage: set {where}stage (e.g. stage: tangent)")
+    if source != "metrics" and (stage or techniques):
+        raise ValueError(f"stage/techniques apply to source 'metrics' only, not {source!r}; use where")
+
+
+class SideSource(FrozenConfig):
+    """Side b read from another source than side a (``measure.b_source``; see the module docstring)."""
+
+    source: Literal[SOURCES]  # type: ignore[valid-type]
+    stage: str | None = None
+    techniques: tuple[str, ...] = ()
+    where: dict[str, Scalar | list[Scalar]] = Field(default_factory=dict)
+    value: str
+    profile: str | None = None  # only the runs of this profile (None: every profile)
+
+    @field_validator("value")
+    @classmethod
+    def _expression(cls, value: str) -> str:
+        if not _names(value):
+            raise ValueError(f"value {value!r} names no column")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SideSource:
+        _check_source(self.source, self.stage, self.techniques, "measure.b_source.")
+        return self
+
+    def columns(self, per: tuple[str, ...]) -> set[str]:
+        """Every column side b reads from its source (the contexts' ``per`` columns too)."""
+        return _names(self.value) | set(self.where) | set(per)
+
+    @property
+    def label(self) -> str:
+        """How the report names side b: its techniques, else its source, with its ``where``."""
+        what = ", ".join(self.techniques) or self.source
+        return f"{what}, {_side(dict(self.where))}" if self.where else what
+
+
 class Measure(FrozenConfig):
     """Which rows of the store measure the claim, and what is compared (see the module docstring)."""
 
@@ -114,6 +160,7 @@ class Measure(FrozenConfig):
     reduce: Literal["mean", "max", "min"] = "mean"
     a: dict[str, Scalar | list[Scalar]] = Field(default_factory=dict)
     b: dict[str, Scalar | list[Scalar]] | None = None
+    b_source: SideSource | None = None  # side b from another source (a peer's runs), instead of b
     per: tuple[str, ...] = ()
     require: dict[str, list[Scalar]] = Field(default_factory=dict)
     stat: Literal["value", "difference", "relative", "ratio"] = "value"
@@ -129,13 +176,15 @@ class Measure(FrozenConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> Measure:
-        if self.source == "metrics" and not self.stage:
-            raise ValueError("source 'metrics' needs the runs' stage: set measure.stage (e.g. stage: tangent)")
-        if self.source != "metrics" and (self.stage or self.techniques):
-            raise ValueError(f"stage/techniques apply to source 'metrics' only, not {self.source!r}; use where")
-        if (self.stat == "value") != (self.b is None):
+        _check_source(self.source, self.stage, self.techniques, "measure.")
+        if self.b is not None and self.b_source is not None:
+            raise ValueError("give side b as b (rows of the same source) or as b_source (another source), not both")
+        if self.b_source is not None and self.value_b is not None:
+            raise ValueError("value_b does not apply to b_source: give its value as b_source.value")
+        if (self.stat == "value") != (self.b is None and self.b_source is None):
             raise ValueError(
-                f"stat {self.stat!r} " + ("needs a side b to compare with" if self.b is None else "takes no side b")
+                f"stat {self.stat!r} "
+                + ("takes no side b" if self.stat == "value" else "needs a side b to compare with (b or b_source)")
             )
         stray = sorted(set(self.require) - set(self.per))
         if stray:
@@ -146,7 +195,7 @@ class Measure(FrozenConfig):
 
     @property
     def columns(self) -> set[str]:
-        """Every column the measure reads."""
+        """Every column the measure reads from its own source (side b's from ``b_source``: ``b_source.columns``)."""
         cols = _names(self.value) | _names(self.value_b or "0") | set(self.where) | set(self.a) | set(self.per)
         return cols | set(self.b or {})
 
@@ -197,7 +246,12 @@ class Claim(FrozenConfig):
             return f"{m.value} ({a})" if a else m.value
         b = _side(m.b or {})
         op = {"difference": "-", "relative": "/", "ratio": "/"}[m.stat]
-        label = f"{m.value}: {a} {op} {b}" if m.value_b is None else f"{m.value} ({a}) {op} {m.value_b} ({b})"
+        if m.b_source is not None:
+            label = f"{m.value}{f' ({a})' if a else ''} {op} {m.b_source.value} ({m.b_source.label})"
+        elif m.value_b is None:
+            label = f"{m.value}: {a} {op} {b}"
+        else:
+            label = f"{m.value} ({a}) {op} {m.value_b} ({b})"
         return f"{label} - 1" if m.stat == "relative" else label
 
 
@@ -259,6 +313,7 @@ __all__ = [
     "ClaimsFile",
     "Measure",
     "Rule",
+    "SideSource",
     "dotted_name",
     "load_claims",
     "load_papers",

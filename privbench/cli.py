@@ -131,8 +131,9 @@ def bench(
         typer.Option(
             "--set",
             "-s",
-            help="mpc-generation: override one setting, secure_inference.KEY=VALUE (repeatable), e.g. "
-            "secure_inference.n_layer=4 or secure_inference.methods=vanilla,merge",
+            help="override one setting (repeatable): mpc-generation secure_inference.KEY=VALUE, e.g. "
+            "secure_inference.n_layer=4 or secure_inference.methods=vanilla,merge; recbole-sasrec recbole.KEY=VALUE, "
+            "e.g. recbole.seed=1 or recbole.epochs=2",
         ),
     ] = None,
 ) -> None:

@@ -3,14 +3,17 @@
 ``evaluate_claims(db_url, profile=...)`` measures every claim of the registry and returns one ``ClaimResult`` each:
 
 1. the claim's ``measure.source`` gives rows (a ``storage.views`` view, or the scalar metrics of a stage's runs),
-   restricted by the filters (profile, root run, ...) and by ``where``; ``value`` gives one number per row;
+   restricted by the filters (profile, root run, ...) and by ``where``; ``value`` gives one number per row; a
+   ``measure.b_source`` gives side b's rows from its own source (a peer's runs: the filters' profile, root and
+   commit do not apply to it, its own ``profile`` does);
 2. rows go to side ``a`` or ``b`` and to a context (the ``per`` columns); the rows of one run reduce to one
    number per (side, context) (``reduce``); one run per (side, context, seed) counts, the newest (a seed run
    again is a repeat, not a new sample; seeds as in ``storage.leaderboard``: the run's config seed, else its
    nearest ancestor's);
 3. per context, the stat and its two-sided 95% interval: ``value``: Student t over seeds; a comparison of two
    sides run with the same seeds: the per-seed stat (paired), t over seeds; otherwise (unpaired) Welch's t for
-   the difference and the delta method on the ratio of means for ``relative``/``ratio``. One seed: no interval;
+   the difference and the delta method on the ratio of means for ``relative``/``ratio`` (always so against a
+   ``b_source``: its seeds are another implementation's). One seed: no interval;
 4. the rule decides each context and the contexts decide the claim (``pbconfig.claims``); every verdict but
    ``reproduced`` carries a one-line reason drawn from the measured numbers.
 """
@@ -27,7 +30,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from pbconfig.claims import Claim, Measure, Rule, dotted_name, load_claims
+from pbconfig.claims import Claim, Measure, Rule, SideSource, dotted_name, load_claims
 from storage import views
 from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
 
@@ -133,22 +136,25 @@ def _evaluate(expression: str, frame: pd.DataFrame) -> pd.Series:
     return out if isinstance(out, pd.Series) else pd.Series(out, index=frame.index, dtype=float)
 
 
-def _metric_rows(db_url: str | None, measure: Measure, **filters: Any) -> pd.DataFrame:
-    """Source ``metrics``: the finished runs of ``measure.stage`` (and ``techniques``) with their scalar metrics."""
+def _metric_rows(
+    db_url: str | None, stage: str | None, techniques: tuple[str, ...], columns: set[str], **filters: Any
+) -> pd.DataFrame:
+    """Source ``metrics``: the finished runs of ``stage`` (and ``techniques``) with the scalar metrics and config
+    values named in ``columns``."""
     from storage.models import Run
 
     engine, f = views._engine(db_url), views._filters(filters)
-    conditions = [Run.stage == measure.stage]
-    if measure.techniques:
-        conditions.append(Run.technique.in_(list(measure.techniques)))
+    conditions = [Run.stage == stage]
+    if techniques:
+        conditions.append(Run.technique.in_(list(techniques)))
     base = views._result_runs(engine, f, *conditions)
     base = base.rename(columns={"technique": "method"})
     base["technique"] = base["method"]
     configs = [_flat(views._config(c)) for c in base["config_json"]]
-    for key in sorted({k for c in configs for k in c} & measure.columns):
+    for key in sorted({k for c in configs for k in c} & columns):
         base[key] = [c.get(key) for c in configs]
     own = set(base.columns)
-    names = sorted(c for c in measure.columns if c not in own)
+    names = sorted(c for c in columns if c not in own)
     if base.empty:
         return base.assign(**{n: pd.Series(dtype=float) for n in names})
     return base.merge(views._metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
@@ -166,22 +172,61 @@ def _flat(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
     return out
 
 
-def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame:
-    """The rows that measure ``claim`` (after ``where``), with a ``value`` column; raises ValueError naming a
-    column the source does not have."""
-    m = claim.measure
-    frame = _metric_rows(db_url, m, **filters) if m.source == "metrics" else getattr(views, m.source)(db_url, **filters)
-    missing = sorted(c for c in m.columns if c not in frame.columns)
+def _source_rows(
+    db_url: str | None,
+    claim_id: str,
+    source: str,
+    stage: str | None,
+    techniques: tuple[str, ...],
+    columns: set[str],
+    **filters: Any,
+) -> pd.DataFrame:
+    """The rows of one source; raises ValueError naming a column of ``columns`` the source does not have."""
+    if source == "metrics":
+        frame = _metric_rows(db_url, stage, techniques, columns, **filters)
+    else:
+        frame = getattr(views, source)(db_url, **filters)
+    missing = sorted(c for c in columns if c not in frame.columns)
     if missing:
         raise ValueError(
-            f"claim {claim.id!r}: source {m.source!r} has no column(s) {', '.join(missing)}; "
+            f"claim {claim_id!r}: source {source!r} has no column(s) {', '.join(missing)}; "
             f"its columns: {', '.join(map(str, frame.columns))}"
         )
+    return frame
+
+
+def _peer_rows(
+    db_url: str | None, claim_id: str, peer: SideSource, per: tuple[str, ...], **filters: Any
+) -> pd.DataFrame:
+    """Side b's rows from ``measure.b_source`` (after its ``where``), with ``value``: the filters that select our
+    runs (profile, root, commit) give way to the peer's own ``profile``."""
+    given = {k: v for k, v in filters.items() if k not in ("profile", "root", "commit")}
+    if peer.profile is not None:
+        given["profile"] = peer.profile
+    frame = _source_rows(db_url, claim_id, peer.source, peer.stage, peer.techniques, peer.columns(per), **given)
+    frame = frame[_matches(frame, peer.where)].copy()
+    frame["value"] = _evaluate(peer.value, frame) if len(frame) else pd.Series(dtype=float)
+    return frame
+
+
+def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame:
+    """The rows that measure ``claim`` (after ``where``), with a ``value`` column (and a ``side`` column, ``a`` or
+    ``b``, when side b comes from a ``b_source``); raises ValueError naming a column a source does not have."""
+    m = claim.measure
+    frame = _source_rows(db_url, claim.id, m.source, m.stage, m.techniques, m.columns, **filters)
     frame = frame[_matches(frame, m.where)].copy()
     frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
     if m.value_b is not None and len(frame):
         in_b = _matches(frame, m.b or {}) & ~_matches(frame, m.a)
         frame.loc[in_b, "value"] = _evaluate(m.value_b, frame)[in_b]
+    if m.b_source is not None:
+        keep = list(dict.fromkeys(["run_id", "value", "dataset", *m.per]))
+        peer = _peer_rows(db_url, claim.id, m.b_source, m.per, **filters)
+        parts = [
+            p.reindex(columns=keep).assign(side=side) for p, side in ((frame[_matches(frame, m.a)], "a"), (peer, "b"))
+        ]
+        parts = [p for p in parts if len(p)]
+        frame = pd.concat(parts, ignore_index=True) if parts else frame.reindex(columns=[*keep, "side"])
     return frame[frame["value"].notna()]
 
 
@@ -227,10 +272,11 @@ def _context_name(measure: Measure, values: Sequence[Any]) -> str:
 def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict[str, _Sides]:
     """Per context: side -> {replicate: value}, the newest run per replicate, rows of a run reduced."""
     frame = frame.copy()
-    frame["side"] = np.where(_matches(frame, measure.a), "a", "")
-    if measure.b is not None:
-        in_b = _matches(frame, measure.b)
-        frame.loc[in_b & (frame["side"] == ""), "side"] = "b"
+    if measure.b_source is None:  # else claim_rows has set each row's side
+        frame["side"] = np.where(_matches(frame, measure.a), "a", "")
+        if measure.b is not None:
+            in_b = _matches(frame, measure.b)
+            frame.loc[in_b & (frame["side"] == ""), "side"] = "b"
     frame = frame[(frame["side"] != "") & _matches(frame, measure.require)]
     keys = [tuple(row) for row in frame[list(measure.per)].itertuples(index=False)]
     frame["context"] = [_context_name(measure, k) for k in keys]
@@ -268,7 +314,8 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
         ci = seed_interval(sides.a.values())
         return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
     common = sorted(set(sides.a) & set(sides.b) - {k for k in sides.a if k.startswith("run:")})
-    if len(common) >= 2 and len(common) == len(sides.a) == len(sides.b):
+    paired = measure.b_source is None  # a peer's seed 0 has nothing in common with ours
+    if paired and len(common) >= 2 and len(common) == len(sides.a) == len(sides.b):
         per_seed = [_stat(measure.stat, sides.a[k], sides.b[k]) for k in common]
         ci = seed_interval(per_seed)
         return ci.mean, ci.low, ci.high, "paired t over seeds", tuple(per_seed)
@@ -304,7 +351,7 @@ def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
         verdict = REPRODUCED if ok else NOT_REPRODUCED
         reason = "" if ok else f"worst run {fmt(worst, unit)} against the bound {bound}"
         return ContextResult("", verdict, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
-    n = n_a if measure.b is None else min(n_a, n_b)
+    n = n_a if measure.stat == "value" else min(n_a, n_b)
     above = rule.kind == "above"
     shown = f"{fmt(estimate, unit)}"
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -342,7 +389,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     per_context = _sides(rows, m, seeds)
     contexts: list[ContextResult] = []
     for name, sides in per_context.items():
-        if sides.a and (m.b is None or sides.b):  # a context without both sides is not a comparison
+        if sides.a and (m.stat == "value" or sides.b):  # a context without both sides is not a comparison
             contexts.append(replace(_decide(claim.rule, m, sides), context=name))
     for column, wanted in m.require.items():
         for value in wanted:
@@ -352,15 +399,25 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     run_ids = tuple(sorted(rows["run_id"].unique()))
     datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
     verdict, reason = _combine(contexts, claim.rule.min_n)
+    half = sorted(name or "-" for name, sides in per_context.items() if m.stat != "value" and not (sides.a and sides.b))
+    if verdict == NOT_RUN and half:
+        reason = f"only one side measured ({', '.join(half)}): {_how(claim, filters.get('profile'))}"
     return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows))
 
 
 def _how(claim: Claim, profile: str | None) -> str:
     """What to run to measure ``claim``."""
     p = f" --profile {profile}" if profile else ""
+    m = claim.measure
     if claim.stage == "bench":
-        return f"run `privbench bench dp-clipping{p}`"
-    return f"run `privbench run {claim.stage}{p}`"
+        ours = f"run `privbench bench {m.techniques[0] if m.techniques else 'dp-clipping'}{p}`"
+    else:
+        ours = f"run `privbench run {claim.stage}{p}`"
+    peer = m.b_source
+    if peer is not None and peer.stage == "bench" and peer.techniques:
+        q = f" --profile {peer.profile}" if peer.profile else ""
+        return f"{ours} and `privbench bench {peer.techniques[0]}{q}` (side b)"
+    return ours
 
 
 def _combine(contexts: Sequence[ContextResult], min_n: int) -> tuple[str, str]:

@@ -4,10 +4,11 @@ measurements, and ``run_benchmark`` (wrap, describe, store).
 Contract of a benchmark (see DESIGN.md, "Benchmarks"): a function ``fn(profile, progress, options)``
 returning a JSON-able dict; :func:`run_benchmark` adds ``benchmark``, ``profile``, ``started_at``,
 ``finished_at``, ``git_commit``, ``machine`` and ``run_id``, and records ONE run in the results store and
-MLflow (``flow="bench"``, ``stage="bench"``, ``technique=<name>``): every finite numeric leaf of the
-benchmark's dict becomes a metric named by its dotted path (``methods.phantom.step_s``), except the
-``setting`` object, which goes to the run's config (MLflow params); lists (raw samples) and strings are
-kept only in the ``result.json`` artifact, which holds the whole printed object.
+MLflow (``flow="bench"``, ``stage="bench"``, ``technique=<name>``, ``dataset`` where the spec names one):
+every finite numeric leaf of the benchmark's dict becomes a metric named by its dotted path
+(``methods.phantom.step_s``), except the ``setting`` object, which goes to the run's config (MLflow params);
+lists (raw samples) and strings are kept only in the ``result.json`` artifact, which holds the whole printed
+object.
 
 Absolute times are noisy on shared machines, so benchmarks measure the things they compare side by
 side: :func:`interleave` runs ``A B C A B C ...`` (order rotated each round by default) and keeps every
@@ -79,6 +80,7 @@ class BenchmarkSpec:
         options: names of the keyword options ``run_benchmark`` accepts for it.
         setting: optional ``setting(profile, options) -> dict``, the resolved setting recorded as the
             run's config before the benchmark starts.
+        dataset: the dataset the benchmark measures on, recorded as the run's dataset (None: none).
     """
 
     name: str
@@ -86,6 +88,7 @@ class BenchmarkSpec:
     fn: BenchFn
     options: tuple[str, ...] = ()
     setting: Callable[[str, Mapping[str, Any]], Mapping[str, Any]] | None = None
+    dataset: str | None = None
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
@@ -97,13 +100,14 @@ def register(
     *,
     options: tuple[str, ...] = (),
     setting: Callable[[str, Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    dataset: str | None = None,
 ) -> Callable[[BenchFn], BenchFn]:
     """Decorator: register ``fn`` as benchmark ``name``."""
 
     def decorate(fn: BenchFn) -> BenchFn:
         if name in BENCHMARKS and BENCHMARKS[name].fn is not fn:
             raise ConfigError(f"benchmark {name!r} is registered twice")
-        BENCHMARKS[name] = BenchmarkSpec(name, description, fn, tuple(options), setting)
+        BENCHMARKS[name] = BenchmarkSpec(name, description, fn, tuple(options), setting, dataset)
         return fn
 
     return decorate
@@ -423,7 +427,9 @@ def run_benchmark(
 
     config = {"benchmark": name, "profile": profile, "options": dict(options), "setting": setting}
     started_at, load_start = _now(), load_average()
-    with record_run(flow="bench", stage="bench", technique=name, config=config, profile=profile) as rec:
+    with record_run(
+        flow="bench", stage="bench", technique=name, dataset=spec.dataset, config=config, profile=profile
+    ) as rec:
         body = spec.fn(profile, progress, options)
         machine = machine_info(threads=(body.get("setting") or {}).get("threads"))
         machine["load_avg_at_start"] = load_start

@@ -108,6 +108,9 @@ def test_registry_loads_and_reads_columns_its_sources_have() -> None:
             assert not missing, f"{claim.id}: {m.source} has no {missing}"
         else:
             assert m.stage
+        if m.b_source is not None and m.b_source.source in VIEW_COLUMNS:
+            missing = m.b_source.columns(m.per) - set(VIEW_COLUMNS[m.b_source.source])
+            assert not missing, f"{claim.id}: b_source {m.b_source.source} has no {missing}"
 
 
 def test_registry_errors_name_the_file_and_the_bad_entry(tmp_path: Path) -> None:
@@ -301,6 +304,93 @@ def test_value_b_and_config_columns(home: Path) -> None:
     result = sc.evaluate_claim(None, tangent_dp)
     assert [c.context for c in result.contexts] == ["dp-full, target_epsilon=3"]
     assert result.contexts[0].estimate == pytest.approx(0.1) and result.verdict == sc.INCONCLUSIVE
+
+
+PEER = {
+    "source": "privacy_utility",
+    "where": {"private": False},
+    "value": "ndcg_at_10",
+    "a": {"method": "transformer"},
+    "b_source": {
+        "source": "metrics",
+        "stage": "bench",
+        "techniques": ["recbole-sasrec"],
+        "where": {"config.setting.users": None},
+        "value": "test_ndcg_at_10",
+        "profile": "paper",
+    },
+    "per": ["dataset"],
+    "require": {"dataset": ["d"]},
+    "stat": "relative",
+    "unit": "%",
+}
+
+
+def _peer_run(seed: int, ndcg: float, *, profile: str = "paper", users: int | None = None) -> None:
+    with record_run(
+        flow="bench",
+        stage="bench",
+        technique="recbole-sasrec",
+        dataset="d",
+        profile=profile,
+        config={"benchmark": "recbole-sasrec", "setting": {"seed": seed, "users": users}},
+        track=False,
+    ) as rec:
+        rec.metrics({"test_ndcg_at_10": ndcg})
+
+
+def test_side_b_from_another_source_is_a_peer(home: Path) -> None:
+    """``b_source``: side b is another source's rows (a peer's bench runs against our train-dp baseline), read
+    with its own profile whatever ours, never paired with our seeds (Welch / delta method)."""
+    claim = _claim(PEER, {"kind": "above", "bound": -0.05, "min_n": 3})
+    for seed, ndcg in enumerate((1.0, 1.1, 1.2)):
+        _train_dp("transformer", seed, ndcg, epsilon=None)
+    _train_dp("transformer", 0, 9.0, epsilon=8.0)  # private: not side a
+    _train_dp("dpformer", 1, 9.0, epsilon=None)  # another method: not side a
+    result = sc.evaluate_claim(None, claim, profile="tiny")
+    assert result.verdict == sc.NOT_RUN
+    assert "only one side measured (d)" in result.reason
+    assert "privbench bench recbole-sasrec --profile paper" in result.reason
+
+    for seed, ndcg in enumerate((1.0, 1.05, 1.1)):  # the same seed numbers as ours: still unpaired
+        _peer_run(seed, ndcg)
+    _peer_run(3, 0.1, profile="quick")  # another profile than the peer's
+    _peer_run(4, 0.1, users=150)  # a subsample, left out by b_source.where
+    result = sc.evaluate_claim(None, claim, profile="tiny")  # our profile: the peer's runs are profile paper
+    (context,) = result.contexts
+    assert context.context == "d" and context.interval == "delta method (Welch)"
+    assert context.n_a == context.n_b == 3 and result.n == 3
+    ratio, va, vb = 1.1 / 1.05, 0.01 / 3, 0.0025 / 3
+    se = ratio * math.sqrt(va / 1.1**2 + vb / 1.05**2)
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, df) * se
+    assert context.estimate == pytest.approx(ratio - 1)
+    assert (context.low, context.high) == pytest.approx((ratio - 1 - half, ratio - 1 + half))
+    assert result.verdict == sc.INCONCLUSIVE and "straddles -5.0%" in result.reason
+    assert len(result.run_ids) == 6 and result.datasets == ("d",)
+    assert claim.stat_label == "ndcg_at_10 (transformer) / test_ndcg_at_10 (recbole-sasrec, setting.users=None) - 1"
+
+    for seed in range(3):  # the peer run again with the same seeds, far below ours: the newest counts
+        _peer_run(seed, 0.5 + 0.01 * seed)
+    result = sc.evaluate_claim(None, claim, profile="tiny")
+    assert result.verdict == sc.REPRODUCED and result.contexts[0].n_b == 3
+    assert result.contexts[0].estimate == pytest.approx(1.1 / 0.51 - 1)
+
+
+def test_b_source_is_validated() -> None:
+    peer = PEER["b_source"]
+    with pytest.raises(ValueError, match="not both"):
+        _claim({**PEER, "b": {"method": "gru"}}, ABOVE)
+    with pytest.raises(ValueError, match="value_b does not apply"):
+        _claim({**PEER, "value_b": "hit_at_10"}, ABOVE)
+    with pytest.raises(ValueError, match="takes no side b"):
+        _claim({**PEER, "stat": "value"}, ABOVE)
+    with pytest.raises(ValueError, match=r"set measure\.b_source\.stage"):
+        _claim({**PEER, "b_source": {**peer, "stage": None}}, ABOVE)
+    with pytest.raises(ValueError, match="only column names"):
+        _claim({**PEER, "b_source": {**peer, "value": "open('x')"}}, ABOVE)
 
 
 def test_every_verdict_is_reachable() -> None:
