@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from core.errors import ConfigError
+from privbench.bench.dp_exactness import norm_exactness
 from privbench.bench.harness import (
     BenchmarkError,
     Progress,
@@ -298,7 +299,7 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             "order rotated each round); peak_mem_mb: growth over the state after model/data setup"
         ),
     }
-    result["exactness"] = norm_exactness(setting)
+    result["exactness"] = norm_exactness(setting)  # privbench.bench.dp_exactness
     progress.print(
         f"  exactness: Phantom per-sample norms vs a per-sample backward loop (float64, batch "
         f"{result['exactness']['batch']}): max relative error {result['exactness']['phantom_norm_max_rel_err']:.1e}"
@@ -306,40 +307,6 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
     if setting.max_batch_mem_mb != 0:
         result.update(_max_batch_search(setting, device, threads, progress))
     return result
-
-
-def norm_exactness(setting: Setting, batch: int = 4) -> dict[str, Any]:
-    """Claim 4.1's exactness at the bench's shape: the per-sample gradient norms Phantom Clipping computes (the
-    strategy the bench times) against the norms of per-sample gradients from one backward pass per sample, in
-    float64, dropout off (one forward per sample must see the same network), on ``batch`` random sequences."""
-    import torch
-
-    from core.dp.phantom import PhantomClipping
-    from core.models import SeqRecConfig, build_seqrec, sequence_loss
-
-    torch.manual_seed(setting.seed)
-    cfg = SeqRecConfig(
-        num_items=setting.items,
-        max_len=setting.seq_len,
-        d_model=setting.d_model,
-        n_heads=setting.n_heads,
-        n_layers=setting.n_layers,
-        dropout=0.0,
-        tied=True,
-    )
-    model = build_seqrec(cfg).to(torch.float64).train()
-    inputs, targets = _random_batch(setting.items, setting.seq_len, batch, setting.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    reference = []
-    for i in range(batch):
-        loss = sequence_loss(model(inputs[i : i + 1]), targets[i : i + 1], reduction="none").sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        reference.append(torch.sqrt(sum(g.pow(2).sum() for g in grads if g is not None)))
-    expected = torch.stack(reference)
-    with PhantomClipping(model) as phantom:
-        norms = phantom.per_sample_norms(sequence_loss(model(inputs), targets, reduction="none"))
-    rel = ((norms.detach() - expected).abs() / expected.clamp_min(1e-300)).max().item()
-    return {"batch": batch, "phantom_norm_max_rel_err": rel, "dtype": "float64"}
 
 
 # ------------------------------------------------------------------------------------------ max batch
