@@ -464,6 +464,7 @@ CLAIM_COLUMNS = [
     "reason",
     "interval",
     "stage",
+    "note",
     "run_ids",
 ]
 
@@ -491,6 +492,7 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
                 "reason": r.reason,
                 "interval": ", ".join(sorted({x.interval for x in r.contexts if x.verdict != NOT_RUN})),
                 "stage": c.stage,
+                "note": c.note,
                 "run_ids": list(r.run_ids),
             }
         )

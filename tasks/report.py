@@ -138,7 +138,11 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
         for r in notes:
             why = "why not" if r.verdict == NOT_REPRODUCED else "why " + r.verdict
             lines.append(f"- `{r.claim}` ({why}): {_cell(r.reason)}")
-    intervals = sorted({i for v in rows["interval"] for i in str(v).split(", ") if i})
+    noted = [r for r in rows.itertuples(index=False) if r.note]
+    if noted:
+        lines += ["", "Notes:", ""] + [f"- `{r.claim}`: {_cell(r.note)}" for r in noted]
+    names = {"all runs": "every-run bounds (no interval needed)", "none": "one seed (no interval)"}
+    intervals = sorted({names.get(i, i) for v in rows["interval"] for i in str(v).split(", ") if i})
     if intervals:
         lines += ["", f"Intervals: {'; '.join(intervals)}."]
     return [*lines, ""]
