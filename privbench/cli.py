@@ -26,7 +26,10 @@ from pbconfig.settings import get_settings
 
 # the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
 FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
-PROFILE_HELP = "run profile (configs/<name>.yaml): quick (every stage in minutes, CI) or paper (paper scale)"
+PROFILE_HELP = (
+    "run profile (configs/<name>.yaml): quick (every stage in minutes, CI), reference (models really trained, 3 "
+    "seeds, under 2 h on 2 cores) or paper (paper scale); `privbench bench` takes quick or paper"
+)
 
 app = typer.Typer(
     add_completion=False,
