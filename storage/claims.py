@@ -409,8 +409,9 @@ def _how(claim: Claim, profile: str | None) -> str:
     """What to run to measure ``claim``."""
     p = f" --profile {profile}" if profile else ""
     m = claim.measure
-    if claim.stage == "bench":
-        ours = f"run `privbench bench {m.techniques[0] if m.techniques else 'dp-clipping'}{p}`"
+    if claim.stage == "bench":  # the benchmarks have their own profiles, quick and paper
+        q = p if profile in ("quick", "paper") else ""
+        ours = f"run `privbench bench {m.techniques[0] if m.techniques else 'dp-clipping'}{q}`"
     else:
         ours = f"run `privbench run {claim.stage}{p}`"
     peer = m.b_source
