@@ -23,6 +23,11 @@ from rich.text import Text
 from core.errors import ConfigError, PrivbenchError
 from core.redact import redact_url
 from pbconfig.settings import get_settings
+from privbench.display import cell as _cell
+from privbench.display import literal as _literal
+from privbench.display import seconds as _secs
+from privbench.display import shown as _shown
+from privbench.display import verdict_table
 
 # the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
 FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
@@ -370,11 +375,7 @@ def report(
     table = result.table
     if as_json:
         print(table.to_json(orient="records", indent=2))
-    shown = Table("paper", "claim", "ours", "verdict", box=None, pad_edge=False)
-    for row in table.itertuples(index=False):
-        colour = {"reproduced": "green", "not reproduced": "red", "inconclusive": "yellow"}.get(row.verdict, "dim")
-        shown.add_row(_literal(row.paper), _literal(row.claim), _literal(row.ours[:70]), Text(row.verdict, colour))
-    err.print(shown)
+    err.print(verdict_table(table))
     counts = ", ".join(f"{n} {v}" for v, n in result.counts.items())
     err.print(_literal(f"{counts}; wrote {target} ({len(result.figures)} figures in {target.with_suffix('')}/)"))
 
@@ -584,29 +585,6 @@ def _print_summary(flow: str, summary: dict[str, Any]) -> None:
             ),
         )
     )
-
-
-def _cell(value: Any) -> Text:
-    """A table cell, shown literally."""
-    if isinstance(value, float):
-        return Text(f"{value:.6g}")
-    if isinstance(value, dict | list):
-        return _literal(json.dumps(value)[:80])
-    return _literal("" if value is None else str(value))
-
-
-def _secs(value: float | None) -> Text:
-    return Text("" if value is None else f"{value:.1f}")
-
-
-def _literal(text: str) -> Text:
-    """``text`` as it is (never read as Rich markup), with the passwords of any URLs in it redacted."""
-    return Text(redact_url(text))
-
-
-def _shown(value: Any) -> str:
-    """``value`` for an f-string that is printed as Rich markup: redacted, then escaped to show literally."""
-    return escape(redact_url(str(value)))
 
 
 def _fail(message: str, code: int = 1) -> None:
