@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,16 +15,10 @@ from core.data.sequential import SequentialDataset
 from core.dp import trainer
 from core.dp.trainer import EpochLog, method_config, train_seqrec
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = {"d_model": 16, "max_len": 8, "batch_size": 8, "lr": 1e-2, "epochs": 2, "dropout": 0.0}
 SHIFT = {"valid": 2, "test": 1}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def dataset(items: list[list[int]], n_items: int) -> SequentialDataset:

@@ -21,7 +21,6 @@ Bands (MC over 10k draws: a sample variance has relative sd ~1.5-2.5%):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,18 +32,12 @@ from core.models.attention import attention_mask
 from tests.core.dp.montecarlo import F64
 from tests.core.dp.montecarlo import gen as _gen
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_LEN = 8
 # item 9's noise variance is 16x the embedding's own (init std d^-1/2 = 0.18): rare items drown in noise
 ITEM_VAR = torch.tensor([0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 2e-4, 5e-4, 2e-3], dtype=F64)
 IDS = torch.tensor([[0, 0, 1, 5, 9, 2, 4, 10], [3, 4, 8, 10, 11, 7, 2, 1], [0, 0, 0, 6, 12, 9, 1, 3]])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(norm_first: bool, *, n_layers: int = 3, seed: int = 0) -> TransformerSeqRec:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,19 +26,13 @@ from core.errors import ConfigError, DataError, PrivacyError
 from core.models import SeqRecConfig, build_seqrec
 from core.models.attention import attention_mask
 
-pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")  # Opacus RDP, extreme eps
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning"),  # Opacus RDP, extreme eps
+    pytest.mark.usefixtures("one_thread"),
+]
 
 N_ITEMS = 20
 TINY = {"d_model": 16, "max_len": 8, "batch_size": 8, "lr": 1e-2, "epochs": 1}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models run faster on one thread, and the test machine's 2 cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def cyclic_dataset(n_users: int = 32, length: int = 10, n_items: int = N_ITEMS, seed: int = 0) -> SequentialDataset:
