@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from dashboards import tables
 from storage import leaderboard as lb
 from storage.recording import finish_run, record_run, start_run
+from tests.hand_made import record_train_dp as _train_dp
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "app.py")
 T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
@@ -49,29 +50,6 @@ def test_config_seed_is_the_shallowest() -> None:
     assert lb.config_seed({"seed": 1, "inner": {"seed": 5}}) == 1
     assert lb.config_seed({"seeds": [0, 1], "n_shards": 2}) is None
     assert lb.config_seed({"seed": True}) is None
-
-
-def _train_dp(method: str, seed: int, ndcg: float, hit: float, wall: float, *, epsilon: float | None = 8.0) -> None:
-    with record_run(
-        flow="train-dp",
-        stage="train-dp",
-        technique=method,
-        dataset="d",
-        profile="tiny",
-        config={"point": {"method": method, "seed": seed, "epsilon": epsilon, "lr": 0.005}},
-        track=False,
-    ) as rec:
-        rec.metrics({"test_ndcg_at_10": ndcg, "test_hit_at_10": hit, "train_wall_s": wall})
-        if epsilon is not None:
-            rec.privacy(
-                epsilon=epsilon,
-                delta=1e-5,
-                noise_multiplier=1.0,
-                sample_rate=0.1,
-                steps=10,
-                accountant="rdp",
-                target_epsilon=epsilon,
-            )
 
 
 def _tangent(seed: int, accuracies: dict[str, float]) -> None:

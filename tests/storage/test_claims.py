@@ -20,6 +20,7 @@ from storage import claims as sc
 from storage import view_columns
 from storage.recording import record_run
 from tests.filled_store import FilledStore
+from tests.hand_made import record_train_dp
 
 T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
 
@@ -67,26 +68,7 @@ ABOVE = {"kind": "above", "bound": 0, "min_n": 3}
 
 
 def _train_dp(method: str, seed: int, ndcg: float, epsilon: float | None = 8.0) -> None:
-    with record_run(
-        flow="train-dp",
-        stage="train-dp",
-        technique=method,
-        dataset="d",
-        profile="tiny",
-        config={"point": {"method": method, "seed": seed, "epsilon": epsilon}},
-        track=False,
-    ) as rec:
-        rec.metrics({"test_ndcg_at_10": ndcg, "test_hit_at_10": ndcg})
-        if epsilon is not None:
-            rec.privacy(
-                epsilon=epsilon,
-                delta=1e-5,
-                noise_multiplier=1.0,
-                sample_rate=0.1,
-                steps=10,
-                accountant="rdp",
-                target_epsilon=epsilon,
-            )
+    record_train_dp(method, seed, ndcg, ndcg, 1.0, epsilon=epsilon)
 
 
 def _grid(values: dict[tuple[str, float], list[float]]) -> None:

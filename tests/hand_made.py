@@ -1,0 +1,31 @@
+"""Runs recorded by hand into the store, for the tests of the read side (leaderboards, claims)."""
+
+from __future__ import annotations
+
+from storage.recording import record_run
+
+
+def record_train_dp(
+    method: str, seed: int, ndcg: float, hit: float, wall: float, *, epsilon: float | None = 8.0
+) -> None:
+    """A train-dp grid point on dataset ``d`` (profile ``tiny``) with its test metrics, and its ledger when private."""
+    with record_run(
+        flow="train-dp",
+        stage="train-dp",
+        technique=method,
+        dataset="d",
+        profile="tiny",
+        config={"point": {"method": method, "seed": seed, "epsilon": epsilon, "lr": 0.005}},
+        track=False,
+    ) as rec:
+        rec.metrics({"test_ndcg_at_10": ndcg, "test_hit_at_10": hit, "train_wall_s": wall})
+        if epsilon is not None:
+            rec.privacy(
+                epsilon=epsilon,
+                delta=1e-5,
+                noise_multiplier=1.0,
+                sample_rate=0.1,
+                steps=10,
+                accountant="rdp",
+                target_epsilon=epsilon,
+            )
