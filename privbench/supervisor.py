@@ -11,7 +11,8 @@ the flow's own process could hang for minutes. Here the parent runs no flow, so 
 3. it starts the flow process with SIGINT ignored (inherited by every worker it spawns), so that one Ctrl-C is
    handled once, here, and tracks the flow process's descendants while it runs;
 4. on the first SIGINT or SIGTERM it marks ``failed`` ("interrupted (SIGINT)", MLflow ``KILLED``) every row held
-   by the flow process tree, kills the tree, marks again (a row opened in between), sets the Prefect flow runs
+   by the flow process tree, kills the tree, marks again (a row opened in between), ends any MLflow run a killed
+   process left ``RUNNING`` after marking its row, sets the Prefect flow runs
    Cancelled, stops the API server and exits 130, within seconds; a second signal exits at once;
 5. when the flow process dies by itself (OOM killer, SIGKILL), its rows and orphaned workers are handled the same
    way, marked ``failed`` with the signal that killed it (MLflow ``FAILED``);
@@ -338,9 +339,10 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_ur
     code = child.returncode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tree.kill()
-    from storage.recording import fail_runs_of_processes
+    from storage.recording import end_mlflow_runs_of_processes, fail_runs_of_processes
 
     failed = fail_runs_of_processes(tree.pids, f"the flow process {how}", interrupted=False)
+    end_mlflow_runs_of_processes(tree.pids, interrupted=False)
     _end_prefect_runs({fr for _, fr in failed if fr}, f"the flow process {how}", api_url, cancelled=False)
     raise FlowFailed(
         f"the flow process {how} before it reported a result; {len(failed)} run(s) it held were marked failed",
@@ -350,7 +352,7 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_ur
 
 def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -> Interrupted:
     """Mark the tree's rows failed, kill the tree, mark again, cancel the Prefect flow runs; within GRACE_S."""
-    from storage.recording import fail_runs_of_processes
+    from storage.recording import end_mlflow_runs_of_processes, fail_runs_of_processes
 
     name = signal.Signals(signum).name
     watchdog = threading.Timer(GRACE_S, lambda: os._exit(130))
@@ -362,6 +364,7 @@ def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -
     failed = fail_runs_of_processes(tree.pids, reason)
     tree.kill()
     failed += fail_runs_of_processes(tree.pids, reason)
+    end_mlflow_runs_of_processes(tree.pids)  # rows a killed process marked failed before it ended their MLflow run
     flow_runs = {fr for _, fr in failed if fr} | _flow_runs_of(tree.pids)
     cancelled = _end_prefect_runs(flow_runs, reason, api_url, cancelled=True)
     echo(f"interrupted ({name}): marked {len(failed)} run(s) failed, cancelled {cancelled} Prefect flow run(s)")

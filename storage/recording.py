@@ -394,6 +394,41 @@ def fail_runs_of_processes(pids: set[int], reason: str, *, interrupted: bool = T
     return [(r[0], r[5]) for r in rows]
 
 
+def end_mlflow_runs_of_processes(pids: set[int], *, interrupted: bool = True) -> list[str]:
+    """Once these processes are gone: end the MLflow run of each of their ``failed`` rows that is still
+    ``RUNNING`` (``KILLED`` if ``interrupted``, else ``FAILED``), with the row's error as ``privbench.error``.
+
+    A process that marked a row failed and was killed before it ended the row's MLflow run (e.g. the flow process
+    failing its workers' rows on SIGTERM, then SIGKILLed) leaves exactly that; ``_fail`` in another process then
+    sees the row no longer ``running`` and leaves MLflow alone. Returns the MLflow run ids ended here."""
+    if not pids:
+        return []
+    with session_scope(get_settings().db_url) as session:
+        rows = session.execute(
+            select(Run.mlflow_run_id, Run.error).where(
+                Run.status == "failed",
+                Run.host == provenance.host(),
+                Run.pid.in_(sorted(pids)),
+                Run.mlflow_run_id.is_not(None),
+            )
+        ).all()
+    if not rows:
+        return []
+    tracker = get_tracker()
+    ended = []
+    for mlflow_run_id, error in rows:
+        try:
+            if tracker.run_status(mlflow_run_id) != "RUNNING":
+                continue
+            tracker.set_tags(mlflow_run_id, {"privbench.error": (error or "")[:5000]})
+            tracker.end_run(mlflow_run_id, "KILLED" if interrupted else "FAILED")
+        except Exception as exc:  # noqa: BLE001 -- a missing or unreachable run: the rest still get ended
+            warnings.warn(f"privbench: could not end MLflow run {mlflow_run_id}: {exc}", stacklevel=2)
+            continue
+        ended.append(mlflow_run_id)
+    return ended
+
+
 def reap_stale_runs(older_than: float | None = None) -> list[liveness.Stale]:
     """Mark ``failed`` every stale ``running`` row of the store (its process gone, or no heartbeat for
     ``older_than`` seconds; see ``storage.liveness``), store and MLflow (``FAILED``), with the reason."""

@@ -124,6 +124,10 @@ class Tracker:
     def end_run(self, run_id: str, status: str) -> None:
         self._call(lambda: self.client.set_terminated(run_id, status=status))
 
+    def run_status(self, run_id: str) -> str:
+        """``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``."""
+        return self._call(lambda: self.client.get_run(run_id).info.status)
+
     # ------------------------------------------------------------------------------------ internals
     def _get_or_create_experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)

@@ -155,6 +155,32 @@ def test_failing_a_finished_run_leaves_its_mlflow_run_finished(home: Path, mlflo
     assert MlflowClient(mlflow_uri).get_run(mlflow_run_id).info.status == "FINISHED"
 
 
+def test_a_row_failed_by_a_process_killed_before_it_ended_mlflow_gets_its_mlflow_run_ended(
+    store_url: str, mlflow_uri: str
+) -> None:
+    """The race behind an interrupted command's MLflow run left RUNNING: the flow process marks a worker's row
+    failed (SIGTERM), is SIGKILLed before it ends the MLflow run, and every later ``fail_run`` sees the row no longer
+    ``running`` and leaves MLflow alone. The supervisor's last pass ends it."""
+    proc, run_id = hold_run_in_subprocess()
+    try:
+        with session_scope(store_url) as s:  # what the killed process got as far as: the row, not MLflow
+            s.execute(update(Run).where(Run.id == run_id).values(status="failed", error="interrupted (SIGINT)"))
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    mlflow_run_id = row(store_url, run_id).mlflow_run_id
+    client = MlflowClient(mlflow_uri)
+    assert client.get_run(mlflow_run_id).info.status == "RUNNING"
+    fail_run(recording.RunRef(run_id, mlflow_run_id, "train-dp", "train-dp", None, True), "late")  # a no-op
+    assert client.get_run(mlflow_run_id).info.status == "RUNNING"
+    assert recording.end_mlflow_runs_of_processes({proc.pid}) == [mlflow_run_id]
+    ended = client.get_run(mlflow_run_id)
+    assert ended.info.status == "KILLED" and ended.data.tags["privbench.error"] == "interrupted (SIGINT)"
+    assert recording.end_mlflow_runs_of_processes({proc.pid}) == []  # idempotent
+    assert recording.end_mlflow_runs_of_processes({proc.pid + 1}) == []  # only the given processes' rows
+
+
 def test_results_reap_cli_after_a_real_sigkill(home: Path, mlflow_uri: str) -> None:
     proc, run_id = hold_run_in_subprocess()
     proc.kill()
