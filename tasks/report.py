@@ -101,6 +101,9 @@ def _provenance(profile: str | None, stages: pd.DataFrame) -> list[str]:
         lines.append(
             f"| {STAGE_TITLES.get(row.flow, row.flow)} | `{row.run_id}` | {started} | {_duration(row.duration_s)} |"
         )
+    if "benchmark" not in set(stages["flow"]) and len(stages) > 1:
+        total = _duration(float(stages["duration_s"].fillna(0).sum()))
+        lines += ["", f"The stages ran as separate commands (no benchmark chain run): {total} in all."]
     missing = [s for s in STAGE_FLOWS if s not in set(stages["flow"])]
     if missing:
         lines += ["", f"Not run in this profile: {', '.join(missing)}."]

@@ -400,6 +400,7 @@ def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, m
         assert paper in text
     assert "| claim | source | paper | ours (mean [95% interval], n) | scale | verdict | rule |" in text
     assert "Verdicts: " in text and "wall time" in text
+    assert "The stages ran as separate commands (no benchmark chain run): " in text  # their total wall time
     pngs = sorted((tmp_path / "tiny").glob("*.png"))
     assert pngs and all(f"tiny/{p.name}" in text for p in pngs)
 
