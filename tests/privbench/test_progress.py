@@ -295,6 +295,8 @@ def test_the_plans_of_the_quick_profile() -> None:
         overrides=("tangent.shards=[2]", "tangent.fig1_shards=2", "tangent.dp.regimes=[fc]", "tangent.dp.epsilons=[8]"),
     )
     assert plan("tangent", tangent) == {"prepare": 3, "tangent": 17}  # a real run recorded 20
+    seeds = load_config("quick", overrides=("tangent.seeds=[0, 1]",))
+    assert plan("tangent", seeds)["tangent"] == 1 + 2 * plan("tangent", cfg)["tangent"]  # a run over 2 seed passes
     whole = plan("benchmark", cfg)
     assert whole["benchmark"] == 1 and whole["prepare"] == 9
     assert {k: v for k, v in whole.items() if k not in ("benchmark", "prepare")} == {
