@@ -23,19 +23,23 @@ Designs (``Design``) and what each party sees
         substitution cipher over tokens: frequency analysis applies, see ``core.stip.vocab_attack``);
         P3 holds no weights at all. Bytes down are ``4 V`` per token instead of ``4 d``.
 
-Transport (``run_stip``): three OS processes (``multiprocessing``, fork by default) over loopback
-TCP sockets with a length-prefixed frame (``core.stip.wire``): 8-byte length, 4-byte header length, JSON header
-(kind, dtype, shape), raw little-endian tensor bytes. Every wait has ``timeout_s``; a party that
-dies or disconnects raises ``PartyError`` naming it and all processes are terminated.
-``run_stip_inprocess`` runs the same party objects and frames in one process (for tests and for
-timing P2 against the plaintext model on the same thread).
+Transport (``run_stip``, ``core.stip.processes``): three OS processes started with ``spawn`` (each holds only
+what it is handed, never a copy of the launcher's memory), over loopback TCP sockets with a length-prefixed frame
+(``core.stip.wire``): 8-byte length, 4-byte header length, JSON header (kind, dtype, shape), raw little-endian
+tensor bytes. Every link opens with a mutual HMAC-SHA256 challenge-response on a per-session secret (P1 hands
+P3's to P3 and P2). Every wait has ``timeout_s``; a party that dies, disconnects or fails authentication raises
+``PartyError`` naming it and all processes are terminated. ``run_stip_inprocess`` runs the same party objects and
+frames in one process (for tests and for timing P2 against the plaintext model on the same thread).
+
+Exactness (:func:`float64_exactness`): the transform is exact in real arithmetic, so the check runs the protocol
+on a float64 copy of the model and asks for a relative logit error of at most ``rtol`` (1e-9); float32 errors
+grow with the computation (depth, width, prompt length) and are reported as measured, not judged.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +51,7 @@ from torch import nn
 from core.errors import ConfigError, PrivbenchError
 from core.stip.keys import StipKeys, draw_keys
 from core.stip.transform import _arch, base_model_of, inverse_permutation, permute_model, permute_vocab
-from core.stip.wire import Link, decode_body, encode_frame, from_bytes, to_bytes
+from core.stip.wire import decode_body, encode_frame, from_bytes, to_bytes
 
 __all__ = [
     "Cloud",
@@ -57,6 +61,7 @@ __all__ = [
     "PartyTimeoutError",
     "StipResult",
     "User",
+    "float64_exactness",
     "run_stip",
     "run_stip_inprocess",
 ]
@@ -80,7 +85,9 @@ class PartyTimeoutError(PartyError):
 
 @dataclass(frozen=True, kw_only=True)
 class StipResult:
-    """Outcome of one STIP generation; logits error is vs the untransformed plaintext model."""
+    """Outcome of one STIP generation; logits errors are vs the untransformed plaintext model (the relative one
+    divides by the largest plaintext logit magnitude). ``refused_connections``: connections P2 refused for failing
+    authentication; ``holdings``: per party, every tensor its process held at the end (``run_stip(audit=True)``)."""
 
     design: str
     tokens: list[int]
@@ -94,6 +101,9 @@ class StipResult:
     bytes_p2_to_p3: int
     setup_bytes_p1_to_p2: int
     setup_bytes_p1_to_p3: int
+    max_rel_logit_error: float = float("nan")
+    refused_connections: int = 0
+    holdings: dict | None = None
 
     @property
     def tokens_match(self) -> bool:
@@ -255,11 +265,14 @@ def _plain_greedy(model: nn.Module, prompt: torch.Tensor, n_new: int) -> tuple[l
 
 
 @torch.no_grad()
-def _logit_error(model: nn.Module, prompt: torch.Tensor, tokens: list[int], logits: torch.Tensor) -> float:
-    """Teacher-forced plaintext logits on the STIP tokens vs the STIP per-step logits."""
+def _logit_error(
+    model: nn.Module, prompt: torch.Tensor, tokens: list[int], logits: torch.Tensor
+) -> tuple[float, float]:
+    """Teacher-forced plaintext logits on the STIP tokens vs the STIP per-step logits: ``(max abs, max rel)``."""
     seq = torch.cat([prompt.view(-1), torch.tensor(tokens[:-1], dtype=torch.long)]).view(1, -1)
-    plain = model(input_ids=seq).logits[0, prompt.numel() - 1 :]  # (n_new, V)
-    return float((plain.to(logits.dtype) - logits).abs().max())
+    plain = model(input_ids=seq).logits[0, prompt.numel() - 1 :].to(logits.dtype)  # (n_new, V)
+    err = float((plain - logits).abs().max())
+    return err, err / max(float(plain.abs().max()), torch.finfo(plain.dtype).tiny)
 
 
 def _validate(model: nn.Module, prompt: torch.Tensor, n_new: int, design: str) -> torch.Tensor:
@@ -296,11 +309,13 @@ def run_stip_inprocess(
         return decode_body(frame[8:])[1]
 
     tokens, logits = _generate(user, exchange, prompt, n_new)
+    abs_err, rel_err = _logit_error(model, prompt, tokens, logits)
     return StipResult(
         design=design,
         tokens=tokens,
         plain_tokens=plain_tokens,
-        max_abs_logit_error=_logit_error(model, prompt, tokens, logits),
+        max_abs_logit_error=abs_err,
+        max_rel_logit_error=rel_err,
         p2_seconds=cloud.seconds,
         p3_seconds=user.seconds,
         wall_seconds=time.perf_counter() - t_gen,
@@ -312,6 +327,28 @@ def run_stip_inprocess(
     )
 
 
+def float64_exactness(
+    model: nn.Module, prompt_ids, n_new: int, *, design: Design = "user_embed", rtol: float = 1e-9
+) -> dict[str, float]:
+    """The protocol (in process, fresh secrets) on a float64 copy of ``model`` against the float64 plaintext model.
+
+    Theorem 1 makes the permuted computation equal to the plaintext one in real arithmetic; in float64 the only
+    difference left is the order of float sums, ~1e-15 relative, so a wrong transform cannot hide under ``rtol``
+    (in float32 a correct one reaches ~1e-4 absolute on a 19-token prompt to SmolLM2-135M). Returns
+    ``float64_max_abs_err``, ``float64_max_rel_err``, ``float64_tokens_match`` and ``exact_float64`` (1.0 when the
+    relative error is at most ``rtol`` and the tokens match, else 0.0)."""
+    if not rtol > 0:
+        raise ConfigError(f"rtol must be > 0, got {rtol=}")
+    r = run_stip_inprocess(copy.deepcopy(model).double(), prompt_ids, n_new, design=design)
+    ok = r.tokens_match and r.max_rel_logit_error <= rtol
+    return {
+        "float64_max_abs_err": r.max_abs_logit_error,
+        "float64_max_rel_err": r.max_rel_logit_error,
+        "float64_tokens_match": float(r.tokens_match),
+        "exact_float64": float(ok),
+    }
+
+
 def run_stip(
     model: nn.Module,
     prompt_ids,
@@ -320,28 +357,50 @@ def run_stip(
     design: Design = "user_embed",
     keys: StipKeys | None = None,
     timeout_s: float = 60.0,
-    start_method: str = "fork",
+    audit: bool = False,
+    _start_method: str = "spawn",
     _crash: Party | None = None,
+    _wrong_key: Party | None = None,
 ) -> StipResult:
-    """Algorithm 1 with P1, P2, P3 as three processes over loopback sockets.
+    """Algorithm 1 with P1, P2, P3 as three spawned processes over authenticated loopback sockets
+    (``core.stip.processes``).
 
     ``keys``: None makes P1 draw fresh secrets in its own process (``Developer``); tests may pass their own.
     ``timeout_s`` bounds every single wait (accept, receive); the whole run is bounded by
-    ``timeout_s * (n_new + 4)``. ``_crash`` (tests only) makes that party exit abruptly mid-protocol.
+    ``timeout_s * (n_new + 4)``. ``audit``: each party also reports every tensor it holds (``holdings``).
+    Tests only: ``_start_method="fork"`` (to show what fork leaks), ``_crash`` makes that party exit abruptly
+    mid-protocol, ``_wrong_key`` makes that party present a secret its peer does not hold.
     Raises ``PartyError``/``PartyTimeoutError`` naming the failing party; no process outlives the call.
     ``wall_seconds`` is the generation phase as seen by P3; its first step may include P2 still loading.
     """
+    from core.stip.processes import run_processes
+
     prompt = _validate(model, prompt_ids, n_new, design)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s=}")
-    reports = _run_processes(model, prompt, n_new, design, keys, timeout_s, start_method, _crash)
+    if _start_method not in ("spawn", "forkserver", "fork"):
+        raise ConfigError(f"start method must be spawn, forkserver or (tests) fork, got {_start_method=!r}")
+    reports = run_processes(
+        model,
+        prompt,
+        n_new,
+        design=design,
+        keys=keys,
+        timeout_s=timeout_s,
+        start_method=_start_method,
+        audit=audit,
+        crash=_crash,
+        wrong_key=_wrong_key,
+    )
     p1, p2, p3 = reports["P1"], reports["P2"], reports["P3"]
     plain_tokens, plain_s = _plain_greedy(model, prompt, n_new)
+    abs_err, rel_err = _logit_error(model, prompt, p3["tokens"], p3["logits"])
     return StipResult(
         design=design,
         tokens=p3["tokens"],
         plain_tokens=plain_tokens,
-        max_abs_logit_error=_logit_error(model, prompt, p3["tokens"], p3["logits"]),
+        max_abs_logit_error=abs_err,
+        max_rel_logit_error=rel_err,
         p2_seconds=p2["seconds"],
         p3_seconds=p3["seconds"],
         wall_seconds=p3["wall"],
@@ -350,170 +409,6 @@ def run_stip(
         bytes_p2_to_p3=p3["down"],
         setup_bytes_p1_to_p2=p1["to_p2"],
         setup_bytes_p1_to_p3=p1["to_p3"],
+        refused_connections=p2["refused"],
+        holdings={p: r["holdings"] for p, r in reports.items()} if audit else None,
     )
-
-
-# ---------------------------------------------------------------- processes
-
-
-def _maybe_crash(party: str, crash: str | None) -> None:
-    if crash == party:
-        os._exit(3)  # simulate a party dying abruptly (tests)
-
-
-def _party_main(party: str, body: Callable[[], dict], queue) -> None:
-    try:
-        queue.put((party, "ok", to_bytes(body()), party))  # bytes: no fd-shared tensors
-    except (ConnectionError, TimeoutError) as exc:  # blame the peer named in the message
-        blame = next((p for p in ROLES if f" {p}" in str(exc)), party)
-        queue.put((party, "timeout" if isinstance(exc, TimeoutError) else "error", str(exc), blame))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises PartyError
-        queue.put((party, "error", f"{type(exc).__name__}: {exc}", party))
-
-
-def _accept(server: socket.socket, timeout_s: float, expected: str) -> socket.socket:
-    server.settimeout(timeout_s)
-    try:
-        conn, _ = server.accept()
-    except TimeoutError as exc:
-        raise TimeoutError(f"no connection from {expected} within {timeout_s} s") from exc
-    return conn
-
-
-def _p1(model, design, keys, port2, port3, timeout_s, crash) -> dict:
-    pkg2, pkg3 = Developer(model, design=design, keys=keys).packages()
-    to3 = Link(socket.create_connection(("127.0.0.1", port3), timeout=timeout_s), "P3", timeout_s)
-    to3.send("package", pkg3)  # the small package first, so P3 is not left waiting
-    _maybe_crash("P1", crash)
-    to2 = Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
-    to2.send("hello", b"P1")
-    to2.send("package", pkg2)
-    return {"to_p2": to2.sent - len(encode_frame("hello", b"P1")), "to_p3": to3.sent}
-
-
-def _p2(server, timeout_s, crash) -> dict:
-    links = {}
-    for _ in range(2):
-        link = Link(_accept(server, timeout_s, "P1 or P3"), "P1 or P3", timeout_s)
-        _, who = link.recv()
-        link.peer = who.decode()
-        links[link.peer] = link
-    kind, pkg = links["P1"].recv()
-    cloud = Cloud(pkg)
-    links["P1"].sock.close()
-    user, steps = links["P3"], 0
-    while True:
-        kind, x = user.recv()
-        if kind == "stop":
-            break
-        user.send("y", cloud.step(x))
-        steps += 1
-        if steps == 1:
-            _maybe_crash("P2", crash)
-    return {"seconds": cloud.seconds}
-
-
-def _p3(server, port2, prompt, n_new, timeout_s, crash) -> dict:
-    from_p1 = Link(_accept(server, timeout_s, "P1"), "P1", timeout_s)
-    _, pkg = from_p1.recv()
-    user = User(pkg)
-    to2 = Link(socket.create_connection(("127.0.0.1", port2), timeout=timeout_s), "P2", timeout_s)
-    to2.send("hello", b"P3")
-    hello = to2.sent
-    t0 = time.perf_counter()
-
-    def exchange(x: torch.Tensor) -> torch.Tensor:
-        to2.send("x", x)
-        _maybe_crash("P3", crash)
-        return to2.recv()[1]
-
-    tokens, logits = _generate(user, exchange, prompt, n_new)
-    wall = time.perf_counter() - t0
-    to2.send("stop")
-    return {
-        "tokens": tokens,
-        "logits": logits,
-        "seconds": user.seconds,
-        "wall": wall,
-        "up": to2.sent - hello - len(encode_frame("stop")),
-        "down": to2.received,
-    }
-
-
-def _listener() -> socket.socket:
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-    return srv
-
-
-def _collect(procs: dict, queue, deadline: float) -> dict:
-    import queue as queue_mod
-
-    reports: dict = {}
-    while len(reports) < 3:
-        try:
-            party, status, payload, blame = queue.get(timeout=0.1)
-        except queue_mod.Empty:
-            dead = [p for p, pr in procs.items() if pr.exitcode not in (None, 0) and p not in reports]
-            if dead:
-                raise PartyError(dead[0], f"process died (exit code {procs[dead[0]].exitcode})")
-            if time.monotonic() > deadline:
-                raise PartyTimeoutError(next(p for p in ROLES if p not in reports), "run exceeded its deadline")
-            continue
-        if status == "ok":
-            reports[party] = from_bytes(payload)
-            continue
-        time.sleep(0.5)  # let a dying peer's exit code settle, then prefer it as the culprit
-        dead = [p for p, pr in procs.items() if pr.exitcode not in (None, 0) and p not in reports]
-        if dead:
-            raise PartyError(dead[0], f"process died (exit code {procs[dead[0]].exitcode}); {party}: {payload}")
-        cls = PartyTimeoutError if status == "timeout" else PartyError
-        raise cls(blame, f"reported by {party}: {payload}")
-    return reports
-
-
-def _run_processes(model, prompt, n_new, design, keys, timeout_s, start_method, crash) -> dict:
-    import multiprocessing as mp
-
-    ctx = mp.get_context(start_method)
-    queue = ctx.Queue()
-    srv2, srv3 = _listener(), _listener()
-    port2, port3 = srv2.getsockname()[1], srv3.getsockname()[1]
-    bodies = {
-        "P1": (_p1, (model, design, keys, port2, port3, timeout_s, crash)),
-        "P2": (_p2, (srv2, timeout_s, crash)),
-        "P3": (_p3, (srv3, port2, prompt, n_new, timeout_s, crash)),
-    }
-    procs = {
-        p: ctx.Process(target=_party_entry, args=(p, f, a, queue, start_method), daemon=True)
-        for p, (f, a) in bodies.items()
-    }
-    try:
-        for pr in procs.values():
-            pr.start()
-        reports = _collect(procs, queue, time.monotonic() + timeout_s * (n_new + 4))
-    except BaseException:
-        for pr in procs.values():  # a failed run: stop the survivors at once
-            if pr.is_alive():
-                pr.terminate()
-        raise
-    finally:
-        for pr in procs.values():
-            pr.join(timeout=2.0)
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(timeout=2.0)
-            if pr.is_alive():
-                pr.kill()
-                pr.join()
-        srv2.close()
-        srv3.close()
-        queue.close()
-    return reports
-
-
-def _party_entry(party: str, fn: Callable, args: tuple, queue, start_method: str) -> None:
-    if start_method == "fork":  # libgomp is not fork-safe: a forked child must not use the parent's pool
-        torch.set_num_threads(1)
-    _party_main(party, lambda: fn(*args), queue)
