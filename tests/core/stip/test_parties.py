@@ -8,8 +8,8 @@ import torch
 from core.errors import ConfigError, DataError
 from core.stip.keys import draw_keys
 from core.stip.models import tiny_llama
-from core.stip.parties import Developer, PartyError, run_stip, run_stip_inprocess
-from core.stip.transform import random_permutation
+from core.stip.parties import Developer, PartyError, float64_exactness, run_stip, run_stip_inprocess
+from core.stip.transform import base_model_of, random_permutation
 from core.stip.wire import decode_body, encode_frame, from_bytes
 from tests.core.stip.tiny import stip_gpt2
 
@@ -86,6 +86,33 @@ def test_developer_rejects_keys_of_the_other_design(models):
     keys = draw_keys(models["gpt2"], "user_embed")
     with pytest.raises(ConfigError, match="do not fit design 'vocab_perm'"):
         Developer(models["gpt2"], design="vocab_perm", keys=keys)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_exact_in_float64(models, arch, design):
+    out = float64_exactness(models[arch], PROMPT, N_NEW, design=design)
+    assert out["exact_float64"] == 1.0 and out["float64_tokens_match"] == 1.0
+    assert out["float64_max_rel_err"] < 1e-12  # only the order of float sums differs
+
+
+def test_float64_check_catches_what_a_float32_tolerance_lets_through(models, monkeypatch):
+    """A transform off by one part in 1e7 (the final norm's scale) passes a fixed 1e-4 in float32; in float64 the
+    relative error is ~1e-7, far above 1e-9."""
+    import core.stip.parties as P
+
+    real = P.permute_model
+
+    def slightly_wrong(model, pi, *, rho=None):
+        out = real(model, pi, rho=rho)
+        with torch.no_grad():
+            base_model_of(out).ln_f.weight.mul_(1 + 1e-7)
+        return out
+
+    monkeypatch.setattr(P, "permute_model", slightly_wrong)
+    assert run_stip_inprocess(models["gpt2"], PROMPT, N_NEW).max_abs_logit_error < 1e-4
+    out = float64_exactness(models["gpt2"], PROMPT, N_NEW)
+    assert out["exact_float64"] == 0.0 and out["float64_max_rel_err"] > 1e-9
 
 
 def test_frame_round_trip():
