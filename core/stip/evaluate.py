@@ -30,7 +30,7 @@ from torch import nn
 
 from core.stip import attacks as A
 from core.stip import keys as K
-from core.stip.parties import run_stip, run_stip_inprocess
+from core.stip.parties import float64_exactness, run_stip, run_stip_inprocess
 from core.stip.transform import _arch, base_model_of, check_permutation
 from core.stip.vocab_attack import token_frequency_attack
 
@@ -57,7 +57,9 @@ def embedding_table(model: nn.Module) -> torch.Tensor:
 def protocol_costs(
     model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, repeats: int, timeout_s: float
 ) -> dict[str, Any]:
-    """Correctness and costs of one design (see the module docstring); every run draws fresh secrets."""
+    """Correctness and costs of one design (see the module docstring); every run draws fresh secrets. Exactness is
+    judged in float64 (``exact_float64``: relative logit error <= 1e-9, ``parties.float64_exactness``); the float32
+    errors (``max_abs_err``, ``max_rel_err``) are reported as measured."""
     res = run_stip(model, prompt, n_new, design=design, timeout_s=timeout_s)
     ratios, fractions, p2s, plains = [], [], [], []
     for _ in range(repeats):
@@ -70,6 +72,8 @@ def protocol_costs(
         "design": design,
         "tokens_match": float(res.tokens_match),
         "max_abs_err": res.max_abs_logit_error,
+        "max_rel_err": res.max_rel_logit_error,
+        **float64_exactness(model, prompt, n_new, design=design),
         "server_over_plaintext_time": statistics.median(ratios),
         "user_overhead_fraction": statistics.median(fractions),
         "p2_s": statistics.median(p2s),
