@@ -10,7 +10,8 @@ Secrets (every ``pi``, ``rho``, ``sigma``) come from the OS CSPRNG (``core.stip.
 the JSON (``setting.secret_source`` names the source); ``seed`` drives only the model, the prompt and the public
 inputs.
 
-JSON: ``ratios.server_over_plaintext_time``, ``ratios.user_overhead_fraction``, ``errors.max_abs_err``,
+JSON: ``ratios.server_over_plaintext_time``, ``ratios.user_overhead_fraction``, ``errors.max_abs_err`` (float32, as
+measured), ``errors.float64_max_rel_err`` (exactness, judged at 1e-9 by ``targets.exact_in_float64``),
 ``bytes_per_token`` (``up``: user -> cloud, ``down``: cloud -> user, per design), ``attacks.<name>.recovery_rate``
 (and what each reveals of the user's input), ``targets``.
 """
@@ -138,7 +139,11 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             "secret_source": SECRET_SOURCE,
         },
         "ratios": ratios,
-        "errors": {"max_abs_err": max_err, **{f"{k}_max_abs_err": d["max_abs_err"] for k, d in designs.items()}},
+        "errors": {
+            "max_abs_err": max_err,
+            **{f"{k}_max_abs_err": d["max_abs_err"] for k, d in designs.items()},
+            "float64_max_rel_err": max(d["float64_max_rel_err"] for d in designs.values()),
+        },
         "bytes_per_token": {
             k: {"up": d["bytes_up_per_token"], "down": d["bytes_down_per_token"]} for k, d in designs.items()
         },
@@ -152,6 +157,6 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         "targets": {
             "server_within_5pct": ratios["server_over_plaintext_time"] <= 1.05,
             "user_share_under_2pct": ratios["user_overhead_fraction"] < 0.02,
-            "max_abs_err_le_1e_4": max_err <= 1e-4,
+            "exact_in_float64": all(d["exact_float64"] == 1.0 for d in designs.values()),
         },
     }

@@ -27,6 +27,7 @@ def test_contract_keys(home, tiny) -> None:
     for key in ("server_over_plaintext_time", "user_overhead_fraction"):
         assert math.isfinite(out["ratios"][key]) and out["ratios"][key] > 0
     assert 0 <= out["errors"]["max_abs_err"] < 1e-4
+    assert out["targets"]["exact_in_float64"] and out["errors"]["float64_max_rel_err"] <= 1e-9
     assert set(out["bytes_per_token"]) == {"user_embed", "vocab_perm"}
     assert all(v["up"] > 0 and v["down"] > 0 for v in out["bytes_per_token"].values())
     assert set(out["attacks"]) == {"weight_matching", "activation_stats", "token_frequency"}
