@@ -1,5 +1,5 @@
-"""Stage 6 flow: the STIP protocol per model and design, then every attack on the permutation, one after the
-other (each protocol run starts three processes; timings want the cores to themselves)."""
+"""Stage 6 flow: the STIP protocol per model and design, then every attack on each design at every fine-tune
+noise, one after the other (each protocol run starts three processes; timings want the cores to themselves)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ STAGE = "stip"
 def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     run = open_flow_record(flow="stip", stage=STAGE, config=config, profile=profile, parent=parent)
     runs = [protocol(m, d, config, run) for m in config.models for d in (m.designs or config.designs)]
-    found = [attack(m, a, config, run) for m in config.models for a in config.attacks]
+    found = [
+        attack(m, d, config, run)
+        for m in config.models
+        if m.attacks is None or m.attacks
+        for d in (m.designs or config.designs)
+    ]
     metrics: dict[str, float] = {}
     for r in runs:
         for k in (
@@ -32,7 +37,11 @@ def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None 
         ):
             metrics[f"{r['model']}.{r['design']}.{k}"] = r[k]
     for a in found:
-        metrics[f"{a['model']}.{a['attack']}.recovery_rate"] = a["recovery_rate"]
+        for target in ("pi", "sigma", "tokens"):
+            for prior in ("checkpoint", "none", "strongest"):
+                key = f"{prior}.{target}_recovered"
+                if key in a["metrics"]:
+                    metrics[f"{a['model']}.{a['design']}.{key}"] = a["metrics"][key]
     summary = {"run_id": run.run_id, "protocol": runs, "attacks": found}
     close_flow_record(run, metrics=metrics, summary=summary)
     return summary

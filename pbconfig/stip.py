@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from pbconfig.base import FrozenConfig
 
 StipDesign = Literal["user_embed", "vocab_perm"]
-StipAttack = Literal["weight_matching", "activation_stats", "token_frequency"]
+StipAttack = Literal["checkpoint_match", "activation_stats", "frequency"]
 
 
 class StipModelSpec(FrozenConfig):
@@ -24,16 +24,21 @@ class StipModelSpec(FrozenConfig):
     designs: tuple[StipDesign, ...] | None = Field(
         None, description="designs to run on this model (None: the stage's designs)"
     )
+    attacks: tuple[StipAttack, ...] | None = Field(
+        None, description="attacks to run on this model (None: the stage's attacks; empty: none)"
+    )
 
 
 class StipConfig(FrozenConfig):
     """Stage 6: the STIP three-party permutation protocol (correctness, costs) and attacks on the permutation.
 
-    Attacks: ``weight_matching`` (P2 knows the public base checkpoint; the deployed model is the base plus a
-    simulated fine-tune of relative size ``finetune_noise``), ``activation_stats`` (P2 sees the permuted
-    activations of ``attack_queries`` queries and has reference activations of the base model on other public
-    text), ``token_frequency`` (permuted-vocabulary design: P2 sees a stream of ``stream_tokens`` substituted
-    token ids and knows public unigram frequencies).
+    Attacks (``core.stip.recovery``), each run on every design at every fine-tune noise of ``finetune_noises`` (the
+    deployed model is the public base checkpoint plus Gaussian noise of that size relative to each tensor's RMS):
+    ``checkpoint_match`` (P2 knows the public base checkpoint: ``pi`` from rho-invariant statistics of the
+    blocks, then ``sigma`` from the substituted tables or the user's tokens from the rows P3 sends),
+    ``activation_stats`` (per-coordinate statistics of ``attack_queries`` permuted inputs against the base model's),
+    ``frequency`` (no checkpoint: frequency analysis of the fixed code per token, on ``stream_tokens`` tokens of
+    public text, in both designs).
 
     ``seed`` is recorded with the run, so it drives public things only; every secret permutation is drawn fresh
     from the OS CSPRNG (``core.stip.keys``) and never recorded.
@@ -44,7 +49,7 @@ class StipConfig(FrozenConfig):
     attacks: tuple[StipAttack, ...] = get_args(StipAttack)
     prompt_len: int = Field(8, ge=1)
     gen_len: int = Field(8, ge=1)
-    finetune_noise: float = Field(0.01, ge=0.0)
+    finetune_noises: tuple[float, ...] = Field((0.0, 0.01, 0.1, 0.5), min_length=1)
     attack_queries: int = Field(64, ge=1)
     stream_tokens: int = Field(20000, ge=100)
     timing_repeats: int = Field(5, ge=1)
@@ -55,6 +60,13 @@ class StipConfig(FrozenConfig):
         description="public randomness only (model init, prompts, simulated fine-tune, corpus split); the secret "
         "permutations come from the OS CSPRNG, never from this seed",
     )
+
+    @field_validator("finetune_noises")
+    @classmethod
+    def _noises(cls, noises: tuple[float, ...]) -> tuple[float, ...]:
+        if any(n < 0 for n in noises) or len(set(noises)) != len(noises):
+            raise ValueError(f"finetune_noises must be distinct and >= 0, got {noises}")
+        return noises
 
     @field_validator("models")
     @classmethod

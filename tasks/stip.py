@@ -1,8 +1,8 @@
 """STIP tasks (stage 6): build a model, run the three-party protocol per design (correctness and costs), and run
 each attack on the permutation (recovered fraction and what it reveals of the user's input); one run each.
 
-Runs (``technique``): ``stip-<design>`` (tag ``privbench.result_group`` = ``protocol``) and ``attack-<name>``
-(``attacks``, rows in ``attack_results`` with ``recovered_fraction``).
+Runs (``technique``): ``stip-<design>`` (tag ``privbench.result_group`` = ``protocol``) and ``attacks-<design>``
+(``attacks``: every attack at every fine-tune noise, rows in ``attack_results`` with ``recovered_fraction``).
 
 Secrets: every permutation (the protocol's ``pi``, ``rho``, ``sigma`` and each attack's target) is drawn from the OS
 CSPRNG inside ``core.stip`` and never leaves it; ``cfg.seed`` drives only the model, the prompt and the corpus
@@ -10,12 +10,14 @@ split. Each run records where its secrets came from (tag ``privbench.secret_sour
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from prefect import task
 
 from core.stip import evaluate as E
+from core.stip import recovery as R
 from core.stip.keys import SECRET_SOURCE, SECRET_SOURCE_TAG
 from core.stip.models import build_model
 from pbconfig.stip import StipConfig, StipModelSpec
@@ -69,43 +71,63 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
     return {"model": spec.name, **{k: v for k, v in out.items() if k not in ("tokens", "plain_tokens")}}
 
 
+def _clean(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
 @task(name="stip-attack", **RESUMABLE)
-def attack(spec: StipModelSpec, name: str, cfg: StipConfig, parent: Any) -> dict[str, Any]:
-    """One attack on the permutation of one model (see ``core.stip.evaluate``)."""
+def attack(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> dict[str, Any]:
+    """Every attack on one design of one model at every fine-tune noise (``core.stip.recovery``): one run with the
+    recovered fractions of pi, rho, sigma and the user's tokens as metrics (``<prior>.<target>_recovered...``) and
+    one ``attack_results`` row per attack and noise (``recovered_fraction``: the secret the design hides the input
+    behind, sigma in ``vocab_perm`` and pi in ``user_embed``, or the tokens for the frequency attack there)."""
     model = _model(spec, cfg.seed)
     config = {
         "model": spec.model_dump(),
-        "attack": name,
-        "finetune_noise": cfg.finetune_noise,
+        "design": design,
+        "attacks": list(spec.attacks if spec.attacks is not None else cfg.attacks),
+        "finetune_noises": list(cfg.finetune_noises),
         "queries": cfg.attack_queries,
         "stream_tokens": cfg.stream_tokens,
     }
     with task_record(
         parent=parent,
-        technique=f"attack-{name}",
+        technique=f"attacks-{design}",
         config=config,
         dataset=spec.name,
-        run_name=f"{name} attack on {spec.name}",
+        run_name=f"attacks on STIP {design} on {spec.name}",
     ) as rec:
         rec.tag("privbench.result_group", "attacks")
         rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
-        if name == "weight_matching":
-            out = E.attack_weight_matching(model, rel_noise=cfg.finetune_noise, seed=cfg.seed)
-        elif name == "activation_stats":
-            out = E.attack_activation_stats(
-                model, n_queries=cfg.attack_queries, seq_len=cfg.prompt_len, rel_noise=cfg.finetune_noise, seed=cfg.seed
-            )
-        else:
-            stream, reference, vocab = E.corpus_streams(cfg.stream_tokens, cfg.seed)
-            out = E.attack_token_frequency(stream, reference, vocab)
-        flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
-        rec.metrics(flat)
-        rec.attack(
-            attack=f"stip_{name}",
-            target=f"stip:{spec.name}",
-            setting=name,
-            recovered_fraction=out["recovery_rate"],
-            extra={k: v for k, v in out.items() if k != "coverage_recovery"}
-            | {"coverage_recovery": {str(k): v for k, v in out.get("coverage_recovery", {}).items()}},
+        stream, reference = R.model_streams(model, cfg.stream_tokens, cfg.seed)
+        rows = R.recovery_rows(
+            model,
+            design,
+            noises=cfg.finetune_noises,
+            seed=cfg.seed,
+            stream=stream,
+            reference=reference,
+            activation_queries=cfg.attack_queries,
+            seq_len=cfg.prompt_len,
+            attacks=config["attacks"],
         )
-    return {"model": spec.name, "attack": name, **flat}
+        metrics = R.recovery_metrics(rows, cfg.finetune_noises)
+        rec.metrics(metrics)
+        for row in rows:
+            secret = "sigma" if design == "vocab_perm" else "pi"
+            value = row[f"{secret}_recovered"]
+            if math.isnan(value):
+                value = row["tokens_recovered"]
+            rec.attack(
+                attack=f"stip_{row['attack']}",
+                target=f"stip:{spec.name}",
+                setting=f"{design}, prior={row['prior']}, noise={_clean(row['noise'])}",
+                recovered_fraction=_clean(value),
+                extra={k: _clean(v) for k, v in row.items()}
+                | {
+                    "design": design,
+                    "recovery_rate": _clean(value),
+                    "input_tokens_recovered": _clean(row["tokens_recovered"]),
+                },
+            )
+    return {"model": spec.name, "design": design, "rows": rows, "metrics": metrics}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -204,17 +205,19 @@ def attack_token_frequency(
     }
 
 
-def corpus_streams(stream_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Public text as GPT-2 BPE token ids (the offline dialogue corpus): the user's stream (``stream_tokens``
-    ids, substituted by the attack) and a disjoint reference half whose unigram frequencies the attacker knows.
-    The substitution attack acts on the vocabulary alone, so GPT-2's tokenizer stands in for every model."""
+def corpus_streams(
+    stream_tokens: int, seed: int, *, encode: Callable[[str], list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Public text as token ids (the offline dialogue corpus; GPT-2 BPE unless ``encode`` is given): the user's
+    stream (``stream_tokens`` ids, substituted by the attack) and a disjoint reference half whose unigram
+    frequencies the attacker knows. The third value is GPT-2's vocabulary size (meaningful for GPT-2 ids)."""
     from core.models.gpt2 import GPT2_VOCAB
     from core.mpc.textdata import gpt2_tokenizer, text_pairs
 
-    tok = gpt2_tokenizer()
+    encode = encode or gpt2_tokenizer().encode
     _, pairs = text_pairs("auto")
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     halves = [order[0::2], order[1::2]]  # seeded random halves: both from the same distribution of topics
-    user = torch.tensor([t for i in halves[0] for t in tok.encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
-    public = torch.tensor([t for i in halves[1] for t in tok.encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
+    user = torch.tensor([t for i in halves[0] for t in encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
+    public = torch.tensor([t for i in halves[1] for t in encode(pairs[i][0] + " " + pairs[i][1])], dtype=torch.long)
     return user[:stream_tokens], public, GPT2_VOCAB

@@ -3,6 +3,10 @@
 In the ``vocab_perm`` design P2 sees the user's tokens through a secret vocabulary permutation ``sigma``: a
 substitution cipher. :func:`token_frequency_attack` ranks the observed ids by count against public unigram
 frequencies (plus optional bigram context, matched by Hungarian assignment) and scores the recovered ``sigma``.
+
+:func:`fixed_code_frequency_attack` runs the same analysis on every design where P2 sees a fixed code per token:
+in ``user_embed`` P3 sends each token as the row ``E[t][pi]``, the same row every time, so P2 numbers the distinct
+rows it sees and holds a substituted token stream without knowing ``pi`` or any checkpoint.
 The attacks on the model-dimension permutation ``pi`` are in :mod:`core.stip.attacks`.
 """
 
@@ -17,7 +21,7 @@ import torch
 from core.errors import ConfigError
 from core.stip.attacks import as_permutation, hungarian, recovery_rate
 
-__all__ = ["TokenFrequencyResult", "token_frequency_attack"]
+__all__ = ["FixedCodeResult", "TokenFrequencyResult", "fixed_code_frequency_attack", "token_frequency_attack"]
 
 
 @dataclass
@@ -161,3 +165,54 @@ def token_frequency_attack(
         n_observed_types=int((obs_counts > 0).sum()),
         n_stream=int(obs.size),
     )
+
+
+@dataclass
+class FixedCodeResult:
+    """Outcome of :func:`fixed_code_frequency_attack`."""
+
+    decoded: np.ndarray  # guessed token per stream position
+    token_recovery_rate: float | None  # fraction of stream positions decoded right (when the truth is given)
+    n_codes: int  # distinct codes (rows) seen
+    n_stream: int
+
+
+def fixed_code_frequency_attack(
+    observed_rows: object,
+    reference_frequencies: object,
+    vocab_size: int,
+    *,
+    true_tokens: object | None = None,
+    reference_stream: object | None = None,
+    n_anchors: int = 64,
+    refine_top: int = 1000,
+) -> FixedCodeResult:
+    """Frequency analysis of a stream of fixed codes: ``observed_rows`` ``(n, d)`` (or ``(n,)`` ids), one per
+    token of the user's stream. Equal rows get one code id (numbered in order of first appearance), and the code
+    stream is attacked as a substitution cipher (:func:`token_frequency_attack`, same public statistics)."""
+    rows = observed_rows.detach() if isinstance(observed_rows, torch.Tensor) else torch.as_tensor(observed_rows)
+    if rows.dim() == 1:
+        rows = rows[:, None]
+    if rows.dim() != 2 or rows.shape[0] == 0:
+        raise ConfigError(f"observed_rows must be (n, d) with n >= 1, got shape {tuple(rows.shape)}")
+    _, codes = torch.unique(rows, dim=0, return_inverse=True)
+    codes = codes.numpy().astype(np.int64)
+    n_codes = int(codes.max()) + 1
+    if n_codes > vocab_size:
+        raise ConfigError(f"{n_codes} distinct codes but vocab_size={vocab_size}; a code per token cannot exceed V")
+    res = token_frequency_attack(
+        codes,
+        reference_frequencies,
+        vocab_size,
+        reference_stream=reference_stream,
+        n_anchors=n_anchors,
+        refine_top=refine_top,
+    )
+    decoded = res.decode[codes]
+    rate = None
+    if true_tokens is not None:
+        tt = _as_ids(true_tokens, "true_tokens", vocab_size)
+        if tt.shape[0] != decoded.shape[0]:
+            raise ConfigError(f"true_tokens has {tt.shape[0]} tokens but observed_rows has {decoded.shape[0]} rows")
+        rate = float(np.mean(decoded == tt))
+    return FixedCodeResult(decoded, rate, n_codes, int(codes.shape[0]))

@@ -4,7 +4,8 @@ attacks on its permutation.
 Timing: the three parties run in one process on the same thread (``run_stip_inprocess``), so P2's seconds and the
 plaintext model's seconds are measured side by side; the median over ``repeats`` of the per-repeat ratio is
 reported. Bytes per generated token come from one run with three processes over loopback sockets. Attacks as
-``core.stip.evaluate``; the token-frequency attack uses the offline dialogue corpus in GPT-2 BPE ids.
+``core.stip.recovery``, on both designs at fine-tune noise 0, 1%, 10% and 50%; the user's text is the offline
+dialogue corpus in the model's own tokenizer.
 
 Secrets (every ``pi``, ``rho``, ``sigma``) come from the OS CSPRNG (``core.stip.keys``), fresh per run and never in
 the JSON (``setting.secret_source`` names the source); ``seed`` drives only the model, the prompt and the public
@@ -18,6 +19,7 @@ measured), ``errors.float64_max_rel_err`` (exactness, judged at 1e-9 by ``target
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,7 +36,7 @@ class Setting:
     prompt_len: int = 8
     gen_len: int = 8
     repeats: int = 5
-    finetune_noise: float = 0.01
+    finetune_noises: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5)
     attack_queries: int = 64
     stream_tokens: int = 20000
     timeout_s: float = 600.0
@@ -69,6 +71,31 @@ def _model(setting: Setting) -> Any:
     return spec, build_model(
         spec.source, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head, seed=setting.seed
     )
+
+
+def _json_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+
+
+def _by_attack(recovery: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per attack, the best it recovers over designs and noises: ``recovery_rate`` (the secret: pi, or sigma in
+    ``vocab_perm``, or the tokens where it targets neither) and ``input_tokens_recovered``."""
+    out: dict[str, dict[str, float]] = {}
+    for design, found in recovery.items():
+        secret = "sigma_recovered" if design == "vocab_perm" else "pi_recovered"
+        for row in found["rows"]:
+            value = row[secret] if row[secret] is not None else row["tokens_recovered"]
+            best = out.setdefault(row["attack"], {"recovery_rate": 0.0, "input_tokens_recovered": 0.0})
+            best["recovery_rate"] = max(best["recovery_rate"], value or 0.0)
+            best["input_tokens_recovered"] = max(best["input_tokens_recovered"], row["tokens_recovered"] or 0.0)
+    return out
+
+
+def _worst(recovery: Mapping[str, Any], design: str, target: str) -> float:
+    """The public-checkpoint attack's worst recovery of ``target`` in ``design`` over the noises <= 10%."""
+    cells = recovery.get(design, {}).get("table", {}).get("checkpoint", {}).get(target, {})
+    low = [v for n, v in cells.items() if float(n) <= 0.1 + 1e-12]
+    return min(low) if low else math.nan
 
 
 @register(
@@ -109,20 +136,28 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             f"  {design}: P2/plaintext {designs[design]['server_over_plaintext_time']:.3f}, user share "
             f"{designs[design]['user_overhead_fraction']:.4f}, max err {designs[design]['max_abs_err']:.2e}"
         )
-    attacks = {
-        "weight_matching": E.attack_weight_matching(model, rel_noise=setting.finetune_noise, seed=setting.seed),
-        "activation_stats": E.attack_activation_stats(
+    from core.stip import recovery as R
+
+    stream, reference = R.model_streams(model, setting.stream_tokens, setting.seed)
+    recovery = {}
+    for design in designs:
+        rows = R.recovery_rows(
             model,
-            n_queries=setting.attack_queries,
-            seq_len=setting.prompt_len,
-            rel_noise=setting.finetune_noise,
+            design,
+            noises=setting.finetune_noises,
             seed=setting.seed,
-        ),
-    }
-    stream, reference, vocab = E.corpus_streams(setting.stream_tokens, seed=0)  # the corpus split of StipConfig's seed
-    attacks["token_frequency"] = E.attack_token_frequency(stream, reference, vocab)
-    for name, a in attacks.items():
-        progress.print(f"  attack {name}: recovery {a['recovery_rate']:.3f}")
+            stream=stream,
+            reference=reference,
+            activation_queries=setting.attack_queries,
+            seq_len=setting.prompt_len,
+        )
+        recovery[design] = {
+            "table": R.recovery_table(rows, setting.finetune_noises),
+            "rows": [_json_row(r) for r in rows],
+        }
+        for prior, targets in recovery[design]["table"].items():
+            progress.print(f"  {design} {prior}: " + ", ".join(f"{t} {c}" for t, c in targets.items()))
+    attacks = _by_attack(recovery)
     main = designs["user_embed"]
     ratios = {
         "server_over_plaintext_time": main["server_over_plaintext_time"],
@@ -150,13 +185,13 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         "designs": {
             k: {kk: v for kk, v in d.items() if kk not in ("tokens", "plain_tokens")} for k, d in designs.items()
         },
-        "attacks": {
-            k: {kk: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for kk, v in a.items()}
-            for k, a in attacks.items()
-        },
+        "recovery": recovery,
+        "attacks": attacks,
         "targets": {
             "server_within_5pct": ratios["server_over_plaintext_time"] <= 1.05,
             "user_share_under_2pct": ratios["user_overhead_fraction"] < 0.02,
             "exact_in_float64": all(d["exact_float64"] == 1.0 for d in designs.values()),
+            "checkpoint_sigma_ge_99pct_up_to_10pct": _worst(recovery, "vocab_perm", "sigma") >= 0.99,
+            "checkpoint_tokens_ge_99pct_up_to_10pct": _worst(recovery, "user_embed", "tokens") >= 0.99,
         },
     }

@@ -19,6 +19,7 @@ TINY = StipConfig(
     gen_len=2,
     attack_queries=8,
     stream_tokens=2000,
+    finetune_noises=(0.1,),
     timing_repeats=1,
     party_timeout_s=120,
 )
@@ -36,10 +37,18 @@ def test_stip_flow_records_protocol_and_attacks(home: Path) -> None:
     vocab = next(r for r in summary["protocol"] if r["design"] == "vocab_perm")
     assert vocab["bytes_down_per_token"] > 50257 * 4  # logits over the whole (substituted) vocabulary come back
     _, rows = repo.query(
-        "select a.attack, a.recovered_fraction from attack_results a join runs r on r.id = a.run_id "
+        "select a.attack, a.setting, a.recovered_fraction from attack_results a join runs r on r.id = a.run_id "
         "where r.stage = 'stip' order by a.attack"
     )
-    found = dict(rows)
-    assert set(found) == {"stip_weight_matching", "stip_activation_stats", "stip_token_frequency"}
-    assert found["stip_weight_matching"] == 1.0  # a fine-tuned copy of a public checkpoint gives pi away
-    assert all(0.0 <= v <= 1.0 for v in found.values())
+    assert {a for a, _, _ in rows} == {"stip_checkpoint_match", "stip_activation_stats", "stip_frequency"}
+    assert all(v is None or 0.0 <= v <= 1.0 for _, _, v in rows)
+    # a fine-tuned copy of a public checkpoint gives pi (user_embed) and sigma (vocab_perm) away
+    assert [v for a, _, v in rows if a == "stip_checkpoint_match"] == [1.0, 1.0]
+    by_design = {a["design"]: a["metrics"] for a in summary["attacks"]}
+    assert set(by_design) == {"user_embed", "vocab_perm"}
+    for metrics in by_design.values():
+        assert metrics["checkpoint.tokens_recovered.noise_10pct"] >= 0.99
+        assert metrics["strongest.tokens_recovered"] >= metrics["none.tokens_recovered"] > 0
+    assert by_design["vocab_perm"]["checkpoint.sigma_recovered.up_to_10pct"] >= 0.99
+    _, flow_metrics = repo.query("select m.name from metrics m where m.run_id = :r", {"r": summary["run_id"]})
+    assert "gpt2-tiny.user_embed.strongest.tokens_recovered" in {k for (k,) in flow_metrics}

@@ -149,18 +149,18 @@ def test_two_runs_draw_different_secrets_and_record_none(home: Path, tmp_path: P
         summaries.append(stip_flow(base.TINY, profile="tiny"))
         counts.append(len(drawn))
     first, second = drawn[: counts[0]], drawn[counts[0] :]
-    # per run: in-process protocol repeat (pi, rho, + sigma for vocab_perm) and the three attacks' targets
+    # per run: in-process protocol repeat (pi, rho, + sigma for vocab_perm) and each design's attack targets
     assert len(first) == len(second) >= 2 + 3 + 3
     assert [p.numel() for p in first] == [p.numel() for p in second]
     assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True)), "a rerun reproduced a secret"
     assert len({tuple(p.tolist()) for p in drawn}) == len(drawn)  # no two draws alike, within a run either
     for s in summaries:  # the protocol and the attacks still work on CSPRNG secrets
         assert all(r["tokens_match"] == 1.0 for r in s["protocol"])
-        assert next(a for a in s["attacks"] if a["attack"] == "weight_matching")["recovery_rate"] == 1.0
+        assert next(a for a in s["attacks"] if a["design"] == "user_embed")["metrics"]["checkpoint.pi_recovered"] == 1.0
 
     repo = ResultsRepository()
     ml_text, artifacts = _mlflow_text(repo, tmp_path / "artifacts")
-    assert ml_text.count(f"{K.SECRET_SOURCE_TAG}={K.SECRET_SOURCE}") == 2 * (2 + 3)  # protocol and attack runs
+    assert ml_text.count(f"{K.SECRET_SOURCE_TAG}={K.SECRET_SOURCE}") == 2 * (2 + 2)  # protocol and attack runs
     texts = [_store_text(repo), ml_text]
     blobs = artifacts + _home_bytes(home)
     assert '"seed":0' in texts[0]  # the config seed is recorded (it drives public things only) ...
