@@ -19,6 +19,9 @@ Methods (:class:`ClippingMethod`):
 * ``nonprivate``: plain ``sum_i L_i`` backward, no clipping (baseline).
 * ``phantom``: :class:`core.dp.phantom.PhantomClipping` (norms without per-sample gradients, tied
   embeddings included, book-keeping instead of a second backward).
+* ``ghost_tied``: the paper's baseline (Fig. 3), Ghost Clipping extended to the shared embedding
+  (:class:`core.dp.ghost_tied.GhostTiedClipping`: the tied embedding's norm from (B, L+M, L+M) Gram
+  matrices, O(B M^2) memory); exact, slow for a large vocabulary M.
 * ``opacus_hooks``: Opacus ``GradSampleModule`` materialises per-sample gradients (a tied embedding
   works: its grad samples from both uses are summed).
 * ``opacus_ghost``: Opacus 1.6 ``GradSampleModuleFastGradientClipping`` (ghost norms, then a second
@@ -39,6 +42,7 @@ import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 from torch import Tensor, nn
 
+from core.dp.ghost_tied import GhostTiedClipping
 from core.dp.phantom import PhantomClipping
 from core.errors import ConfigError, DataError, PrivacyError
 
@@ -50,6 +54,7 @@ class ClippingMethod(str, Enum):
 
     NONPRIVATE = "nonprivate"
     PHANTOM = "phantom"
+    GHOST_TIED = "ghost_tied"  # the paper's baseline: Ghost Clipping over the shared embedding's L + M lookups
     OPACUS_HOOKS = "opacus_hooks"
     OPACUS_GHOST = "opacus_ghost"
     LOOP = "loop"  # brute-force reference
@@ -192,9 +197,11 @@ class _DPClipper:
 class PhantomClipper(_DPClipper):
     """Phantom Clipping (Sec. 4.2): exact norms incl. tied embeddings, then book-keeping."""
 
+    clipping: type[PhantomClipping] = PhantomClipping
+
     def __init__(self, model: nn.Module, **settings: float) -> None:
         super().__init__(model, **settings)
-        self.phantom = PhantomClipping(model)
+        self.phantom = self.clipping(model)
 
     def backward(self, per_sample_loss: Tensor) -> Tensor:
         check_per_sample_loss(per_sample_loss)
@@ -204,6 +211,12 @@ class PhantomClipper(_DPClipper):
 
     def close(self) -> None:
         self.phantom.remove()
+
+
+class GhostTiedClipper(PhantomClipper):
+    """The paper's baseline: Ghost Clipping extended to the shared embedding (O(B M^2) memory)."""
+
+    clipping = GhostTiedClipping
 
 
 class LoopClipper(_DPClipper):
@@ -359,6 +372,7 @@ def make_clipper(
     settings = {"clip_norm": float(clip_norm), "normalize": normalize, "gamma": float(gamma)}
     classes: dict[ClippingMethod, type[_DPClipper]] = {
         ClippingMethod.PHANTOM: PhantomClipper,
+        ClippingMethod.GHOST_TIED: GhostTiedClipper,
         ClippingMethod.OPACUS_HOOKS: OpacusHooksClipper,
         ClippingMethod.OPACUS_GHOST: OpacusGhostClipper,
         ClippingMethod.LOOP: LoopClipper,

@@ -25,6 +25,14 @@ of a recurrent cell, which are concatenated along T):
   ``grad e_c``), evaluated above as a gather of G's columns at the input ids times the (L, L)
   Gram matrix of Ge with H. Extra memory O(B L^2); nothing of size O(B M d) is formed.
 
+  Mixed choice (Bu et al.'s mixed ghost clipping, applied to Claim 4.1): the ghost form of
+  ``||grad e_c||^2`` and of the cross term costs about ``L^2 (M + 2 d)`` per sample, materialising
+  ``grad e_c = G^T H`` (M, d) costs ``L d M``; when the latter is cheaper (L > d M / (M + 2 d), e.g.
+  L = 200, d = 64) eq. 4.1 is evaluated with ``grad e_c`` materialised, a chunk of samples at a time
+  (at most about an eighth of G's memory): ``||grad e_c||^2`` directly and the cross term
+  ``<grad e_s, a grad e_c>`` as the paper writes it, a gather of rows x_t of ``grad e_c``
+  (O(L d)). The first term stays the ghost norm; the weighted sum stays factored either way.
+
 Algorithm ("book-keeping", Bu et al. 2023). Forward hooks record each supported module's input
 and output. :meth:`PhantomClipping.per_sample_norms` runs **one** backward,
 ``torch.autograd.grad(sum_i L_i, module outputs)``: since no parameter is requested, autograd skips
@@ -38,19 +46,25 @@ Requirements: every trainable parameter belongs to an ``nn.Linear``, ``nn.Embedd
 ``nn.LayerNorm`` (or a subclass that keeps its ``forward``, e.g. Opacus' ``RNNLinear``) and is
 used only through those modules' calls (a parameter also used functionally, e.g.
 ``F.linear(h, emb.weight)``, would be missed; tie by sharing the Parameter between modules
-instead); samples interact only through the loss sum (no BatchNorm); module inputs and outputs
-are not modified in place after the call; dimension 0 of every hooked input is the batch.
+instead); samples interact only through the loss sum (no BatchNorm); module inputs are not
+modified in place after the call (outputs may be: their gradient is taken at the autograd edge
+where the module produced them, and the output tensors are not kept, so the logits are freed as
+in a regular step); dimension 0 of every hooked input is the batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Self, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from core.errors import ConfigError, PrivacyError
 
@@ -82,9 +96,26 @@ _Use = _LinearUse | _EmbeddingUse | Tensor  # a Tensor is a materialised per-sam
 class _Call:
     module: nn.Module
     input: Tensor
-    output: Tensor
+    output: GradientEdge | Tensor  # an edge where possible: a large output (the logits) is not kept alive
+    output_shape: torch.Size
     input_version: int
-    output_version: int
+    output_version: int | None  # None for an edge (see _output_handle)
+
+
+def _output_handle(output: Tensor) -> GradientEdge | Tensor:
+    """What to differentiate the loss against for a module output, without keeping the output alive.
+
+    The autograd edge of the output, or of its base when the output is a reshaping view of it (a Linear
+    on 3-D inputs returns ``addmm(...).view(...)``): the gradient reaching that edge is the gradient of
+    the value the module produced, even if the output is modified in place later (the in-place op
+    re-routes the graph through the base's original node). Other views keep the tensor itself, whose
+    in-place modification is then detected.
+    """
+    base = output._base if output._is_view() else output
+    reshaped = base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
+    if (base is output or reshaped) and base.grad_fn is not None:
+        return get_gradient_edge(base)
+    return output
 
 
 def _is_supported(module: nn.Module) -> bool:
@@ -224,10 +255,13 @@ class _ParamGrads:
 
     Uses of one kind are concatenated along T (a Linear called at every RNN step is one Linear on
     the whole sequence). Linear + Embedding uses (a tied embedding) stay factored and are combined
-    with the cross term of Claim 4.1; any materialised part forces materialising the rest.
+    with the cross term of Claim 4.1 (ghost or with ``grad e_c`` materialised, whichever is cheaper,
+    for the norm; always factored for the weighted sum); any materialised part forces materialising
+    the rest.
     """
 
-    def __init__(self, uses: list[_Use], strategy: Strategy) -> None:
+    def __init__(self, uses: list[_Use], strategy: Strategy, tied_sq_norm: TiedSqNorm | None = None) -> None:
+        self.strategy, self.tied_sq_norm = strategy, tied_sq_norm
         linear = [u for u in uses if isinstance(u, _LinearUse)]
         embedding = [u for u in uses if isinstance(u, _EmbeddingUse)]
         direct = [u for u in uses if isinstance(u, Tensor)]
@@ -255,6 +289,11 @@ class _ParamGrads:
         """Squared per-sample gradient norms (B,)."""
         if self.direct is not None:
             return self.direct.flatten(1).pow(2).sum(dim=1)
+        if self.embedding is not None and self.linear is not None:  # shared embedding (Claim 4.1)
+            if self.tied_sq_norm is not None:
+                return self.tied_sq_norm(self.embedding, self.linear)
+            if self.strategy == "auto" and not _tied_ghost_is_cheaper(self.linear):
+                return _embedding_sq_norm(self.embedding) + _tied_output_terms(self.embedding, self.linear)
         sq = 0.0
         if self.linear is not None:
             sq = sq + _linear_sq_norm(self.linear)
@@ -292,6 +331,37 @@ def _ghost_is_cheaper(use: _LinearUse | _EmbeddingUse) -> bool:
     return use.ids.shape[1] < use.num_embeddings
 
 
+def _tied_ghost_is_cheaper(lin: _LinearUse) -> bool:
+    """Tied output layer: ghost ``||G^T H||^2`` + cross term, ~T^2 (M + 2 d) flops per sample, against
+    materialising ``grad e_c = G^T H``, T d M flops."""
+    T, d, M = lin.acts.shape[1], lin.acts.shape[2], lin.grads.shape[2]
+    return T * (M + 2 * d) <= d * M
+
+
+def _tied_output_terms(e: _EmbeddingUse, lin: _LinearUse) -> Tensor:
+    """``||grad e_c||^2 + 2 <grad e_s, a grad e_c>`` of eq. 4.1 with ``grad e_c = G^T H`` materialised (B,).
+
+    Samples are taken in chunks so that ``grad e_c`` of a chunk, (b, M, d), holds at most about an
+    eighth of the memory of the output grads G (B, T, M).
+    """
+    B, T, d = lin.acts.shape
+    chunk = max(1, min(B, (B * T) // (8 * d)))
+    out = []
+    for s in range(0, B, chunk):
+        G, H = lin.grads[s : s + chunk], lin.acts[s : s + chunk]  # (b, T, M), (b, T, d)
+        grad_ec = torch.bmm(G.transpose(1, 2), H)  # (b, M, d)
+        ids = e.ids[s : s + chunk]  # (b, Te)
+        rows = torch.gather(grad_ec, 1, ids.unsqueeze(-1).expand(-1, -1, d))  # (b, Te, d): grad e_c at x_t
+        sq = grad_ec.flatten(1).pow(2).sum(dim=1)
+        out.append(sq + 2.0 * (rows * e.grads[s : s + chunk]).sum(dim=(1, 2)))
+        del grad_ec, rows
+    return torch.cat(out)
+
+
+TiedSqNorm = Callable[[_EmbeddingUse, _LinearUse], Tensor]
+"""A replacement for Claim 4.1's squared norm of a shared embedding (used by the ghost-clipping baseline)."""
+
+
 # ----------------------------------------------------------------- public object
 
 
@@ -311,15 +381,23 @@ class PhantomClipping:
 
     Args:
         model: the network; see the module docstring for what is supported.
-        strategy: "auto" picks ghost or materialised norms per layer by flop count; "ghost" /
-            "direct" force one (for tests and benchmarks). All three are exact.
+        strategy: "auto" picks ghost or materialised norms per layer by flop count (for the shared
+            embedding: ghost or materialised ``grad e_c`` in eq. 4.1); "ghost" / "direct" force one
+            (for tests and benchmarks). All three are exact.
+        profile: record in ``timings`` the seconds spent in the output-grad backward, each
+            parameter's norm and each weighted sum (summed over calls).
     """
 
-    def __init__(self, model: nn.Module, *, strategy: Strategy = "auto") -> None:
+    tied_sq_norm: TiedSqNorm | None = None  # None: Claim 4.1 (subclasses may swap in another exact formula)
+
+    def __init__(self, model: nn.Module, *, strategy: Strategy = "auto", profile: bool = False) -> None:
         if strategy not in get_args(Strategy):
             raise ConfigError(f"unknown strategy={strategy!r}; known: {', '.join(get_args(Strategy))}")
         self.model = model
         self.strategy: Strategy = strategy
+        # profile=True: seconds spent per phase and parameter, summed over steps (where the time goes)
+        self.timings: dict[str, float] | None = {} if profile else None
+        self._names = {id(p): name for name, p in model.named_parameters()}
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._calls: list[_Call] = []
         self._pending: dict[int, _ParamGrads] | None = None
@@ -335,7 +413,9 @@ class PhantomClipping:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0] if args else kwargs["input"]  # the single input of Linear / Embedding / LayerNorm
-        self._calls.append(_Call(module, x.detach(), output, x._version, output._version))
+        handle = _output_handle(output)
+        version = output._version if isinstance(handle, Tensor) else None
+        self._calls.append(_Call(module, x.detach(), handle, output.shape, x._version, version))
 
     def clear(self) -> None:
         """Forget recorded forward passes and pending gradients (e.g. after an evaluation forward)."""
@@ -358,7 +438,9 @@ class PhantomClipping:
         self._check_ready(calls, per_sample_loss)
         B = per_sample_loss.shape[0]
         uses: dict[int, list[_Use]] = defaultdict(list)  # keyed by id(param)
-        for call, grad in zip(calls, self._output_grads(calls, per_sample_loss), strict=True):
+        with self._timed("output_grads"):
+            output_grads = self._output_grads(calls, per_sample_loss)
+        for call, grad in zip(calls, output_grads, strict=True):
             if grad is None:  # this call does not reach the loss (e.g. an evaluation forward)
                 continue
             if grad.shape[0] != B:
@@ -368,11 +450,22 @@ class PhantomClipping:
                 )
             for param, use in _uses_of(call, grad):
                 uses[id(param)].append(use)
-        self._pending = {p: _ParamGrads(u, self.strategy) for p, u in uses.items()}
+        tied = type(self).tied_sq_norm
+        self._pending = {p: _ParamGrads(u, self.strategy, tied) for p, u in uses.items()}
         sq = per_sample_loss.new_zeros(B)
-        for param_grads in self._pending.values():
-            sq = sq + param_grads.sq_norms().to(sq.dtype)
+        for key, param_grads in self._pending.items():
+            with self._timed(f"norm:{self._names.get(key, '?')}"):
+                sq = sq + param_grads.sq_norms().to(sq.dtype)
         return sq.clamp(min=0.0).sqrt()
+
+    @contextmanager
+    def _timed(self, key: str) -> Iterator[None]:
+        if self.timings is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def _check_ready(self, calls: list[_Call], per_sample_loss: Tensor) -> None:
         if not self._handles:
@@ -385,7 +478,9 @@ class PhantomClipping:
         if not per_sample_loss.requires_grad:
             raise PrivacyError("per_sample_loss does not require grad; compute it from the model output")
         for call in calls:
-            if call.input._version != call.input_version or call.output._version != call.output_version:
+            if call.input._version != call.input_version or (
+                isinstance(call.output, Tensor) and call.output._version != call.output_version
+            ):
                 raise PrivacyError(
                     f"the input or output of {type(call.module).__name__} was modified in place after "
                     "its forward; phantom clipping needs them unchanged (use out-of-place ops)"
@@ -407,7 +502,7 @@ class PhantomClipping:
                 f"trainable parameters of shapes {leaked} receive gradient without a recorded call of "
                 f"their module; use them only through module calls ({_supported_names()})"
             )
-        return grads[: len(calls)]
+        return tuple(g if g is None else g.view(c.output_shape) for g, c in zip(grads, calls, strict=False))
 
     def accumulate_grad(self, coefficients: Tensor) -> None:
         """Add ``sum_i coefficients_i g_i`` to every trainable ``p.grad`` (coefficients (B,))."""
@@ -417,7 +512,8 @@ class PhantomClipping:
         coefficients = coefficients.detach()
         for p in self._params:
             if id(p) in pending:
-                grad = pending[id(p)].weighted_sum(coefficients.to(p.dtype)).to(p.dtype).view_as(p)
+                with self._timed(f"weighted_sum:{self._names.get(id(p), '?')}"):
+                    grad = pending[id(p)].weighted_sum(coefficients.to(p.dtype)).to(p.dtype).view_as(p)
             else:
                 grad = torch.zeros_like(p)
             p.grad = grad if p.grad is None else p.grad + grad

@@ -83,6 +83,7 @@ def test_loop_matches_independent_brute_force(normalize):
     [
         ("transformer", True, "phantom"),
         ("transformer", True, "opacus_hooks"),
+        ("transformer", True, "ghost_tied"),
         ("transformer", False, "phantom"),
         ("transformer", False, "opacus_hooks"),
         ("transformer", False, "opacus_ghost"),
@@ -113,6 +114,7 @@ def test_registry_exposes_one_interface():
     assert {m.value for m in ClippingMethod} == {
         "nonprivate",
         "phantom",
+        "ghost_tied",
         "opacus_hooks",
         "opacus_ghost",
         "loop",
@@ -133,7 +135,7 @@ def test_opacus_ghost_refuses_tied_model_with_advice():
 @pytest.mark.parametrize(
     "kw, fragment",
     [
-        ({"method": "fast"}, "known: nonprivate, phantom, opacus_hooks, opacus_ghost, loop"),
+        ({"method": "fast"}, "known: nonprivate, phantom, ghost_tied, opacus_hooks, opacus_ghost, loop"),
         ({"clip_norm": 0.0}, "clip_norm"),
         ({"clip_norm": float("nan")}, "clip_norm"),
         ({"normalize": 1}, "normalize"),
