@@ -147,6 +147,8 @@ def _fill_bench(mp: pytest.MonkeyPatch) -> str:
         steps=1,
     )
     mp.setitem(dp_clipping.PROFILES, "quick", tiny)
+    large = replace(tiny, name="large_vocab", items=100, batch=2, methods=dp_clipping.LARGE_VOCAB_METHODS)
+    mp.setitem(dp_clipping.LARGE_VOCAB, "quick", large)
 
     class _Quiet:
         def print(self, *objects: object, **kwargs: object) -> None:

@@ -11,7 +11,26 @@ Methods (``METHODS``):
 * ``phantom``: tied model, Phantom Clipping;
 * ``opacus_hooks``: tied model, Opacus GradSampleModule (materialised per-sample gradients);
 * ``opacus_ghost_untied``: Opacus ghost clipping, which refuses tied parameters, so the untied model
-  with the embedding dimension halved (d = 32; the paper's footnote on the no-sharing setting).
+  with the embedding dimension halved (d = 32; the paper's footnote on the no-sharing setting);
+* ``ghost_tied`` (large-vocabulary setting only): the paper's own baseline of Fig. 3, Ghost Clipping
+  extended to the shared embedding (:mod:`core.dp.ghost_tied`, (B, L+M, L+M) Gram matrices, O(B M^2)).
+
+Settings (``settings.<name>`` in the JSON; the top-level ``setting`` / ``methods`` / ``ratios`` /
+``max_batch`` keys are those of the first, ``recsys``):
+
+* ``recsys``: the shape above, methods nonprivate, phantom, opacus_hooks, opacus_ghost_untied;
+* ``large_vocab``: a language model's tied vocabulary, M = 50,257 and L = 128 (batch 1 for the timed
+  steps, where the baseline's Gram matrices alone take 12.7 GB; quick: M = 4,096, L = 32, batch 2),
+  methods nonprivate, phantom, opacus_hooks, ghost_tied; its max-batch search has a stated budget of
+  4 GB (``LARGE_VOCAB_CAP_MB``); a ghost_tied trial whose Gram matrices alone exceed the budget is
+  refused before allocating them (reported as not fitting). Where ghost_tied fits no sample,
+  ``phantom_over_ghost_tied_max_batch`` is Phantom's max batch over 1, a lower bound
+  (``max_batch_lower_bound``). Timing runs of ghost_tied are refused when its Gram matrices need more
+  than 80 % of the machine's available memory.
+
+Where the time goes: every worker reports ``phases_s`` (forward, clipper backward, noise and optimizer;
+seconds per step) and the book-keeping clippers ``layers_s`` (the output-grad backward, then norms and
+weighted sums of the shared embedding and of all other layers), under ``settings.<name>.methods``.
 
 One measured step = forward + per-sample loss (``sequence_loss(..., reduction="none")``) +
 ``clipper.backward`` + Gaussian noise and averaging (``privatize_grads_``, sigma = 1, C = 1; not for
@@ -51,9 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import statistics
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -70,7 +87,7 @@ from privbench.bench.harness import (
 )
 
 NAME = "dp-clipping"
-WORKER_TARGET = "privbench.bench.dp_clipping:measure_step"
+WORKER_TARGET = "privbench.bench.dp_clipping_worker:measure_step"
 CPU_DEFAULT_CAP_MB = 8192.0
 BISECT_TOLERANCE = 0.05
 
@@ -94,12 +111,28 @@ class Setting:
     max_batch_mem_mb: float | None = 0.0  # 0: no max-batch search; None: default cap (CPU 8 GB, GPU all)
     max_batch_limit: int = 16384  # the search never tries beyond this batch
     cpu_worker_env: bool = True  # CPU workers run with CPU_WORKER_ENV (see the module docstring)
+    name: str = "recsys"
+    methods: tuple[str, ...] = ("nonprivate", "phantom", "opacus_hooks", "opacus_ghost_untied")
+    max_batch_start: int | None = None  # first batch the max-batch search tries (None: ``batch``)
 
 
 PROFILES: dict[str, Setting] = {
     "quick": Setting(seq_len=50, batch=64, repeats=3, warmup=1, steps=3, timeout_s=300.0),
     "paper": Setting(repeats=3, warmup=2, steps=3, timeout_s=900.0, max_batch_mem_mb=None),
 }
+
+LARGE_VOCAB_METHODS = ("nonprivate", "phantom", "opacus_hooks", "ghost_tied")
+LARGE_VOCAB_CAP_MB = 4096.0
+LARGE_VOCAB: dict[str, Setting] = {
+    "quick": Setting(
+        name="large_vocab", items=4096, seq_len=32, batch=2, repeats=2, warmup=1, steps=2, timeout_s=300.0,
+        methods=LARGE_VOCAB_METHODS,
+    ),
+    "paper": Setting(
+        name="large_vocab", items=50257, seq_len=128, batch=1, repeats=3, warmup=1, steps=2, timeout_s=900.0,
+        methods=LARGE_VOCAB_METHODS, max_batch_mem_mb=LARGE_VOCAB_CAP_MB, max_batch_start=8,
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,9 @@ METHODS: dict[str, Method] = {
     "opacus_hooks": Method("opacus_hooks", True, 1.0, "tied model, Opacus per-sample gradients (hooks)"),
     "opacus_ghost_untied": Method(
         "opacus_ghost", False, 0.5, "untied model, d_model halved, Opacus ghost clipping (refuses tying)"
+    ),
+    "ghost_tied": Method(
+        "ghost_tied", True, 1.0, "tied model, Ghost Clipping extended to the shared embedding (paper baseline)"
     ),
 }
 
@@ -139,6 +175,9 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "phantom_over_nonprivate_mem": ("phantom", "nonprivate", "peak_mem_mb"),
     "opacus_hooks_over_phantom_time": ("opacus_hooks", "phantom", "step_s"),
     "opacus_ghost_untied_over_phantom_time": ("opacus_ghost_untied", "phantom", "step_s"),
+    "ghost_tied_over_phantom_time": ("ghost_tied", "phantom", "step_s"),
+    "ghost_tied_over_phantom_mem": ("ghost_tied", "phantom", "peak_mem_mb"),
+    "opacus_hooks_over_phantom_mem": ("opacus_hooks", "phantom", "peak_mem_mb"),
 }
 
 
@@ -175,7 +214,7 @@ def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]
     out.update(
         device=device,
         threads=threads,
-        methods={name: asdict(m) for name, m in METHODS.items()},
+        methods={name: asdict(METHODS[name]) for name in setting.methods},
         noise_multiplier=1.0,
         clip_norm=1.0,
         optimizer="Adam(lr=1e-3)",
@@ -185,10 +224,6 @@ def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]
 
 def _worker_env(setting: Setting, device: str) -> dict[str, str]:
     return dict(CPU_WORKER_ENV) if setting.cpu_worker_env and device == "cpu" else {}
-
-
-def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    return _setting_json(resolve_setting(profile, options), bench_device(), bench_threads())
 
 
 def _worker_kwargs(
@@ -225,20 +260,57 @@ def _worker_kwargs(
     }
 
 
+def resolve_settings(profile: str, options: Mapping[str, Any]) -> list[Setting]:
+    """Every setting the profile measures: ``recsys`` (``PROFILES``), then ``large_vocab`` (``LARGE_VOCAB``).
+
+    A ``max_batch_mem_mb`` option of 0 skips both max-batch searches; a positive one is the budget of both."""
+    primary = resolve_setting(profile, options)
+    second = LARGE_VOCAB[profile]
+    cap = options.get("max_batch_mem_mb")
+    if cap is not None:
+        second = replace(second, max_batch_mem_mb=float(cap))
+    return [primary, second]
+
+
+def _setting_jsons(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    device, threads = bench_device(), bench_threads()
+    primary, *others = resolve_settings(profile, options)
+    out = _setting_json(primary, device, threads)
+    out["settings"] = {s.name: _setting_json(s, device, threads) for s in [primary, *others]}
+    return out
+
+
 @register(
     NAME,
-    "one DP-SGD step per clipping method (nonprivate, phantom, opacus hooks, opacus ghost "
-    "untied): time and peak memory, fresh process each, interleaved rounds (paper Fig. 3)",
+    "one DP-SGD step per clipping method (nonprivate, phantom, opacus hooks, opacus ghost untied; the "
+    "paper's ghost-clipping baseline at a large vocabulary): time and peak memory, fresh process each, "
+    "interleaved rounds (paper Fig. 3)",
     options=("max_batch_mem_mb",),
-    setting=_config,
+    setting=_setting_jsons,
 )
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
-    setting = resolve_setting(profile, options)
     device, threads = bench_device(), bench_threads()
+    primary, *others = resolve_settings(profile, options)
+    result = _run_setting(primary, device, threads, progress)
+    result["exactness"] = norm_exactness(primary)  # privbench.bench.dp_exactness
     progress.print(
-        f"[bold]{NAME}[/] ({profile}): items={setting.items} L={setting.seq_len} "
+        f"  exactness: Phantom per-sample norms vs a per-sample backward loop (float64, batch "
+        f"{result['exactness']['batch']}): max relative error {result['exactness']['phantom_norm_max_rel_err']:.1e}"
+    )
+    settings = {primary.name: {k: v for k, v in result.items() if k != "exactness"}}
+    for setting in others:
+        settings[setting.name] = _run_setting(setting, device, threads, progress)
+    result["settings"] = settings
+    return result
+
+
+def _run_setting(setting: Setting, device: str, threads: int, progress: Progress) -> dict[str, Any]:
+    """One setting: interleaved rounds of its methods, ratios, and (if asked) the max-batch search."""
+    names = list(setting.methods)
+    progress.print(
+        f"[bold]{NAME}[/] {setting.name}: items={setting.items} L={setting.seq_len} "
         f"batch={setting.batch} d={setting.d_model} on {device}, {threads} threads, "
-        f"{setting.repeats} rounds x {len(METHODS)} fresh processes"
+        f"{setting.repeats} rounds x {len(names)} fresh processes"
     )
 
     def measure(method: str) -> dict[str, Any]:
@@ -266,12 +338,10 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             f"   peak +{out['peak_mem_mb']:8.1f} MB"
         )
 
-    runs = interleave(
-        {m: functools.partial(measure, m) for m in METHODS}, setting.repeats, rotate=True, on_sample=report
-    )
+    runs = interleave({m: functools.partial(measure, m) for m in names}, setting.repeats, rotate=True, on_sample=report)
     methods: dict[str, Any] = {}
-    for name, spec in METHODS.items():
-        first = runs.rounds[0][name]
+    for name in names:
+        spec, first = METHODS[name], runs.rounds[0][name]
         methods[name] = {
             "step_s": runs.median(name, "step_s"),
             "peak_mem_mb": runs.median(name, "peak_mem_mb"),
@@ -280,33 +350,53 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
             "tied": spec.tied,
             "clipping": spec.clipping,
             "mem_source": first["mem_source"],
+            "phases_s": _median_dict([r[name].get("phases_s", {}) for r in runs.rounds]),
             "samples": {
                 "step_s": runs.samples(name, "step_s"),
                 "peak_mem_mb": runs.samples(name, "peak_mem_mb"),
                 "step_s_within_process": [r[name]["step_samples_s"] for r in runs.rounds],
             },
         }
-    ratios = {key: runs.ratio(*spec) for key, spec in RATIOS.items()}
+        if "layers_s" in first:
+            methods[name]["layers_s"] = _median_dict([r[name]["layers_s"] for r in runs.rounds])
+    ratios_spec = {key: spec for key, spec in RATIOS.items() if spec[0] in names and spec[1] in names}
     result: dict[str, Any] = {
         "setting": _setting_json(setting, device, threads),
         "methods": methods,
-        "ratios": ratios,
-        "ratio_samples": {key: runs.ratio_samples(*spec) for key, spec in RATIOS.items()},
+        "ratios": {key: runs.ratio(*spec) for key, spec in ratios_spec.items()},
+        "ratio_samples": {key: runs.ratio_samples(*spec) for key, spec in ratios_spec.items()},
         "order": runs.order,
         "notes": (
             "step_s and peak_mem_mb: medians over rounds (one fresh process per method and round); "
             "ratios: median over rounds of the per-round ratio (methods of a round run back to back, "
-            "order rotated each round); peak_mem_mb: growth over the state after model/data setup"
+            "order rotated each round); peak_mem_mb: growth over the state after model/data setup; "
+            "phases_s / layers_s: seconds per step (median over rounds) of the step's phases and of the "
+            "book-keeping clippers' output-grad backward, norms and weighted sums"
         ),
     }
-    result["exactness"] = norm_exactness(setting)  # privbench.bench.dp_exactness
-    progress.print(
-        f"  exactness: Phantom per-sample norms vs a per-sample backward loop (float64, batch "
-        f"{result['exactness']['batch']}): max relative error {result['exactness']['phantom_norm_max_rel_err']:.1e}"
-    )
     if setting.max_batch_mem_mb != 0:
         result.update(_max_batch_search(setting, device, threads, progress))
+        result["ratios"].update(_max_batch_ratios(result["max_batch"]))
     return result
+
+
+def _median_dict(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in dicts for k in d})
+    return {k: statistics.median(d[k] for d in dicts if k in d) for k in keys}
+
+
+def _max_batch_ratios(best: dict[str, int]) -> dict[str, Any]:
+    """Phantom's max batch over each other method's (Fig. 3a); over 1, a lower bound, where that fits none."""
+    out: dict[str, Any] = {}
+    bounds = []
+    for other in ("ghost_tied", "opacus_hooks", "nonprivate"):
+        if other in best and "phantom" in best:
+            out[f"phantom_over_{other}_max_batch"] = best["phantom"] / max(best[other], 1)
+            if best[other] == 0:
+                bounds.append(f"phantom_over_{other}_max_batch")
+    if bounds:
+        out["max_batch_lower_bound"] = bounds
+    return out
 
 
 # ------------------------------------------------------------------------------------------ max batch
@@ -317,12 +407,12 @@ def _max_batch_search(setting: Setting, device: str, threads: int, progress: Pro
     if cap is None:
         cap = CPU_DEFAULT_CAP_MB if device == "cpu" else None  # None on CUDA: the whole device
     progress.print(
-        f"[bold]max batch[/] under {f'{cap:.0f} MB' if cap else 'the device memory'} per method "
-        f"(fresh process per trial)"
+        f"[bold]max batch[/] ({setting.name}) under {f'{cap:.0f} MB' if cap else 'the device memory'} per "
+        "method (fresh process per trial)"
     )
     best: dict[str, int] = {}
     trials: dict[str, list[dict[str, Any]]] = {}
-    for method in METHODS:
+    for method in setting.methods:
         best[method], trials[method] = _search_one(setting, method, cap, device, threads, progress)
     return {"max_batch": best, "max_batch_trials": trials, "max_batch_cap_mb": cap if cap is not None else "device"}
 
@@ -368,7 +458,7 @@ def _search_one(
 
     limit = setting.max_batch_limit
     lo, hi = 0, None
-    batch = min(setting.batch, limit)
+    batch = min(setting.max_batch_start or setting.batch, limit)
     if fits(batch):
         lo = batch
         while hi is None and lo < limit:
@@ -396,196 +486,3 @@ def _search_one(
         else:
             hi = mid
     return lo, trials
-
-
-# ------------------------------------------------------------------------------------------ worker side
-
-
-def _status_mb(field: str) -> float | None:
-    """A ``/proc/self/status`` field (VmRSS, VmHWM, VmSize) in MB, None where unavailable."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark (VmHWM) of this process (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return _status_mb("VmHWM") is not None
-
-
-def _maxrss_mb() -> float:
-    import resource
-    import sys
-
-    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return value / (1024 * 1024) if sys.platform == "darwin" else value / 1024  # bytes on macOS, KiB on Linux
-
-
-def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any, Any]:
-    """Left-padded random sequences: inputs (B, L) and next-item targets (B, L), 0 = padding."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(1, items + 1, (batch, seq_len + 1), generator=g)
-    pad = torch.randint(0, seq_len // 4 + 1, (batch,), generator=g)  # leading padding per sequence
-    seq[torch.arange(seq_len + 1) < pad[:, None]] = 0
-    inputs, targets = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-    targets[inputs == 0] = 0  # no target predicted from a padding position
-    return inputs, targets
-
-
-def measure_step(
-    *,
-    method: str,
-    clipping: str,
-    tied: bool,
-    d_model: float,
-    items: int,
-    seq_len: int,
-    batch: int,
-    n_layers: int,
-    n_heads: int,
-    dropout: float,
-    warmup: int,
-    steps: int,
-    seed: int,
-    device: str,
-    threads: int,
-    fit_trial: bool = False,
-    mem_cap_mb: float | None = None,
-) -> dict[str, Any]:
-    """Worker side: time ``steps`` DP-SGD steps of one method after ``warmup``; peak memory growth.
-
-    ``fit_trial`` (max-batch search): an out-of-memory error is reported as ``ok: False`` instead of
-    raised, and ``mem_cap_mb`` is enforced: on CPU by an address-space limit of about 1.5 x cap above the
-    current size (guards the machine; the caller compares the peak RSS growth with the cap), on CUDA by
-    the caching allocator (``set_per_process_memory_fraction``; None = the whole device).
-    """
-    import torch
-
-    from core.dp.clipping import make_clipper
-    from core.dp.noise import privatize_grads_
-    from core.models import SeqRecConfig, build_seqrec, sequence_loss
-
-    t_setup = time.perf_counter()
-    torch.set_num_threads(int(threads))
-    torch.manual_seed(seed)
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    cfg = SeqRecConfig(
-        num_items=items,
-        max_len=seq_len,
-        d_model=int(d_model),
-        n_heads=n_heads,
-        n_layers=n_layers,
-        dropout=dropout,
-        tied=tied,
-    )
-    model = build_seqrec(cfg).to(dev).train()
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    clipper = make_clipper(clipping, model, clip_norm=1.0, normalize=False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=1e-3)
-    inputs, targets = (t.to(dev) for t in _random_batch(items, seq_len, batch, seed))
-    generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    private = clipping != "nonprivate"
-
-    def step() -> None:
-        logits = clipper.model(inputs)
-        loss = sequence_loss(logits, targets, reduction="none")  # (B,)
-        del logits
-        clipper.backward(loss)
-        if private:
-            privatize_grads_(
-                params, noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=batch, generator=generator
-            )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
-
-    sync()
-    setup_s = time.perf_counter() - t_setup
-    if cuda:
-        if fit_trial and mem_cap_mb is not None:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, mem_cap_mb * 2**20 / total), dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        baseline = torch.cuda.memory_allocated(dev) / 2**20
-        mem_source = "cuda max_memory_allocated - allocated after setup"
-    else:
-        baseline = _status_mb("VmRSS") or _maxrss_mb()
-        if _reset_peak_rss():
-            mem_source = "VmHWM (reset after setup) - VmRSS after setup"
-        else:
-            mem_source = "ru_maxrss - RSS after setup (high-water mark not resettable: includes setup)"
-        if fit_trial and mem_cap_mb is not None:
-            import resource
-
-            size = _status_mb("VmSize") or 0.0
-            limit = int((size + 1.5 * mem_cap_mb + 2048) * 2**20)
-            _, hard = resource.getrlimit(resource.RLIMIT_AS)
-            if hard == resource.RLIM_INFINITY or limit < hard:
-                resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-    times: list[float] = []
-    error: str | None = None
-    try:
-        for i in range(warmup + steps):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-        oom = isinstance(exc, torch.OutOfMemoryError | MemoryError) or "memory" in str(exc).lower()
-        if not fit_trial or not oom:
-            raise
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-
-    if cuda:
-        peak_total = torch.cuda.max_memory_allocated(dev) / 2**20
-        peak = peak_total - baseline
-    else:
-        hwm = _status_mb("VmHWM") if mem_source.startswith("VmHWM") else None
-        peak_total = hwm if hwm is not None else _maxrss_mb()
-        peak = max(peak_total - baseline, 0.0)
-    clipper.close()
-    out: dict[str, Any] = {
-        "method": method,
-        "ok": error is None,
-        "batch": batch,
-        "n_params": n_params,
-        "d_model": int(d_model),
-        "peak_mem_mb": peak,
-        "peak_total_mb": peak_total,
-        "baseline_mb": baseline,
-        "mem_source": mem_source,
-        "threads": torch.get_num_threads(),
-        "pid": os.getpid(),
-        "setup_s": setup_s,
-    }
-    if error is not None:
-        out["error"] = error
-    if times:
-        out["step_s"] = statistics.median(times)
-        out["step_samples_s"] = times
-    elif error is None:
-        raise BenchmarkError(f"method {method!r}: no measured step (steps={steps})")
-    stats = getattr(getattr(torch, "cpu", None), "memory_stats", None)  # a CPU allocator's stats, if any
-    if not cuda and callable(stats):
-        out["cpu_allocator_peak_mb"] = stats().get("allocated_bytes.all.peak", 0) / 2**20
-    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ RATIOS = {
     "phantom_over_nonprivate_mem",
     "opacus_hooks_over_phantom_time",
     "opacus_ghost_untied_over_phantom_time",
+    "opacus_hooks_over_phantom_mem",
 }
 SETTING_KEYS = {"items", "seq_len", "batch", "d_model", "repeats", "device", "threads"}
 # big enough that every step allocates fresh pages (logits 8 x 16 x 2001 floats = 1 MB), so that the
@@ -46,11 +48,16 @@ TINY = dp_clipping.Setting(
     timeout_s=240.0,
     max_batch_mem_mb=0.0,
 )
+# the large-vocabulary setting, tiny: the ghost-tied baseline's Gram matrices are (2, 208, 208)
+TINY_LARGE_VOCAB = replace(
+    TINY, name="large_vocab", items=200, seq_len=8, batch=2, methods=dp_clipping.LARGE_VOCAB_METHODS
+)
 
 
 @pytest.fixture
 def tiny(monkeypatch: pytest.MonkeyPatch) -> dp_clipping.Setting:
     monkeypatch.setitem(dp_clipping.PROFILES, "quick", TINY)
+    monkeypatch.setitem(dp_clipping.LARGE_VOCAB, "quick", TINY_LARGE_VOCAB)
     monkeypatch.setenv("PRIVBENCH_BENCH_THREADS", "1")
     return TINY
 
@@ -106,7 +113,7 @@ def test_worker_timeout_names_what_it_measured() -> None:
 def test_failing_worker_is_a_clear_error_and_a_failed_run(
     home: Path, tiny: dp_clipping.Setting, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    broken = {"phantom": dp_clipping.Method("no_such_clipping", True, 1.0, "broken on purpose")}
+    broken = {**dp_clipping.METHODS, "phantom": dp_clipping.Method("no_such_clipping", True, 1.0, "broken on purpose")}
     monkeypatch.setattr(dp_clipping, "METHODS", broken)
     expected = r"worker for method 'phantom' failed .*ConfigError: unknown clipping"
     with pytest.raises(BenchmarkError, match=expected):
@@ -198,6 +205,19 @@ def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny:
     assert len(out["order"]) == len(METHODS) and "max_batch" not in out
     # Claim 4.1 at the bench's shape: Phantom's norms equal a per-sample backward loop (float64)
     assert out["exactness"]["dtype"] == "float64" and out["exactness"]["phantom_norm_max_rel_err"] < 1e-12
+    # both settings under settings.<name>; the first repeats the top-level keys
+    assert set(out["settings"]) == {"recsys", "large_vocab"}
+    assert out["settings"]["recsys"]["ratios"] == out["ratios"]
+    large = out["settings"]["large_vocab"]
+    assert set(large["methods"]) == set(dp_clipping.LARGE_VOCAB_METHODS) and large["setting"]["items"] == 200
+    assert {"ghost_tied_over_phantom_time", "opacus_hooks_over_phantom_time", "phantom_over_nonprivate_time"} <= set(
+        large["ratios"]
+    )
+    assert all(_positive_finite(v) for v in large["ratios"].values()), large["ratios"]
+    # where the time goes: the step's phases, and the book-keeping clippers' backward, norms and sums
+    layers = large["methods"]["phantom"]["layers_s"]
+    assert {"output_grads", "norm_shared_embedding", "weighted_sum_shared_embedding"} <= set(layers)
+    assert set(large["methods"]["nonprivate"]["phases_s"]) == {"forward", "backward", "noise_and_optimizer"}
     assert out["machine"]["cpu_model"] and out["machine"]["torch"] and out["machine"]["torch_threads"] == 1
     assert "round 1/1" in result.stderr  # progress goes to stderr
 
