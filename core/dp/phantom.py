@@ -262,6 +262,7 @@ class _ParamGrads:
 
     def __init__(self, uses: list[_Use], strategy: Strategy, tied_sq_norm: TiedSqNorm | None = None) -> None:
         self.strategy, self.tied_sq_norm = strategy, tied_sq_norm
+        self.grad_ec: Tensor | None = None  # (B, M, d), kept by the materialised branch of eq. 4.1 if small
         linear = [u for u in uses if isinstance(u, _LinearUse)]
         embedding = [u for u in uses if isinstance(u, _EmbeddingUse)]
         direct = [u for u in uses if isinstance(u, Tensor)]
@@ -293,7 +294,8 @@ class _ParamGrads:
             if self.tied_sq_norm is not None:
                 return self.tied_sq_norm(self.embedding, self.linear)
             if self.strategy == "auto" and not _tied_ghost_is_cheaper(self.linear):
-                return _embedding_sq_norm(self.embedding) + _tied_output_terms(self.embedding, self.linear)
+                terms, self.grad_ec = _tied_output_terms(self.embedding, self.linear)
+                return _embedding_sq_norm(self.embedding) + terms
         sq = 0.0
         if self.linear is not None:
             sq = sq + _linear_sq_norm(self.linear)
@@ -304,6 +306,8 @@ class _ParamGrads:
         return sq
 
     def weighted_sum(self, coef: Tensor) -> Tensor:
+        if self.grad_ec is not None:  # the tied output part, kept from the norm: sum_i c_i grad e_c,i
+            return torch.tensordot(coef, self.grad_ec, dims=1) + _weighted_sum(self.embedding, coef)
         parts = [u for u in (self.linear, self.embedding, self.direct) if u is not None]
         return sum((_weighted_sum(u, coef) for u in parts[1:]), _weighted_sum(parts[0], coef))
 
@@ -338,13 +342,18 @@ def _tied_ghost_is_cheaper(lin: _LinearUse) -> bool:
     return T * (M + 2 * d) <= d * M
 
 
-def _tied_output_terms(e: _EmbeddingUse, lin: _LinearUse) -> Tensor:
-    """``||grad e_c||^2 + 2 <grad e_s, a grad e_c>`` of eq. 4.1 with ``grad e_c = G^T H`` materialised (B,).
-
-    Samples are taken in chunks so that ``grad e_c`` of a chunk, (b, M, d), holds at most about an
-    eighth of the memory of the output grads G (B, T, M).
+def _tied_output_terms(e: _EmbeddingUse, lin: _LinearUse) -> tuple[Tensor, Tensor | None]:
+    """``||grad e_c||^2 + 2 <grad e_s, a grad e_c>`` of eq. 4.1 with ``grad e_c = G^T H`` materialised (B,),
+    and ``grad e_c`` (B, M, d) itself when it takes at most half the memory of the output grads G (B, T, M),
+    i.e. d <= T / 2: the weighted sum then reuses it (``sum_i c_i grad e_c,i``, B M d flops) instead of
+    recomputing ``G^T (c H)`` (B T M d). Otherwise samples are taken in chunks so that ``grad e_c`` of a
+    chunk, (b, M, d), holds at most about an eighth of the memory of G, and None is returned.
     """
     B, T, d = lin.acts.shape
+    if 2 * d <= T:
+        grad_ec = torch.bmm(lin.grads.transpose(1, 2), lin.acts)  # (B, M, d)
+        rows = torch.gather(grad_ec, 1, e.ids.unsqueeze(-1).expand(-1, -1, d))  # (B, Te, d)
+        return grad_ec.flatten(1).pow(2).sum(dim=1) + 2.0 * (rows * e.grads).sum(dim=(1, 2)), grad_ec
     chunk = max(1, min(B, (B * T) // (8 * d)))
     out = []
     for s in range(0, B, chunk):
@@ -355,7 +364,7 @@ def _tied_output_terms(e: _EmbeddingUse, lin: _LinearUse) -> Tensor:
         sq = grad_ec.flatten(1).pow(2).sum(dim=1)
         out.append(sq + 2.0 * (rows * e.grads[s : s + chunk]).sum(dim=(1, 2)))
         del grad_ec, rows
-    return torch.cat(out)
+    return torch.cat(out), None
 
 
 TiedSqNorm = Callable[[_EmbeddingUse, _LinearUse], Tensor]

@@ -65,11 +65,13 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 # (seq_len, d_model): L (M + 2d) against d M with M = 41 rows
-GHOST_SHAPE, MATERIALISED_SHAPE = (3, 16), (12, 4)
+GHOST_SHAPE, MATERIALISED_SHAPE, MATERIALISED_KEPT_SHAPE = (3, 16), (12, 8), (12, 4)
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
-@pytest.mark.parametrize(("shape", "materialises"), [(GHOST_SHAPE, False), (MATERIALISED_SHAPE, True)])
+@pytest.mark.parametrize(
+    ("shape", "materialises"), [(GHOST_SHAPE, False), (MATERIALISED_SHAPE, True), (MATERIALISED_KEPT_SHAPE, True)]
+)
 def test_auto_choice_of_the_tied_output_norm_is_exact(shape, materialises, norm_first, spy, one_thread):
     seq_len, d = shape
     M = 41
@@ -82,8 +84,9 @@ def test_auto_choice_of_the_tied_output_norm_is_exact(shape, materialises, norm_
 
 
 def test_materialised_branch_chunks_samples_exactly(monkeypatch: pytest.MonkeyPatch, one_thread):
-    """One sample per chunk (B L / (8 d) < 2) and a batch that is not a multiple of the chunk."""
-    model, ids, targets = _tiny(12, 4)
+    """One sample per chunk (B L / (8 d) < 2; d > L / 2, so grad e_c is not kept) and a batch that is not a
+    multiple of the chunk."""
+    model, ids, targets = _tiny(12, 8)
     ids, targets = torch.cat([ids, ids[:2]]), torch.cat([targets, targets[:2].flip(1)])
     _check(PhantomClipping, model, ids, targets)
 
@@ -115,9 +118,9 @@ def test_ghost_tied_forms_the_l_plus_m_gram_and_agrees_with_claim_4_1(one_thread
         + 2 * phantom_module._embedding_linear_dot(e, lin)
     )
     torch.testing.assert_close(phantom, expected)
-    torch.testing.assert_close(
-        phantom_module._embedding_sq_norm(e) + phantom_module._tied_output_terms(e, lin), expected
-    )
+    terms, kept = phantom_module._tied_output_terms(e, lin)  # d = 4 > L / 2: chunked, nothing kept
+    torch.testing.assert_close(phantom_module._embedding_sq_norm(e) + terms, expected)
+    assert kept is None
     assert gram_bytes(1, 128, 50257) == (128 + 50257) ** 2 * 5  # 12.7 GB at batch 1: the O(B M^2) term
 
 
