@@ -227,3 +227,17 @@ def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny:
     assert metrics["methods.phantom.step_s"]["unit"] == "s"
     assert metrics["ratios.phantom_over_nonprivate_mem"]["unit"] == "ratio"
     assert not any(name.startswith("setting.") for name in metrics)
+
+
+def test_max_batch_ratios_and_the_baseline_refused_before_its_gram_matrices() -> None:
+    from privbench.bench import dp_clipping_worker
+
+    ratios = dp_clipping._max_batch_ratios({"nonprivate": 40, "phantom": 36, "opacus_hooks": 30, "ghost_tied": 0})
+    assert ratios["phantom_over_ghost_tied_max_batch"] == 36.0  # over 1: a lower bound, and said so
+    assert ratios["max_batch_lower_bound"] == ["phantom_over_ghost_tied_max_batch"]
+    assert ratios["phantom_over_opacus_hooks_max_batch"] == pytest.approx(1.2)
+    assert ratios["phantom_over_nonprivate_max_batch"] == pytest.approx(0.9)
+    # M = 50,257, L = 128: the (1, L+M, L+M) Gram matrices alone are 12.7 GB, refused under a 4 GB budget
+    with pytest.raises(MemoryError, match="Gram matrices alone need 12"):
+        dp_clipping_worker._check_gram_fits(1, 128, 50258, 4096.0)
+    dp_clipping_worker._check_gram_fits(2, 8, 201, 4096.0)  # the tiny setting fits

@@ -427,3 +427,39 @@ def test_contexts_in_numeric_order_whatever_the_run_order(home: Path) -> None:
     measure = {**BEATS, "require": {"epsilon": [5, 8, 10]}}
     result = sc.evaluate_claim(None, _claim(measure, ABOVE))
     assert [c.context for c in result.contexts] == ["ε=5", "ε=8", "ε=10"]
+
+
+def test_large_vocabulary_clipping_claims_read_the_bench_settings(home: Path) -> None:
+    """The dp-clipping claims of the large-vocabulary setting read ``settings.large_vocab.ratios.*`` of the bench's
+    runs at M = 50,257 only (a quick run, another M, is not measured)."""
+    ids = {
+        "phantom-faster-than-ghost-clipping-large-vocab",
+        "phantom-max-batch-over-ghost-clipping-large-vocab",
+        "phantom-not-slower-than-opacus-large-vocab",
+        "phantom-max-batch-not-below-opacus-large-vocab",
+    }
+    claims = {c.id: c for c in load_claims() if c.id in ids}
+    assert set(claims) == ids
+    key = "settings.large_vocab."
+
+    def bench(items: float, ratios: dict[str, float]) -> None:
+        metrics = {f"{key}setting.items": items} | {f"{key}ratios.{k}": v for k, v in ratios.items()}
+        with record_run(
+            flow="bench", stage="bench", technique="dp-clipping", dataset="synthetic", profile="paper", config={},
+            track=False,
+        ) as rec:  # fmt: skip
+            rec.metrics(metrics)
+
+    good = {
+        "ghost_tied_over_phantom_time": 90.0,
+        "phantom_over_ghost_tied_max_batch": 40.0,
+        "opacus_hooks_over_phantom_time": 1.1,
+        "phantom_over_opacus_hooks_max_batch": 1.0,
+    }
+    bench(4096, {k: 0.5 for k in good})  # the quick setting: not what the claims measure
+    assert {sc.evaluate_claim(None, c).verdict for c in claims.values()} == {sc.NOT_RUN}
+    bench(50257, good)
+    assert {sc.evaluate_claim(None, c).verdict for c in claims.values()} == {sc.REPRODUCED}
+    bench(50257, good | {"ghost_tied_over_phantom_time": 3.0})
+    verdicts = {i: sc.evaluate_claim(None, c).verdict for i, c in claims.items()}
+    assert verdicts["phantom-faster-than-ghost-clipping-large-vocab"] == sc.NOT_REPRODUCED
