@@ -1,11 +1,18 @@
 """Language-model priors for the FILM attack (step 2 and 3, SEB paper Sec. 5.1): the :class:`LMPrior` protocol,
 a Hugging Face causal LM (:class:`HFPrior`), an explicit bigram table for tests (:class:`BigramPrior`), and an
-LM over a compact vocabulary lifted to the full GPT-2 vocabulary (:class:`CompactPrior`)."""
+LM over a compact vocabulary lifted to the full GPT-2 vocabulary (:class:`CompactPrior`).
+
+Priors over a Hugging Face model also offer a KV cache (:class:`CachedPrior`): ``start`` / ``advance`` let the
+beam search (``core.attacks.film.beam_search``) feed one new token per beam and step instead of the whole
+prefix, and ``score_variants`` scores many reorderings of one sentence from the cached prefix they share with it
+(``core.attacks.film.reorder``). Both give the log-probs of the uncached path up to float rounding."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -14,6 +21,26 @@ from torch import nn
 
 from core.attacks.vocab import GPT2_EOS, CompactVocab
 from core.errors import ConfigError, DataError
+
+
+def _cache_of(out: object) -> object:
+    """The KV cache a Hugging Face forward returned (``cache`` in transformers 5, ``past_key_values`` before)."""
+    found = getattr(out, "cache", None)
+    return found if found is not None else out.past_key_values
+
+
+@runtime_checkable
+class CachedPrior(Protocol):
+    """A prior with a KV cache (:class:`HFPrior`, :class:`CompactPrior`)."""
+
+    def start(self) -> tuple[object, torch.Tensor]:
+        """The cache after ``[bos]`` and ``(1, V)`` next-token log-probs."""
+        ...
+
+    def advance(self, cache: object, parent: torch.Tensor, token: torch.Tensor) -> tuple[object, torch.Tensor]:
+        """Keep cache rows ``parent (K,)`` (in that order, repeats allowed), append ``token (K,)``: the new cache
+        and ``(K, V)`` next-token log-probs."""
+        ...
 
 
 @runtime_checkable
@@ -32,7 +59,75 @@ class LMPrior(Protocol):
         ...
 
 
-class HFPrior:
+class _KVCacheMixin:
+    """``start``/``advance``/``score_variants`` for a prior over a Hugging Face causal LM ``self.model``.
+
+    Subclasses define ``_in(ids)`` (full ids -> model ids) and ``_out(logits)`` (``(..., V_model)`` logits ->
+    ``(..., V)`` float32 log-probs over the full vocabulary on the CPU)."""
+
+    model: nn.Module
+    bos_id: int
+    _limit: int | None
+
+    def _call(self, ids: torch.Tensor, cache: object = None) -> tuple[torch.Tensor, object]:
+        if self._limit is not None and ids.shape[1] + (cache.get_seq_length() if cache is not None else 0) > self._limit:
+            raise ConfigError(f"a cached prefix may hold at most the prior's context of {self._limit} positions")
+        device = next(self.model.parameters()).device
+        out = self.model(input_ids=self._in(ids).to(device), cache=cache, use_cache=True)
+        return out.logits, _cache_of(out)
+
+    @torch.no_grad()
+    def start(self) -> tuple[object, torch.Tensor]:
+        logits, cache = self._call(torch.full((1, 1), self.bos_id, dtype=torch.long))
+        return cache, self._out(logits[:, -1])  # (1, V)
+
+    @torch.no_grad()
+    def advance(self, cache: object, parent: torch.Tensor, token: torch.Tensor) -> tuple[object, torch.Tensor]:
+        device = next(self.model.parameters()).device
+        cache.reorder_cache(parent.long().to(device))  # (K,) rows of the old cache, repeats allowed
+        logits, cache = self._call(token.long().view(-1, 1).cpu(), cache)  # (K, 1, V_model)
+        return cache, self._out(logits[:, -1])
+
+    @torch.no_grad()
+    def score_variants(self, base: Sequence[int], variants: Sequence[Sequence[int]], chunk: int = 64) -> torch.Tensor:
+        """``(N,)`` log-probs (bos prepended) of ``variants``, each a reordering of ``base`` (same length).
+
+        ``base`` runs once with the cache; the variants that first differ from it at position ``p`` share its
+        first ``p`` tokens, so they reuse the cache cut to ``bos + base[:p]`` and feed only their own suffix."""
+        base = [int(t) for t in base]
+        n = len(base)
+        if any(len(v) != n for v in variants):
+            raise DataError(f"every variant must have the base's {n} tokens")
+        ids = torch.tensor([[self.bos_id, *base]], dtype=torch.long)  # (1, n+1)
+        logits, cache = self._call(ids)
+        logp = self._out(logits[0])  # (n+1, V): row t predicts token t+1
+        prefix = torch.cat([torch.zeros(1), logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).cumsum(0)])  # (n+1,)
+        scores = torch.empty(len(variants))
+        groups: dict[int, list[int]] = {}
+        for i, v in enumerate(variants):
+            p = next((j for j, (a, b) in enumerate(zip(v, base, strict=True)) if int(a) != b), n)
+            groups.setdefault(p, []).append(i)
+        for p, rows in groups.items():
+            suffix = torch.tensor([list(variants[i])[p:] for i in rows], dtype=torch.long)  # (m, n-p)
+            if suffix.shape[1] == 0:
+                scores[rows] = prefix[p]
+                continue
+            first = logp[p][suffix[:, 0]]  # (m,) the first changed token, from the base's own logits
+            rest = torch.zeros(len(rows))
+            if suffix.shape[1] > 1:
+                parts = []
+                for part in suffix.split(chunk):
+                    sub = copy.deepcopy(cache)
+                    sub.crop(p - n)  # drop base[p:], keep bos + base[:p] (n - p > 0 here)
+                    sub.batch_repeat_interleave(part.shape[0])
+                    out, _ = self._call(part[:, :-1], sub)  # (m', n-p-1, V_model)
+                    parts.append(self._out(out).gather(-1, part[:, 1:, None]).squeeze(-1).sum(1))
+                rest = torch.cat(parts)
+            scores[rows] = prefix[p] + first + rest
+        return scores
+
+
+class HFPrior(_KVCacheMixin):
     """A Hugging Face causal LM as FILM's prior (GPT-2 in Sec. 5.1), in eval mode, without grad.
 
     Args:
@@ -57,6 +152,13 @@ class HFPrior:
         self.device = next(model.parameters()).device
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.max_positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        self._limit = self.max_positions
+
+    def _in(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def _out(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.vocab_size].float().log_softmax(dim=-1).cpu()
 
     @torch.no_grad()
     def next_log_probs(self, ids: torch.Tensor) -> torch.Tensor:
@@ -122,7 +224,7 @@ class BigramPrior:
         return self.table[ids[:, :-1], ids[:, 1:]].sum(dim=1)  # (B,)
 
 
-class CompactPrior:
+class CompactPrior(_KVCacheMixin):
     """An LM prior over all GPT-2 ids from a causal LM over a :class:`CompactVocab` (``core.attacks.film.LMPrior``).
 
     p(v | prefix) = p_c(v' | prefix') for a seen subword v (v' its compact id), and p_c(unk | prefix') / n_unseen
@@ -145,6 +247,13 @@ class CompactPrior:
         self._n_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", 1 << 30
         )
+        self._limit = self._n_positions
+
+    def _in(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab.encode(ids)
+
+    def _out(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._full(F.log_softmax(logits.float(), dim=-1)).cpu()
 
     def _logits(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
         ids = self.vocab.encode(ids[:, -self._n_positions :])

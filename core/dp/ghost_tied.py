@@ -44,9 +44,9 @@ def ghost_tied_sq_norm(e: _EmbeddingUse, lin: _LinearUse) -> Tensor:
     ids = torch.cat([e.ids, candidates], dim=1)  # (B, L+M)
     grads = torch.cat([e.grads, grad_ec.to(e.grads.dtype)], dim=1)  # (B, L+M, d)
     del grad_ec
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (B, L+M, L+M): a a^T
+    differ = ids.unsqueeze(2) != ids.unsqueeze(1)  # (B, L+M, L+M): 1 - a a^T, boolean
     gram = torch.bmm(grads, grads.transpose(1, 2))  # (B, L+M, L+M): grad e grad e^T
-    return gram.mul_(same).sum(dim=(1, 2))
+    return gram.masked_fill_(differ, 0.0).sum(dim=(1, 2))  # in place: no float copy of the mask
 
 
 class GhostTiedClipping(PhantomClipping):

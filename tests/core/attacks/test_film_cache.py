@@ -1,0 +1,46 @@
+"""The KV-cached prior paths of FILM (beam search and reordering) against the uncached references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.attacks.film import _score, _span_moves, beam_search, reorder
+from core.attacks.priors import CachedPrior, CompactPrior, HFPrior
+from core.attacks.vocab import CompactVocab
+from core.stip.models import tiny_llama
+from tests.core.attacks.test_federated import EOS, V, tiny_gpt2
+
+
+def make_prior(name: str) -> HFPrior | CompactPrior:
+    """A tiny GPT-2, a tiny Llama (rotary positions, grouped-query attention) or a Llama over a compact vocabulary."""
+    if name == "gpt2":
+        return HFPrior(tiny_gpt2(seed=2))
+    if name == "llama":
+        return HFPrior(tiny_llama(vocab=V, seed=3), bos_id=EOS)
+    compact = CompactVocab(list(range(0, V, 3)), full_size=V, unk_full=EOS)
+    return CompactPrior(tiny_llama(vocab=compact.size, seed=4), compact, bos_id=EOS)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "compact"])
+def test_cached_beam_search_equals_the_uncached_reference(name: str) -> None:
+    prior = make_prior(name)
+    assert isinstance(prior, CachedPrior)
+    cand = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:40]
+    kw = {"length": 9, "beam_width": 6, "n_return": 6, "repeat_penalty": 1.5, "max_uses": 2}
+    fast = beam_search(prior, cand, use_cache=True, **kw)
+    slow = beam_search(prior, cand, use_cache=False, **kw)
+    assert [t for t, _ in fast] == [t for t, _ in slow]
+    torch.testing.assert_close(torch.tensor([s for _, s in fast]), torch.tensor([s for _, s in slow]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "compact"])
+def test_cached_variant_scores_equal_full_scoring(name: str) -> None:
+    prior = make_prior(name)
+    # distinct ids the compact vocabulary knows (multiples of 3): no two orderings tie on the score
+    base = (3 * torch.randperm(V // 3 - 1, generator=torch.Generator().manual_seed(1))[:7]).tolist()
+    moves = [list(m) for m in _span_moves(base, 3)] + [base]
+    torch.testing.assert_close(prior.score_variants(base, moves, chunk=5), _score(prior, moves, 7), atol=1e-3, rtol=0)
+    fast = reorder(prior, base[::-1], max_passes=2, use_cache=True)
+    slow = reorder(prior, base[::-1], max_passes=2, use_cache=False)
+    assert fast[0] == slow[0] and fast[1] == pytest.approx(slow[1], abs=1e-3)
