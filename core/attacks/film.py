@@ -282,6 +282,7 @@ def beam_search(
     counts = torch.zeros(1, vocab, dtype=torch.long)  # (K, V) uses of each token per beam
     floor = torch.finfo(torch.float32).min
     cached = use_cache and isinstance(prior, CachedPrior)
+    parent = token = torch.zeros(1, dtype=torch.long)
     if cached:
         cache, logp = prior.start()  # (1, V)
     for step in range(length):

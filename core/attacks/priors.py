@@ -70,7 +70,8 @@ class _KVCacheMixin:
     _limit: int | None
 
     def _call(self, ids: torch.Tensor, cache: object = None) -> tuple[torch.Tensor, object]:
-        if self._limit is not None and ids.shape[1] + (cache.get_seq_length() if cache is not None else 0) > self._limit:
+        held = cache.get_seq_length() if cache is not None else 0
+        if self._limit is not None and ids.shape[1] + held > self._limit:
             raise ConfigError(f"a cached prefix may hold at most the prior's context of {self._limit} positions")
         device = next(self.model.parameters()).device
         out = self.model(input_ids=self._in(ids).to(device), cache=cache, use_cache=True)

@@ -31,7 +31,8 @@ def test_cached_beam_search_equals_the_uncached_reference(name: str) -> None:
     fast = beam_search(prior, cand, use_cache=True, **kw)
     slow = beam_search(prior, cand, use_cache=False, **kw)
     assert [t for t, _ in fast] == [t for t, _ in slow]
-    torch.testing.assert_close(torch.tensor([s for _, s in fast]), torch.tensor([s for _, s in slow]), atol=1e-3, rtol=0)
+    fast_s, slow_s = torch.tensor([s for _, s in fast]), torch.tensor([s for _, s in slow])
+    torch.testing.assert_close(fast_s, slow_s, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "compact"])
