@@ -1,6 +1,7 @@
-"""Stage 5 flow: attack evaluation. Part 1 (SEB paper): the attacker's prior, FILM against every victim at every
-batch size, the byte-coverage curve, and SEB's utility (perplexity, BLEU). Part 2: the membership-inference
-audit of the private-training stage's models. Runs in parallel on a process pool."""
+"""Stage 5 flow: attack evaluation. Part 1 (SEB paper): the attacker's priors, FILM against every victim at every
+batch size with every prior, the byte-coverage curve, and SEB's utility (perplexity, BLEU; one run per seed).
+Part 2: the membership-inference audit of the private-training stage's models. Runs in parallel on a process
+pool."""
 
 from __future__ import annotations
 
@@ -60,9 +61,17 @@ def attacks_flow(
     run = open_flow_record(flow="attacks", stage=STAGE, config=config, profile=profile, parent=parent)
     u, f = config.utility, config.film
     prior = cov = None
-    if f is not None:  # first in the pool's queue: every FILM run waits for the prior
-        public = {n: prepared[n] for n in f.prior.public} if f.prior.path is None else {}
-        prior = train_prior.submit(f, public, run, threads=config.threads_per_worker)
+    if f is not None:  # first in the pool's queue: every FILM run waits for the priors
+        prior = {
+            p.name: train_prior.submit(
+                f,
+                p,
+                {n: prepared[n] for n in p.public} if p.kind == "trained" and p.path is None else {},
+                run,
+                threads=config.threads_per_worker,
+            )
+            for p in f.priors
+        }
         cov = seb_coverage.submit(config, run)
     targets = audit_targets(a) if a is not None else []
     audits = audit_seqrec.map(
@@ -76,31 +85,32 @@ def attacks_flow(
         threads=unmapped(config.threads_per_worker),
     )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
-    lm_jobs = [(d, e) for d in u.lm_datasets for e in u.embeddings] if u else []
+    seeds = list(u.run_seeds) if u else []
+    lm_jobs = [(d, e, s) for s in seeds for d in u.lm_datasets for e in u.embeddings] if u else []
     lm = utility_lm.map(
         [j[0] for j in lm_jobs],
         [j[1] for j in lm_jobs],
         unmapped(config),
         [prepared[j[0]] for j in lm_jobs],
         unmapped(run),
+        seed=[j[2] for j in lm_jobs],
     )
-    mt_emb = list(u.mt_embeddings) if u and u.translation else []
+    mt_jobs = [(e, s) for s in seeds for e in u.mt_embeddings] if u and u.translation else []
     mt = utility_translation.map(
-        mt_emb, unmapped(config), unmapped(prepared[u.translation] if mt_emb else ""), unmapped(run)
+        [j[0] for j in mt_jobs],
+        unmapped(config),
+        unmapped(prepared[u.translation] if mt_jobs else ""),
+        unmapped(run),
+        seed=[j[1] for j in mt_jobs],
     )
     film_runs: list[dict[str, Any]] = []
     if f is not None:
-        prior_dir = prior.result()
+        prior_dirs = {name: fut.result() for name, fut in prior.items()}
         private = {n: prepared[n] for n in f.private}
-        jobs = [(v, b) for v in f.victims for b in f.batch_sizes]
-        film_runs = film_attack.map(
-            [j[0] for j in jobs],
-            [j[1] for j in jobs],
-            unmapped(config),
-            unmapped(private),
-            unmapped(prior_dir),
-            unmapped(run),
+        per_victim = film_attack.map(
+            list(f.victims), unmapped(config), unmapped(private), unmapped(prior_dirs), unmapped(run)
         ).result()
+        film_runs = [row for rows in per_victim for row in rows]
     coverage = cov.result() if cov is not None else None
     summary = attacks_summary(
         film=film_runs,

@@ -138,8 +138,10 @@ def _attacks_runs(cfg: BenchmarkConfig) -> int:
 
     a = _section(cfg, "attacks")
     f, u, audit = a.film, a.utility, a.audit
-    film = (f.prior.path is None) + 1 + len(f.victims) * len(f.batch_sizes) if f else 0  # prior, coverage, FILM
-    utility = len(u.lm_datasets) * len(u.embeddings) + (len(u.mt_embeddings) if u.translation else 0) if u else 0
+    trained = sum(p.kind == "trained" and p.path is None for p in f.priors) if f else 0
+    film = trained + 1 + len(f.victims) * len(f.batch_sizes) if f else 0  # priors, coverage, FILM
+    per_seed = len(u.lm_datasets) * len(u.embeddings) + (len(u.mt_embeddings) if u.translation else 0) if u else 0
+    utility = per_seed * len(u.run_seeds) if u else 0
     audits = len(audit_targets(audit)) + bool(audit.unlearning) if audit else 0
     return 1 + film + utility + audits
 

@@ -7,7 +7,7 @@ the defence: language-model perplexity and German->English translation BLEU (``u
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -23,6 +23,10 @@ EMBEDDINGS: tuple[str, ...] = get_args(Embedding)
 #   relaxed     the paper's relaxed setting (Sec. 5.1): `relaxed_random` random subwords plus the true ones
 FilmSetting = Literal["subwords", "bytes", "positional", "relaxed"]
 FILM_SETTINGS: tuple[str, ...] = get_args(FilmSetting)
+# the victims' tokenizer: GPT-2's BPE (50,257 subwords) or SmolLM2's (49,152), shared with the attacker's prior
+FilmVocab = Literal["gpt2", "smollm2"]
+# the prior: a small causal LM trained on public text (or the model folder `path`), or the pretrained SmolLM2-135M
+PriorKind = Literal["trained", "smollm2"]
 
 
 class SEBSpec(FrozenConfig):
@@ -46,10 +50,14 @@ class ModelShapeSpec(ModelShape):
 
 
 class PriorSpec(FrozenConfig):
-    """The attacker's language-model prior (FILM step 2): a GPT-2-tokenizer causal LM trained on the ``public``
-    text datasets (disjoint from the clients' private text), or the Hugging Face model folder ``path`` (e.g.
-    real GPT-2 weights, when a user has them: its vocabulary must be GPT-2's 50,257 tokens)."""
+    """One attacker's language-model prior (FILM steps 2-3), named ``name`` in the results. ``kind="trained"``:
+    a small causal LM in the victims' vocabulary trained on the ``public`` text datasets (disjoint from the
+    clients' private text), or the Hugging Face model folder ``path`` (e.g. real GPT-2 weights, when a user has
+    them: its vocabulary must be the victims'); ``kind="smollm2"``: the pretrained SmolLM2-135M shipped offline
+    (victims with ``vocab: smollm2``; the training fields are ignored)."""
 
+    name: str = Field("kjv-small", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    kind: PriorKind = "trained"
     public: tuple[str, ...] = Field(("kjv",), description="prepared text datasets the prior is trained on")
     path: str | None = None
     shape: ModelShapeSpec = ModelShapeSpec()
@@ -65,10 +73,16 @@ class FilmConfig(FrozenConfig):
 
     ``n_clients`` clients each hold a disjoint share of the ``private`` text datasets; the victim model is
     trained for ``warmup_rounds`` FedSGD rounds, then in the attacked round the server (the attacker) reads one
-    client's gradient for each of ``batches_per_size`` batches of every size in ``batch_sizes``.
+    client's gradient for each of ``batches_per_size`` batches of every size in ``batch_sizes``, and recovers
+    text with each prior of ``priors`` (a single ``prior:`` is read as ``priors: [prior]``).
+
+    ``vocab="gpt2"``: GPT-2-shaped victims of ``shape``; ``vocab="smollm2"``: SmolLM2-architecture victims, the
+    pretrained SmolLM2-135M cut to its first ``shape.n_layer`` blocks (width and heads are SmolLM2's), with its
+    subword embedding or SEB in its place (``core.attacks.llama_victim``).
     """
 
     private: tuple[str, ...] = Field(("shakespeare",), min_length=1)
+    vocab: FilmVocab = "gpt2"
     victims: tuple[Embedding, ...] = ("subword", "seb_co")
     settings: tuple[FilmSetting, ...] = FILM_SETTINGS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -85,8 +99,18 @@ class FilmConfig(FrozenConfig):
     reorder_passes: int = Field(2, ge=0)
     reorder_moves: int | None = Field(256, ge=1, description="orderings scored per reordering pass (None: all)")
     repeat_penalty: float = Field(20.0, ge=0.0, description="beam-search penalty (nats) per reuse of a subword")
-    prior: PriorSpec = PriorSpec()
+    priors: tuple[PriorSpec, ...] = Field((PriorSpec(),), min_length=1)
     seed: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prior(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prior" in data:
+            if "priors" in data:
+                raise ValueError("give film.prior or film.priors, not both")
+            data = {**data, "priors": [data["prior"]]}
+            del data["prior"]
+        return data
 
     @field_validator("batch_sizes")
     @classmethod
@@ -103,7 +127,21 @@ class FilmConfig(FrozenConfig):
             raise ValueError("film.victims is empty; pick from " + ", ".join(EMBEDDINGS))
         if len(set(self.victims)) != len(self.victims):
             raise ValueError(f"film.victims must be distinct, got {list(self.victims)}")
+        names = [p.name for p in self.priors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"film.priors need distinct names, got {names}")
+        for p in self.priors:
+            if p.kind == "smollm2" and self.vocab != "smollm2":
+                raise ValueError(
+                    f"prior {p.name!r} is SmolLM2 (49,152 subwords) but film.vocab={self.vocab!r}; the prior must "
+                    "share the victims' tokenizer: set film.vocab: smollm2"
+                )
         return self
+
+    @property
+    def prior(self) -> PriorSpec:
+        """The first prior."""
+        return self.priors[0]
 
 
 class UtilityConfig(FrozenConfig):
@@ -133,6 +171,23 @@ class UtilityConfig(FrozenConfig):
     mt_eval: int = Field(300, ge=1, description="test pairs translated for BLEU")
     max_seconds: float | None = Field(None, gt=0.0, description="cap on each model's training time (None: all steps)")
     seed: int = Field(0, ge=0)
+    seeds: tuple[int, ...] | None = Field(
+        None, description="one run per seed for every model (intervals over seeds in the claims); None: (seed,)"
+    )
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, values: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if values is None:
+            return values
+        if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
+            raise ValueError(f"utility.seeds must be distinct integers >= 0 and not empty, got {list(values)}")
+        return values
+
+    @property
+    def run_seeds(self) -> tuple[int, ...]:
+        """The seeds every utility model is trained with."""
+        return self.seeds if self.seeds is not None else (self.seed,)
 
     @model_validator(mode="after")
     def _some_work(self) -> UtilityConfig:
@@ -216,9 +271,9 @@ class AttacksConfig(FrozenConfig):
         """Every prepared text dataset this stage reads."""
         names: list[str] = []
         if self.film is not None:
-            names += (
-                [*self.film.private, *self.film.prior.public] if self.film.prior.path is None else [*self.film.private]
-            )
+            names += [*self.film.private]
+            for p in self.film.priors:
+                names += [*p.public] if p.kind == "trained" and p.path is None else []
         if self.utility is not None:
             names += [*self.utility.lm_datasets, *([self.utility.translation] if self.utility.translation else [])]
         return list(dict.fromkeys(names))

@@ -17,13 +17,15 @@ def attacks_summary(
     unlearning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     recovery = []
-    for run in sorted(film, key=lambda r: (r["victim"], r["batch_size"])):
+    for run in sorted(film, key=lambda r: (r.get("prior", ""), r["victim"], r["batch_size"])):
         for setting, vals in run["settings"].items():
             recovery.append(
                 {
                     "victim": run["victim"],
                     "setting": setting,
+                    "prior": run.get("prior", "kjv-small"),
                     "batch_size": run["batch_size"],
+                    "seconds": vals.get("seconds", float("nan")),
                     **{
                         k: vals[k]
                         for k in (
@@ -49,6 +51,7 @@ def attacks_summary(
                     {
                         "victim": run["victim"],
                         "setting": setting,
+                        "prior": run.get("prior", "kjv-small"),
                         "batch_size": run["batch_size"],
                         "rougeL": score,
                         "original": original,
@@ -57,25 +60,28 @@ def attacks_summary(
                 )
     metrics: dict[str, float] = {}
     for row in recovery:
-        key = f"film.{row['victim']}.{row['setting']}.b{row['batch_size']}"
+        key = f"film.{row['prior']}.{row['victim']}.{row['setting']}.b{row['batch_size']}"
         metrics.update(
             {
                 f"{key}.rouge1": row["rouge1"],
                 f"{key}.rougeL": row["rougeL"],
                 f"{key}.recall": row["recall"],
                 f"{key}.n_candidates": row["n_candidates"],
+                f"{key}.seconds": row["seconds"],
             }
         )
     for row in lm:
-        metrics[f"utility.lm.{row['dataset']}.{row['embedding']}.perplexity"] = row["perplexity"]
+        metrics[f"utility.lm.{row['dataset']}.{row['embedding']}.s{row.get('seed', 0)}.perplexity"] = row["perplexity"]
     for row in mt:
-        metrics[f"utility.mt.{row['embedding']}.bleu"] = row["bleu"]
+        metrics[f"utility.mt.{row['embedding']}.s{row.get('seed', 0)}.bleu"] = row["bleu"]
     lm_rows = [
-        {k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps", "train_s")}
+        {"seed": r.get("seed", 0)}
+        | {k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps", "train_s")}
         for r in lm
     ]
     mt_rows = [
-        {k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
+        {"seed": r.get("seed", 0)}
+        | {k: r[k] for k in ("dataset", "embedding", "bleu", "embedding_params", "params", "steps", "train_s")}
         for r in mt
     ]
     audit_rows = []
@@ -217,34 +223,34 @@ def markdown_report(
             "### FILM recovery (ROUGE F, mean over attacked batches)",
             "",
             (
-                "| victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
-                "unique subwords | unique bytes |"
+                "| prior | victim | attacker setting | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | candidates | recall | "
+                "unique subwords | unique bytes | seconds per batch |"
             ),
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in recovery:
             lines.append(
-                f"| {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
+                f"| {r['prior']} | {r['victim']} | {r['setting']} | {r['batch_size']} | {r['rouge1']:.3f} | "
                 f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['n_candidates']:.0f} | {r['recall']:.2f} | "
-                f"{r['n_unique_subwords']:.1f} | {r['n_unique_bytes']:.1f} |"
+                f"{r['n_unique_subwords']:.1f} | {r['n_unique_bytes']:.1f} | {r['seconds']:.1f} |"
             )
         lines.append("")
     if best:
         lines += [
             "### Best recovered sentence (smallest batch, by ROUGE-L)",
             "",
-            "| victim | setting | ROUGE-L | original | recovered |",
-            "|---|---|---:|---|---|",
+            "| prior | victim | setting | ROUGE-L | original | recovered |",
+            "|---|---|---|---:|---|---|",
         ]
         for b in best:
             lines.append(
-                f"| {b['victim']} | {b['setting']} | {b['rougeL']:.3f} | {_cell(b['original'])} | "
+                f"| {b['prior']} | {b['victim']} | {b['setting']} | {b['rougeL']:.3f} | {_cell(b['original'])} | "
                 f"{_cell(b['recovered'])} |"
             )
         lines.append("")
     if coverage:
         lines += [
-            "### Subwords covered by k random bytes (GPT-2 vocabulary, 50,257 subwords)",
+            "### Subwords covered by k random bytes (the victims' vocabulary)",
             "",
             "| k bytes | made only of them | containing one of them |",
             "|---:|---:|---:|",
@@ -256,24 +262,26 @@ def markdown_report(
         lines += [
             "### Language modelling (test perplexity, same model and budget)",
             "",
-            "| dataset | embedding | perplexity | embedding params | all params |",
-            "|---|---|---:|---:|---:|",
+            "| dataset | embedding | seed | perplexity | embedding params | all params |",
+            "|---|---|---:|---:|---:|---:|",
         ]
         for r in lm:
             lines.append(
-                f"| {r['dataset']} | {r['embedding']} | {r['perplexity']:.2f} | {r['embedding_params']:,} | "
-                f"{r['params']:,} |"
+                f"| {r['dataset']} | {r['embedding']} | {r['seed']} | {r['perplexity']:.2f} | "
+                f"{r['embedding_params']:,} | {r['params']:,} |"
             )
         lines.append("")
     if mt:
         lines += [
             "### German->English translation (sacreBLEU, 13a)",
             "",
-            "| embedding | BLEU | embedding params | all params |",
-            "|---|---:|---:|---:|",
+            "| embedding | seed | BLEU | embedding params | all params |",
+            "|---|---:|---:|---:|---:|",
         ]
         for r in mt:
-            lines.append(f"| {r['embedding']} | {r['bleu']:.2f} | {r['embedding_params']:,} | {r['params']:,} |")
+            lines.append(
+                f"| {r['embedding']} | {r['seed']} | {r['bleu']:.2f} | {r['embedding_params']:,} | {r['params']:,} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -5,7 +5,9 @@ prior, score them with ROUGE against the batch.
 Victims (``build_victim``): a GPT-2-shaped causal LM with the real 50,257-token GPT-2 vocabulary and either an
 ordinary subword input embedding (untied from the output layer, so its gradient is non-zero exactly on the rows
 of the batch's subwords, the threat model of Sec. 3.3) or SEB (the output layer is a separate SEB module over
-the same mapping, ``output="seb"``, so no parameter anywhere is indexed by subword).
+the same mapping, ``output="seb"``, so no parameter anywhere is indexed by subword); or a SmolLM2-architecture
+model with SmolLM2's 49,152-subword vocabulary (:mod:`core.attacks.llama_victim`), which has no position
+embedding: the attack is then told the batch's longest sentence length, what GPT-2's position gradient reveals.
 
 Attacker settings (``SETTINGS``):
 
@@ -19,6 +21,7 @@ Attacker settings (``SETTINGS``):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
@@ -82,14 +85,14 @@ def embedding_gradients(model: torch.nn.Module, grads: dict[str, torch.Tensor]) 
     and ``positions`` (the position embedding), found by identity among the named parameters."""
     emb = model.get_input_embeddings()
     target = emb.byte_weight if hasattr(emb, "byte_weight") else emb.weight
-    wpe = model.transformer.wpe.weight
+    wpe = getattr(getattr(getattr(model, "transformer", None), "wpe", None), "weight", None)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p is target:
             out["input"] = grads[name]
-        elif p is wpe:
+        elif wpe is not None and p is wpe:
             out["positions"] = grads[name]
-    if set(out) != {"input", "positions"}:
+    if "input" not in out or (wpe is not None and "positions" not in out):
         raise ConfigError(f"victim {type(model).__name__} lacks an input embedding or position embedding gradient")
     return out
 
@@ -103,11 +106,12 @@ def candidates(
     true_ids: Sequence[int],
     relaxed_random: int,
     seed: int,
+    eos_id: int = GPT2_EOS,
 ) -> torch.Tensor:
     """Candidate subword ids (sorted) of one attacker setting from the input-embedding gradient ``grad``:
     (V, d) for a subword victim; (byte_vocab, byte_dim) for SEB_ar/cr; (n_bytes * byte_vocab, hidden) for SEB_co."""
     if setting == "subwords":
-        return film.subword_candidates(grad, exclude=[GPT2_EOS])
+        return film.subword_candidates(grad, exclude=[eos_id])
     if mapping is None:
         raise ConfigError(f"attacker setting {setting!r} needs an SEB victim (a byte mapping)")
     if setting == "relaxed":
@@ -116,7 +120,7 @@ def candidates(
             mapping.shape[0],
             n_random=relaxed_random,
             seed=seed,
-            exclude=[GPT2_EOS],
+            exclude=[eos_id],
         )
     n = mapping.shape[1]
     positional_rows = grad.shape[0] == n * byte_vocab and n > 1
@@ -132,7 +136,7 @@ def candidates(
     else:
         present = film.byte_bag(grad)
     found = film.seb_candidates(mapping, present)
-    return found[found != GPT2_EOS]
+    return found[found != eos_id]
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,7 @@ class BatchResult:
     recovered: list[str]
     best_recovered: str
     best_original: str
+    seconds: float = 0.0  # candidates, beam search and reordering of this batch in this setting
 
 
 def attack_batches(
@@ -173,6 +178,7 @@ def attack_batches(
     seed: int,
     repeat_penalty: float = 20.0,
     reorder_moves: int | None = 256,
+    eos_id: int = GPT2_EOS,
 ) -> list[BatchResult]:
     """Attack each batch (a list of token-id sentences without EOS) of one client at the victim's current
     parameters, in every setting of ``settings_for(victim, settings)``. ``mapping`` is the SEB mapping (also
@@ -180,16 +186,22 @@ def attack_batches(
 
     The candidates form a bag of subwords, most of which occur once in a sentence: the beam search subtracts
     ``repeat_penalty`` (nats) for each reuse of a subword and allows at most ceil(length / |candidates|) + 1
-    uses, so that a strong prior cannot fill the sentence with its favourite word."""
+    uses, so that a strong prior cannot fill the sentence with its favourite word. ``eos_id`` ends every sentence
+    and is never a candidate. A victim without a position embedding (SmolLM2) gives the attack the longest
+    sentence's length, which is what a GPT-2 victim's position gradient reveals."""
     results = []
     for k, sentences in enumerate(batches):
-        ids, mask = pack([list(s) + [GPT2_EOS] for s in sentences], max_len=10**6)
+        ids, mask = pack([list(s) + [eos_id] for s in sentences], max_len=10**6, pad_id=eos_id)
         grads = embedding_gradients(model, client_gradient(model, ids, mask))
-        length = film.sequence_length_from_positions(grads["positions"])
+        if "positions" in grads:
+            length = film.sequence_length_from_positions(grads["positions"])
+        else:
+            length = max(len(s) for s in sentences)
         true_ids = sorted({t for s in sentences for t in s})
         n_bytes = len(set(mapping[true_ids].flatten().tolist()))
         originals = [decode(s) for s in sentences]
         for setting in settings_for(victim, settings):
+            t0 = time.perf_counter()
             cand = candidates(
                 setting,
                 grads["input"],
@@ -198,6 +210,7 @@ def attack_batches(
                 true_ids=true_ids,
                 relaxed_random=relaxed_random,
                 seed=seed + k,
+                eos_id=eos_id,
             )
             max_uses = -(-length // max(int(cand.numel()), 1)) + 1
             recovered_ids = film.film_recover(
@@ -211,6 +224,7 @@ def attack_batches(
                 max_uses=max_uses,
                 max_moves=reorder_moves,
             )
+            seconds = time.perf_counter() - t0
             recovered = [decode(r) for r in recovered_ids]
             best = film.best_match(recovered, originals)
             hit = len(set(cand.tolist()) & set(true_ids))
@@ -232,6 +246,7 @@ def attack_batches(
                     recovered=recovered,
                     best_recovered=best["recovered"],
                     best_original=best["original"],
+                    seconds=seconds,
                 )
             )
     return results
@@ -245,6 +260,7 @@ def warm_up(
     batch_size: int,
     lr: float,
     seed: int,
+    eos_id: int = GPT2_EOS,
 ) -> list[float]:
     """``rounds`` FedSGD rounds (eq. 1) over every client, each on a seeded random batch of its sentences.
     Returns the mean client loss of each round (measured before its update)."""
@@ -254,7 +270,7 @@ def warm_up(
         batches = []
         for sentences in clients:
             pick = torch.randperm(len(sentences), generator=gen)[:batch_size].tolist()
-            batches.append(pack([list(sentences[i]) + [GPT2_EOS] for i in pick], max_len=10**6))
+            batches.append(pack([list(sentences[i]) + [eos_id] for i in pick], max_len=10**6, pad_id=eos_id))
         with torch.no_grad():
             losses.append(
                 fmean(
@@ -282,6 +298,7 @@ def summarize(results: Sequence[BatchResult]) -> dict[str, dict[str, float]]:
                 "n_candidates",
                 "n_tokens",
                 "n_unique_subwords",
+                "seconds",
             )
         }
         out[setting]["n_unique_bytes"] = fmean(float(r.n_unique_bytes) for r in rs)

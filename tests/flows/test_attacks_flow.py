@@ -116,6 +116,7 @@ TINY = AttacksConfig(
         "mt_steps": 2,
         "mt_batch_size": 4,
         "mt_eval": 4,
+        "seeds": [0, 1],
     },
     workers=1,
 )
@@ -131,19 +132,21 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
     )
     got = {(t, s) for t, s, *_ in rows}
     assert got == {
-        ("subword", "subwords,batch=1"),
-        ("subword", "subwords,batch=2"),
-        *{("seb_co", f"{s},batch={b}") for s in ("bytes", "positional", "relaxed") for b in (1, 2)},
+        ("subword", "subwords,prior=kjv-small,batch=1"),
+        ("subword", "subwords,prior=kjv-small,batch=2"),
+        *{("seb_co", f"{s},prior=kjv-small,batch={b}") for s in ("bytes", "positional", "relaxed") for b in (1, 2)},
     }
     assert all(0.0 <= r1 <= 1.0 and 0.0 <= rl <= 1.0 and rec == 1.0 for *_, r1, rl, rec in rows)
     assert {(r["victim"], r["batch_size"]) for r in summary["recovery"]} == {
         (v, b) for v in ("subword", "seb_co") for b in (1, 2)
     }
-    assert {(r["dataset"], r["embedding"]) for r in summary["utility_lm"]} == {
-        ("private", "subword"),
-        ("private", "seb_co"),
-    }
-    assert {r["embedding"] for r in summary["utility_mt"]} == {"subword", "seb_co"}
+    assert sorted((r["dataset"], r["embedding"], r["seed"]) for r in summary["utility_lm"]) == [
+        ("private", e, s) for e in ("seb_co", "subword") for s in (0, 1)
+    ]
+    assert sorted((r["embedding"], r["seed"]) for r in summary["utility_mt"]) == [
+        (e, s) for e in ("seb_co", "subword") for s in (0, 1)
+    ]
+    assert all(r["seconds"] >= 0 for r in summary["recovery"])
     assert all(r["perplexity"] > 1 for r in summary["utility_lm"]) and all(
         r["bleu"] >= 0 for r in summary["utility_mt"]
     )
@@ -165,8 +168,10 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
     assert len(film_runs) == 4
     for (mlflow_id,) in film_runs:
         local = MlflowClient().download_artifacts(mlflow_id, "recovered.json", str(tmp_path))
-        batches = json.loads(Path(local).read_text())
+        batches = json.loads(Path(local).read_text())["kjv-small"]
         assert batches and all(b["originals"] and b["recovered"] for b in batches)
+    _, seeds = repo.query("select config_json from runs where technique like 'seb-lm-%'")
+    assert sorted(json.loads(c)["seed"] for (c,) in seeds) == [0, 0, 1, 1]  # the claims pair runs by this seed
 
 
 def test_attacks_need_their_text_prepared(prepare: PrepareConfig) -> None:

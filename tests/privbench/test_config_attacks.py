@@ -52,3 +52,25 @@ def test_audit_config_refuses_too_few_shadows_and_missing_training_section() -> 
     quick["attacks"]["audit"]["datasets"] = ["amazon-games-synthetic"]
     with pytest.raises(ConfigError, match="not in train_dp.datasets"):
         validate(BenchmarkConfig, quick, origin="test")
+
+
+def test_utility_seeds_are_validated() -> None:
+    assert UtilityConfig().run_seeds == (0,) and UtilityConfig(seed=4).run_seeds == (4,)
+    assert UtilityConfig(seeds=(0, 1, 2)).run_seeds == (0, 1, 2)
+    for bad in ((), (0, 0), (1, -1)):
+        with pytest.raises(ValidationError, match="utility.seeds must be distinct integers >= 0"):
+            UtilityConfig(seeds=bad)
+
+
+def test_priors_are_named_and_share_the_victims_vocabulary() -> None:
+    one = FilmConfig(prior={"name": "kjv", "steps": 5})
+    assert [p.name for p in one.priors] == ["kjv"] and one.prior.steps == 5  # `prior:` reads as `priors: [prior]`
+    both = FilmConfig(vocab="smollm2", priors=[{"name": "smollm2", "kind": "smollm2"}, {"name": "kjv"}])
+    assert [p.kind for p in both.priors] == ["smollm2", "trained"]
+    assert AttacksConfig(film=both.model_dump()).text_datasets() == ["shakespeare", "kjv"]
+    with pytest.raises(ValidationError, match="set film.vocab: smollm2"):
+        FilmConfig(priors=[{"name": "smollm2", "kind": "smollm2"}])
+    with pytest.raises(ValidationError, match="distinct names"):
+        FilmConfig(priors=[{"name": "a"}, {"name": "a"}])
+    with pytest.raises(ValidationError, match="not both"):
+        FilmConfig(prior={}, priors=[{}])
