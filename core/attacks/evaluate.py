@@ -186,7 +186,9 @@ def attack_batches(
 
     The candidates form a bag of subwords, most of which occur once in a sentence: the beam search subtracts
     ``repeat_penalty`` (nats) for each reuse of a subword and allows at most ceil(length / |candidates|) + 1
-    uses, so that a strong prior cannot fill the sentence with its favourite word. ``eos_id`` ends every sentence
+    uses, so that a strong prior cannot fill the sentence with its favourite word. A batch of one sentence
+    contains every true candidate: when there are no more candidates than tokens, the beam must use them all
+    (``film.beam_search``'s ``cover``). ``eos_id`` ends every sentence
     and is never a candidate. A victim without a position embedding (SmolLM2) gives the attack the longest
     sentence's length, which is what a GPT-2 victim's position gradient reveals."""
     results = []
@@ -223,6 +225,7 @@ def attack_batches(
                 repeat_penalty=repeat_penalty,
                 max_uses=max_uses,
                 max_moves=reorder_moves,
+                cover=len(sentences) == 1 and int(cand.numel()) <= length,
             )
             seconds = time.perf_counter() - t0
             recovered = [decode(r) for r in recovered_ids]

@@ -250,6 +250,7 @@ def beam_search(
     repeat_penalty: float = 0.0,
     max_uses: int | None = None,
     use_cache: bool = True,
+    cover: bool = False,
 ) -> list[tuple[list[int], float]]:
     """FILM step 2: beam search for ``length`` tokens drawn only from ``candidates``.
 
@@ -257,8 +258,11 @@ def beam_search(
     log-probs are masked to the candidates (``-inf`` elsewhere), ``repeat_penalty`` is subtracted for a
     token already in the beam, tokens used ``max_uses`` times are masked, and the ``beam_width`` best
     of the ``K * V`` extensions are kept (one ``topk``; no Python loop over candidates). Beams are
-    distinct by construction. With ``use_cache`` and a :class:`CachedPrior` each step feeds only the new
-    token of each beam against the KV cache of its parent (``O(K)`` tokens per step instead of ``O(K t)``).
+    distinct by construction. ``cover`` (a batch of one sentence: every candidate occurs in it) forces a beam to
+    take a candidate it has not used yet once the steps left equal its unused candidates, so that every beam
+    uses every candidate (needs ``len(candidates) <= length``). With ``use_cache`` and a :class:`CachedPrior`
+    each step feeds only the new token of each beam against the KV cache of its parent (``O(K)`` tokens per
+    step instead of ``O(K t)``).
 
     Returns:
         Up to ``n_return`` ``(tokens, score)`` pairs, best first, tokens without the bos; the score is
@@ -271,6 +275,8 @@ def beam_search(
     if repeat_penalty < 0:
         raise ConfigError(f"repeat_penalty must be >= 0, got {repeat_penalty=}")
     cand_mask = _candidate_mask(candidates, prior.vocab_size)  # (V,)
+    if cover and int(cand_mask.sum()) > length:
+        raise ConfigError(f"cover needs at most length={length} candidates, got {int(cand_mask.sum())}")
     if max_uses is not None and (max_uses < 1 or max_uses * int(cand_mask.sum()) < length):
         raise ConfigError(
             f"max_uses={max_uses} with {int(cand_mask.sum())} candidates cannot fill length={length}; "
@@ -293,6 +299,10 @@ def beam_search(
         allowed = cand_mask.unsqueeze(0).expand_as(logp)
         if max_uses is not None:
             allowed = allowed & (counts < max_uses)
+        if cover:
+            unused = cand_mask.unsqueeze(0) & (counts == 0)  # (K, V)
+            must = unused.sum(dim=1, keepdim=True) >= length - step  # (K, 1) no step left to spare
+            allowed = torch.where(must, allowed & unused, allowed)
         total = scores.unsqueeze(1) + logp - repeat_penalty * (counts > 0).float()  # (K, V)
         # rank allowed extensions above disallowed ones even where the prior gives -inf
         key = torch.where(allowed, total.clamp(min=floor), torch.full_like(total, float("-inf")))
@@ -402,6 +412,7 @@ def film_recover(
     max_uses: int | None = None,
     max_span: int = 3,
     max_moves: int | None = None,
+    cover: bool = False,
 ) -> list[list[int]]:
     """The FILM attack (steps 2-3): ``n_sentences`` distinct beams of ``length`` tokens, each reordered
     (``max_moves`` orderings per reordering pass at most, see :func:`reorder`).
@@ -417,6 +428,7 @@ def film_recover(
         n_return=n_sentences,
         repeat_penalty=repeat_penalty,
         max_uses=max_uses,
+        cover=cover,
     )
     return [
         reorder(prior, toks, max_passes=reorder_passes, max_span=max_span, max_moves=max_moves)[0] for toks, _ in beams

@@ -45,3 +45,17 @@ def test_cached_variant_scores_equal_full_scoring(name: str) -> None:
     fast = reorder(prior, base[::-1], max_passes=2, use_cache=True)
     slow = reorder(prior, base[::-1], max_passes=2, use_cache=False)
     assert fast[0] == slow[0] and fast[1] == pytest.approx(slow[1], abs=1e-3)
+
+
+def test_cover_makes_every_beam_use_every_candidate() -> None:
+    from core.attacks.priors import BigramPrior
+    from core.errors import ConfigError
+
+    scores = torch.zeros(5, 5)
+    scores[:, 1] = 5.0  # the prior wants token 1 everywhere
+    prior = BigramPrior.from_scores(scores, bos_id=4)
+    assert beam_search(prior, [0, 1, 2], length=3, beam_width=4)[0][0] == [1, 1, 1]
+    for tokens, _ in beam_search(prior, [0, 1, 2], length=4, beam_width=4, n_return=4, cover=True):
+        assert {0, 1, 2} <= set(tokens)
+    with pytest.raises(ConfigError, match="cover needs at most"):
+        beam_search(prior, [0, 1, 2], length=2, cover=True)
