@@ -240,6 +240,63 @@ def _candidate_mask(candidates: torch.Tensor | Sequence[int], vocab_size: int) -
     return mask
 
 
+def _beam_pass(
+    prior: LMPrior,
+    cand_mask: torch.Tensor,
+    length: int,
+    beam_width: int,
+    repeat_penalty: float,
+    max_uses: int | None,
+    use_cache: bool,
+    cover: bool,
+    best_seen: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One left-to-right beam search (see :func:`beam_search`): the beams ``(K, length+1)``, their scores ``(K,)``
+    and the best log-prob each token has had in any context this pass (and ``best_seen``) saw ``(V,)``."""
+    vocab = prior.vocab_size
+    beams = torch.full((1, 1), prior.bos_id, dtype=torch.long)  # (K, t+1)
+    scores = torch.zeros(1)  # (K,)
+    counts = torch.zeros(1, vocab, dtype=torch.long)  # (K, V) uses of each token per beam
+    floor = torch.finfo(torch.float32).min
+    cached = use_cache and isinstance(prior, CachedPrior)
+    parent = token = torch.zeros(1, dtype=torch.long)
+    if cached:
+        cache, logp = prior.start()  # (1, V)
+    informed = best_seen is not None  # future costs from an earlier pass (the first pass ranks by score alone)
+    if best_seen is None:
+        best_seen = torch.full((vocab,), floor)
+    for step in range(length):
+        if cached and step:
+            cache, logp = prior.advance(cache, parent, token)  # (K, V)
+        elif not cached:
+            logp = prior.next_log_probs(beams).float().cpu()  # (K, V)
+        allowed = cand_mask.unsqueeze(0).expand_as(logp)
+        if max_uses is not None:
+            allowed = allowed & (counts < max_uses)
+        if cover:
+            unused = cand_mask.unsqueeze(0) & (counts == 0)  # (K, V)
+            must = unused.sum(dim=1, keepdim=True) >= length - step  # (K, 1) no step left to spare
+            allowed = torch.where(must, allowed & unused, allowed)
+        total = scores.unsqueeze(1) + logp - repeat_penalty * (counts > 0).float()  # (K, V)
+        ranked = total
+        if cover:
+            best_seen = torch.maximum(best_seen, logp.max(dim=0).values.clamp(min=floor))
+        if cover and informed:
+            ahead = torch.where(cand_mask, best_seen, torch.zeros(())).clamp(min=-1e4)  # (V,)
+            left = (unused.float() * ahead).sum(dim=1, keepdim=True)  # (K, 1) the unused candidates' future cost
+            ranked = total + left - (counts == 0).float() * ahead  # the extension's token is no longer ahead
+        # rank allowed extensions above disallowed ones even where the prior gives -inf
+        key = torch.where(allowed, ranked.clamp(min=floor), torch.full_like(total, float("-inf")))
+        k = min(beam_width, int(allowed.sum()))
+        _, flat = key.flatten().topk(k)  # (k,)
+        parent, token = flat // vocab, flat % vocab
+        beams = torch.cat([beams[parent], token.unsqueeze(1)], dim=1)
+        scores = total.flatten()[flat]
+        counts = counts[parent]
+        counts[torch.arange(k), token] += 1
+    return beams, scores, best_seen
+
+
 def beam_search(
     prior: LMPrior,
     candidates: torch.Tensor | Sequence[int],
@@ -251,6 +308,7 @@ def beam_search(
     max_uses: int | None = None,
     use_cache: bool = True,
     cover: bool = False,
+    cover_passes: int = 2,
 ) -> list[tuple[list[int], float]]:
     """FILM step 2: beam search for ``length`` tokens drawn only from ``candidates``.
 
@@ -260,9 +318,13 @@ def beam_search(
     of the ``K * V`` extensions are kept (one ``topk``; no Python loop over candidates). Beams are
     distinct by construction. ``cover`` (a batch of one sentence: every candidate occurs in it) forces a beam to
     take a candidate it has not used yet once the steps left equal its unused candidates, so that every beam
-    uses every candidate (needs ``len(candidates) <= length``). With ``use_cache`` and a :class:`CachedPrior`
-    each step feeds only the new token of each beam against the KV cache of its parent (``O(K)`` tokens per
-    step instead of ``O(K t)``).
+    uses every candidate (needs ``len(candidates) <= length``). Every beam then covers the same bag, so beams are
+    ranked as a phrase-based MT decoder ranks hypotheses that cover different source words: by their score plus
+    the future cost of the candidates they have not used yet, each at the best log-prob it has had in any context
+    seen so far. ``cover_passes`` searches run: the first ranks by score alone and records the future costs,
+    each later one ranks with those of the passes before it; the best beams of all passes are returned. With
+    ``use_cache`` and a :class:`CachedPrior` each step feeds only the new token of each beam against the KV cache
+    of its parent (``O(K)`` tokens per step instead of ``O(K t)``).
 
     Returns:
         Up to ``n_return`` ``(tokens, score)`` pairs, best first, tokens without the bos; the score is
@@ -282,39 +344,17 @@ def beam_search(
             f"max_uses={max_uses} with {int(cand_mask.sum())} candidates cannot fill length={length}; "
             "raise max_uses or pass max_uses=None"
         )
-    vocab = prior.vocab_size
-    beams = torch.full((1, 1), prior.bos_id, dtype=torch.long)  # (K, t+1)
-    scores = torch.zeros(1)  # (K,)
-    counts = torch.zeros(1, vocab, dtype=torch.long)  # (K, V) uses of each token per beam
-    floor = torch.finfo(torch.float32).min
-    cached = use_cache and isinstance(prior, CachedPrior)
-    parent = token = torch.zeros(1, dtype=torch.long)
-    if cached:
-        cache, logp = prior.start()  # (1, V)
-    for step in range(length):
-        if cached and step:
-            cache, logp = prior.advance(cache, parent, token)  # (K, V)
-        elif not cached:
-            logp = prior.next_log_probs(beams).float().cpu()  # (K, V)
-        allowed = cand_mask.unsqueeze(0).expand_as(logp)
-        if max_uses is not None:
-            allowed = allowed & (counts < max_uses)
-        if cover:
-            unused = cand_mask.unsqueeze(0) & (counts == 0)  # (K, V)
-            must = unused.sum(dim=1, keepdim=True) >= length - step  # (K, 1) no step left to spare
-            allowed = torch.where(must, allowed & unused, allowed)
-        total = scores.unsqueeze(1) + logp - repeat_penalty * (counts > 0).float()  # (K, V)
-        # rank allowed extensions above disallowed ones even where the prior gives -inf
-        key = torch.where(allowed, total.clamp(min=floor), torch.full_like(total, float("-inf")))
-        k = min(beam_width, int(allowed.sum()))
-        _, flat = key.flatten().topk(k)  # (k,)
-        parent, token = flat // vocab, flat % vocab
-        beams = torch.cat([beams[parent], token.unsqueeze(1)], dim=1)
-        scores = total.flatten()[flat]
-        counts = counts[parent]
-        counts[torch.arange(k), token] += 1
-    order = scores.argsort(descending=True)[:n_return]
-    return [(beams[i, 1:].tolist(), float(scores[i])) for i in order.tolist()]
+    if cover_passes < 1:
+        raise ConfigError(f"cover_passes must be >= 1, got {cover_passes=}")
+    best_seen, found = None, {}
+    for _ in range(cover_passes if cover else 1):
+        beams, scores, best_seen = _beam_pass(
+            prior, cand_mask, length, beam_width, repeat_penalty, max_uses, use_cache, cover, best_seen
+        )
+        for row, score in zip(beams[:, 1:].tolist(), scores.tolist(), strict=True):
+            found[tuple(row)] = score
+    ranked = sorted(found.items(), key=lambda item: -item[1])[:n_return]
+    return [(list(tokens), score) for tokens, score in ranked]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -59,3 +59,20 @@ def test_cover_makes_every_beam_use_every_candidate() -> None:
         assert {0, 1, 2} <= set(tokens)
     with pytest.raises(ConfigError, match="cover needs at most"):
         beam_search(prior, [0, 1, 2], length=2, cover=True)
+
+
+def test_cover_ranks_beams_by_future_cost_from_the_first_pass() -> None:
+    """The true sentence 0 1 2 3 starts with an unlikely token: a plain beam search drops it at the first step and
+    ends elsewhere; the second pass ranks beams with the future cost of the tokens they left and finds it."""
+    from core.attacks.priors import BigramPrior
+
+    s = torch.zeros(5, 5)
+    s[4, 0], s[4, 1], s[4, 2], s[4, 3] = -4.0, 2.0, 2.0, 2.0  # from bos (4): the true first token is unlikely
+    s[0, 1] = s[1, 2] = s[2, 3] = 8.0  # then the chain is near-certain
+    s[3, 2] = 10.0  # and 0 after 3 unlikely
+    prior = BigramPrior.from_scores(s, bos_id=4)
+    truth = float(prior.sequence_log_prob(torch.tensor([[4, 0, 1, 2, 3]]))[0])
+    [(plain, plain_score)] = beam_search(prior, [0, 1, 2, 3], length=4, beam_width=2, cover=True, cover_passes=1)
+    [(best, score)] = beam_search(prior, [0, 1, 2, 3], length=4, beam_width=2, cover=True, cover_passes=2)
+    assert plain != [0, 1, 2, 3] and plain_score < truth
+    assert best == [0, 1, 2, 3] and score == pytest.approx(truth, abs=1e-5)
