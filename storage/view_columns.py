@@ -99,6 +99,9 @@ STIP_OVERHEAD_COLUMNS = [
     "three_process_wall_s",
     "tokens_match",
     "max_abs_err",
+    "max_rel_err",
+    "float64_max_rel_err",
+    "exact_float64",
     "started_at",
 ]
 STIP_ATTACKS_COLUMNS = ["run_id", "model", "attack", "recovery_rate", "input_tokens_recovered", "started_at"]
