@@ -463,3 +463,25 @@ def test_large_vocabulary_clipping_claims_read_the_bench_settings(home: Path) ->
     bench(50257, good | {"ghost_tied_over_phantom_time": 3.0})
     verdicts = {i: sc.evaluate_claim(None, c).verdict for i, c in claims.items()}
     assert verdicts["phantom-faster-than-ghost-clipping-large-vocab"] == sc.NOT_REPRODUCED
+
+
+def test_a_reference_report_judges_bench_claims_on_the_paper_bench(home: Path) -> None:
+    """The benchmarks have only the quick and paper profiles: a reference report reads the paper bench runs (not the
+    quick ones), and says which in its scale column."""
+    [claim] = [c for c in load_claims() if c.id == "phantom-norms-exact"]
+
+    def bench(profile: str, err: float) -> None:
+        with record_run(
+            flow="bench", stage="bench", technique="dp-clipping", dataset="synthetic", profile=profile, config={},
+            track=False,
+        ) as rec:  # fmt: skip
+            rec.metrics({"exactness.phantom_norm_max_rel_err": err})
+
+    assert sc.bench_profile("reference") == "paper" and sc.bench_profile("quick") == "quick"
+    bench("quick", 1.0)  # a quick bench run is not what a reference report judges
+    assert sc.evaluate_claim(None, claim, profile="reference").verdict == sc.NOT_RUN
+    assert sc.evaluate_claim(None, claim, profile="quick").verdict == sc.NOT_REPRODUCED
+    bench("paper", 1e-16)
+    result = sc.evaluate_claim(None, claim, profile="reference")
+    assert result.verdict == sc.REPRODUCED
+    assert sc.claims_table([result], "reference")["scale"].iloc[0].startswith("bench paper profile")
