@@ -485,3 +485,29 @@ def test_a_reference_report_judges_bench_claims_on_the_paper_bench(home: Path) -
     result = sc.evaluate_claim(None, claim, profile="reference")
     assert result.verdict == sc.REPRODUCED
     assert sc.claims_table([result], "reference")["scale"].iloc[0].startswith("bench paper profile")
+
+
+def test_stage_runs_take_a_stage_not_its_passes(home: Path) -> None:
+    """The tangent stage runs one pass per seed as flow runs under its own flow run: the stage's wall time is the
+    parent's, and a stage run under a benchmark chain still counts."""
+
+    def flow(name: str, parent: Any = None) -> Any:
+        with record_run(
+            flow=name, stage=name, technique="flow", dataset=None, profile="tiny", config={}, parent=parent,
+            track=False,
+        ) as rec:  # fmt: skip
+            return rec
+
+    with record_run(
+        flow="tangent", stage="tangent", technique="flow", dataset=None, profile="tiny", config={}, track=False
+    ) as stage:
+        flow("tangent", stage.ref)
+        flow("tangent", stage.ref)
+    chain = flow("benchmark")
+    stip = flow("stip", chain.ref)
+    runs = sc.stage_runs(profile="tiny")
+    assert dict(zip(runs["flow"], runs["run_id"], strict=True)) == {
+        "tangent": stage.ref.run_id,
+        "stip": stip.ref.run_id,
+        "benchmark": chain.ref.run_id,
+    }
