@@ -109,6 +109,7 @@ FILM_COLUMNS = [
     "run_id",
     "embedding",
     "attacker",
+    "prior",
     "batch_size",
     "rouge1",
     "rouge2",

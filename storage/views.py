@@ -415,7 +415,8 @@ _BATCH = re.compile(r"batch=(\d+)")
 def film(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """FILM text recovery from FedSGD embedding gradients (``FILM_COLUMNS``): ROUGE-1/2/L of the recovered
     sentences and the recall of their tokens, by victim embedding (``subword``, ``seb_*``), attacker setting
-    (``subwords``; against SEB ``bytes``, ``positional``, ``relaxed``) and batch size."""
+    (``subwords``; against SEB ``bytes``, ``positional``, ``relaxed``), the attacker's prior (``film.priors``' name;
+    NaN for runs recorded before priors were named) and batch size."""
     engine, f = _engine(db_url), _filters(filters)
     frame = _attacks(engine, f, Run.stage == "attacks", AttackResult.attack == "film")
     if frame.empty:
@@ -423,10 +424,11 @@ def film(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     extra = [_config(e) for e in frame["extra_json"]]
     frame["embedding"] = frame["target"]
     frame["attacker"] = frame["setting"].fillna("").str.split(",").str[0]
+    frame["prior"] = frame["setting"].fillna("").str.extract(r"prior=([^,]+)", expand=False)  # NaN: one prior
     frame["batch_size"] = [_batch_size(e, s) for e, s in zip(extra, frame["setting"], strict=True)]
     frame["precision"] = [e.get("precision", math.nan) for e in extra]
     frame["n_candidates"] = [e.get("n_candidates", math.nan) for e in extra]
-    return _finish(frame, FILM_COLUMNS, ["embedding", "attacker", "batch_size", "started_at"])
+    return _finish(frame, FILM_COLUMNS, ["embedding", "attacker", "prior", "batch_size", "started_at"])
 
 
 def _batch_size(extra: dict[str, Any], setting: str | None) -> float:
