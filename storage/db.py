@@ -16,6 +16,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -209,7 +210,28 @@ def _alembic_config() -> Config:
     return cfg
 
 
+_LOCKED_RETRIES = 8  # SQLite "database is locked" at open: waits of 0.25, 0.5, 1, 2, 2, 2, 2 s between tries
+
+
 def _migrate(engine: Engine, url: str) -> None:
+    """:func:`_migrate_once`, tried again when SQLite reports ``database is locked`` although its busy timeout is
+    set: SQLite returns SQLITE_BUSY at once, without waiting, where waiting cannot help the statement that asked
+    (a read snapshot that must become a write after another process committed, a journal-mode change while
+    another connection holds the file), as when several processes open a new store at the same moment."""
+    for attempt in range(_LOCKED_RETRIES):
+        try:
+            return _migrate_once(engine, url)
+        except _Locked:
+            engine.dispose()  # drop connections whose snapshot is stale
+            time.sleep(min(0.25 * 2**attempt, 2.0))
+    _migrate_once(engine, url, last=True)
+
+
+class _Locked(Exception):
+    """SQLite said ``database is locked`` while opening the store (retried by :func:`_migrate`)."""
+
+
+def _migrate_once(engine: Engine, url: str, *, last: bool = False) -> None:
     """Upgrade to head, if behind, under a cross-process lock (a file lock for SQLite, an advisory lock for
     PostgreSQL); a store at head is neither locked nor written."""
     cfg = _alembic_config()
@@ -229,6 +251,8 @@ def _migrate(engine: Engine, url: str) -> None:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
     except OperationalError as exc:
+        if not last and engine.dialect.name == "sqlite" and "database is locked" in str(exc.orig):
+            raise _Locked(str(exc.orig)) from None
         if read_only is not None:
             raise StoreError(
                 f"cannot open the read-only results store {_sqlite_file(make_url(url))} ({read_only}): "

@@ -277,3 +277,38 @@ def test_seqrec_dataset_without_counts_is_refused(store_url: str) -> None:
         record_run(flow="prepare", stage="data", technique="x", config={}, track=False) as rec,
     ):
         rec.dataset(name="d", content_hash="c", cache_key="k", path="/p", source="s", stats={"n_users": 1})
+
+
+def test_a_locked_sqlite_store_is_opened_again_not_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite returns 'database is locked' at once where its busy timeout cannot help (several processes opening a
+    new store together): opening tries again; only the last try's error reaches the user."""
+    from storage import db as store_db
+
+    calls: list[bool] = []
+
+    def flaky(engine: object, url: str, *, last: bool = False) -> None:
+        calls.append(last)
+        if len(calls) < 3:
+            raise store_db._Locked("database is locked")
+
+    monkeypatch.setattr(store_db, "_migrate_once", flaky)
+    monkeypatch.setattr(store_db.time, "sleep", lambda s: None)
+
+    class Engine:
+        def dispose(self) -> None:
+            pass
+
+    store_db._migrate(Engine(), "sqlite:///x.db")  # type: ignore[arg-type]
+    assert calls == [False, False, False]
+    calls.clear()
+
+    def locked(engine: object, url: str, *, last: bool = False) -> None:
+        calls.append(last)
+        if not last:
+            raise store_db._Locked("database is locked")
+        raise StoreError("cannot reach the results store: database is locked")
+
+    monkeypatch.setattr(store_db, "_migrate_once", locked)
+    with pytest.raises(StoreError, match="database is locked"):
+        store_db._migrate(Engine(), "sqlite:///x.db")  # type: ignore[arg-type]
+    assert calls == [False] * store_db._LOCKED_RETRIES + [True]  # the last try reports
