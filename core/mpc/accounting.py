@@ -137,6 +137,10 @@ class CostMeter:
             self._total.bytes += end[1] - start[1]
             self._total.rounds += end[2] - start[2]
 
+    def snapshot(self) -> tuple[float, int, int]:
+        """(clock seconds, bytes, rounds) now: differences of two snapshots split a region into phases."""
+        return self._now()
+
     def counters(self) -> tuple[int, int]:
         """This meter's communication counters now, (bytes, rounds): differences split a region into steps."""
         return self._stats()

@@ -157,18 +157,46 @@ def check_mode(mode: str, known: tuple[str, ...] = GENERATION_MODES + ("merge",)
 
 @dataclass
 class StepLog:
-    """Bytes and rounds of each generation step, read from the meter's counters around the step."""
+    """Wall seconds, bytes and rounds of each generation step, read from the meter around the step, and of the
+    two phases outside the steps: ``prefix`` (from :meth:`open` to the first step: sharing the prompt, its first
+    embedding) and ``decode`` (from the last step to :meth:`close`: the final LM head and argmax where a
+    method decodes at the end, and the reveal)."""
 
     bytes: list[int] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    _open: tuple[float, int, int] | None = None
+    _first: tuple[float, int, int] | None = None
+    _last: tuple[float, int, int] | None = None
+    _close: tuple[float, int, int] | None = None
+
+    def open(self, meter: CostMeter) -> None:
+        self._open = meter.snapshot()
+
+    def close(self, meter: CostMeter) -> None:
+        self._close = meter.snapshot()
 
     @contextmanager
     def step(self, meter: CostMeter) -> Iterator[None]:
-        b0, r0 = meter.counters()
+        t0, b0, r0 = start = meter.snapshot()
+        if self._first is None:
+            self._first = start
         yield
-        b1, r1 = meter.counters()
+        t1, b1, r1 = self._last = meter.snapshot()
+        self.seconds.append(t1 - t0)
         self.bytes.append(b1 - b0)
         self.rounds.append(r1 - r0)
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """``{"prefix": {s, bytes, rounds}, "decode": {...}}``; empty when :meth:`open`/:meth:`close` were not
+        called around the steps."""
+        if None in (self._open, self._first, self._last, self._close):
+            return {}
+        spans = {"prefix": (self._open, self._first), "decode": (self._last, self._close)}
+        return {
+            name: {"s": b[0] - a[0], "bytes": float(b[1] - a[1]), "rounds": float(b[2] - a[2])}
+            for name, (a, b) in spans.items()
+        }
 
 
 @dataclass
@@ -176,9 +204,10 @@ class GenerationResult:
     """One party's result: tokens (B, n_new) on the client (None on the model owner), costs per category
     ({category: {s, bytes, rounds, calls}}), totals of the generation region, and the weight-sharing setup.
 
-    ``step_bytes[i]``, ``step_rounds[i]``: this party's communication during generation step i (step 0
-    processes the prefix); sharing the prefix before the steps and the final decoding and reveal are not in
-    any step."""
+    ``step_bytes[i]``, ``step_rounds[i]``, ``step_s[i]``: this party's communication and wall seconds during
+    generation step i (step 0 processes the prefix); sharing the prefix before the steps and the final decoding
+    and reveal are not in any step: they are ``phases["prefix"]`` and ``phases["decode"]`` ({s, bytes, rounds}),
+    so that prefix + steps + decode is the whole generation region (``total_s``, ``comm_bytes``, ``rounds``)."""
 
     rank: int
     mode: str
@@ -190,6 +219,8 @@ class GenerationResult:
     setup: dict[str, float | int] = field(default_factory=dict)
     step_bytes: list[int] = field(default_factory=list)
     step_rounds: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def reveal_tokens(onehots: CrypTensor, rank: int) -> torch.Tensor | None:
@@ -214,6 +245,8 @@ def _finish(
         setup=setup,
         step_bytes=list(steps.bytes),
         step_rounds=list(steps.rounds),
+        step_s=list(steps.seconds),
+        phases=steps.phases(),
     )
 
 
@@ -321,6 +354,7 @@ class EncryptedGPT2:
         self.meter = m = CostMeter()
         crypten, log = import_crypten(), StepLog()
         with m.region():
+            log.open(m)
             x = self.share_prefix(prefix_ids, shape)  # (B, N, V)
             if mode == "vanilla_er":
                 out = self._generate_er(x, max_new_tokens, log)
@@ -342,6 +376,7 @@ class EncryptedGPT2:
                             emb = ops.embed(oh, self.wte, m)
                 out = crypten.cat(outs, dim=1)
             tokens = reveal_tokens(out, self.rank)
+            log.close(m)
         return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)
 
     def _generate_er(self, x: CrypTensor, n_new: int, log: StepLog) -> CrypTensor:
@@ -524,6 +559,7 @@ class EncryptedMerge:
         self.meter = m = CostMeter()
         crypten, log = import_crypten(), StepLog()
         with m.region():
+            log.open(m)
             ids = prefix_ids if self.rank == CLIENT and prefix_ids is not None else torch.zeros(shape, dtype=torch.long)
             x = ops.share(ops.onehot(ids, self.vocab_size), src=CLIENT, rank=self.rank, device=self.device)
             emb, state, outs = ops.embed(x, self.lm_head, m), MergeState(), []  # E_0 (B, N, d)
@@ -543,4 +579,5 @@ class EncryptedMerge:
             if mode == "merge":
                 out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
             tokens = reveal_tokens(out, self.rank)
+            log.close(m)
         return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)

@@ -81,6 +81,8 @@ class BenchmarkSpec:
         setting: optional ``setting(profile, options) -> dict``, the resolved setting recorded as the
             run's config before the benchmark starts.
         dataset: the dataset the benchmark measures on, recorded as the run's dataset (None: none).
+        profile_aliases: other names of its profiles (``paper-shape`` -> ``paper``); a run is recorded under the
+            profile's own name, so the claims report finds it.
     """
 
     name: str
@@ -89,6 +91,7 @@ class BenchmarkSpec:
     options: tuple[str, ...] = ()
     setting: Callable[[str, Mapping[str, Any]], Mapping[str, Any]] | None = None
     dataset: str | None = None
+    profile_aliases: Mapping[str, str] = field(default_factory=dict)
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
@@ -101,13 +104,15 @@ def register(
     options: tuple[str, ...] = (),
     setting: Callable[[str, Mapping[str, Any]], Mapping[str, Any]] | None = None,
     dataset: str | None = None,
+    profile_aliases: Mapping[str, str] | None = None,
 ) -> Callable[[BenchFn], BenchFn]:
     """Decorator: register ``fn`` as benchmark ``name``."""
 
     def decorate(fn: BenchFn) -> BenchFn:
         if name in BENCHMARKS and BENCHMARKS[name].fn is not fn:
             raise ConfigError(f"benchmark {name!r} is registered twice")
-        BENCHMARKS[name] = BenchmarkSpec(name, description, fn, tuple(options), setting, dataset)
+        aliases = dict(profile_aliases or {})
+        BENCHMARKS[name] = BenchmarkSpec(name, description, fn, tuple(options), setting, dataset, aliases)
         return fn
 
     return decorate
@@ -396,14 +401,24 @@ def resolve_benchmark(name: str, profile: str, options: Mapping[str, Any]) -> di
     """The setting benchmark ``name`` would run for ``profile`` and ``options``, resolved before anything runs or
     is recorded; ConfigError for an unknown benchmark, profile, option or a bad option value."""
     spec = get_benchmark(name)
-    if profile not in PROFILES:
-        raise ConfigError(f"unknown profile {profile!r} for benchmark {name}; known: {', '.join(PROFILES)}")
+    profile = canonical_profile(name, profile)
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
         raise ConfigError(
             f"benchmark {name} has no option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or '(none)'}"
         )
     return dict(spec.setting(profile, options)) if spec.setting else {}
+
+
+def canonical_profile(name: str, profile: str) -> str:
+    """``profile`` of benchmark ``name`` under its own name (an alias such as ``paper-shape`` resolved);
+    ConfigError naming the known profiles and aliases otherwise."""
+    aliases = get_benchmark(name).profile_aliases
+    canonical = aliases.get(profile, profile)
+    if canonical not in PROFILES:
+        known = [*PROFILES, *(f"{a} (= {p})" for a, p in aliases.items())]
+        raise ConfigError(f"unknown profile {profile!r} for benchmark {name}; known: {', '.join(known)}")
+    return canonical
 
 
 def run_benchmark(
@@ -418,6 +433,7 @@ def run_benchmark(
     """
     spec = get_benchmark(name)
     setting = resolve_benchmark(name, profile, options)
+    profile = canonical_profile(name, profile)
     if progress is None:
         from rich.console import Console
 

@@ -38,7 +38,8 @@ from privbench.bench.harness import Progress, bench_threads, register
 
 NAME = "mpc-generation"
 METHOD_NAMES: tuple[str, ...] = SI_METHODS
-SECTION = "secure_inference"  # the --set prefix, as for ``privbench run``: --set secure_inference.n_layer=4
+SECTION = "secure_inference"
+UNITS = ("s", "bytes", "rounds")  # the --set prefix, as for ``privbench run``: --set secure_inference.n_layer=4
 
 
 class Setting(FrozenConfig):
@@ -59,12 +60,17 @@ class Setting(FrozenConfig):
     target_comm_fraction: float | None = Field(None, gt=0.0)
     seed: int = Field(0, ge=0)
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
+    long_prefix_len: int | None = Field(None, ge=1)  # a second measured run (prompt, new tokens) that anchors
+    long_gen_len: int | None = Field(None, ge=1)  # the length fit at a longer sequence
+    project_lengths: tuple[int, ...] = ()  # total lengths (prompt + new tokens) the fitted costs are projected to
 
-    @field_validator("methods", mode="before")
+    @field_validator("methods", "project_lengths", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        if isinstance(value, str):  # --set secure_inference.methods=vanilla,merge
+        if isinstance(value, str):  # --set secure_inference.methods=vanilla,merge; project_lengths=128,512
             return tuple(m.strip() for m in value.split(",") if m.strip())
+        if isinstance(value, int):
+            return (value,)
         return value
 
     @model_validator(mode="after")
@@ -73,7 +79,28 @@ class Setting(FrozenConfig):
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
+        if (self.long_prefix_len is None) != (self.long_gen_len is None):
+            raise ValueError("set both long_prefix_len and long_gen_len (the second measured run) or neither")
+        if self.project_lengths:
+            too_short = [n for n in self.project_lengths if n <= self.prefix_len]
+            if too_short:
+                raise ValueError(f"project_lengths {too_short} must exceed prefix_len={self.prefix_len}")
+            fit_lengths = {self.prefix_len + i for i in range(1, self.gen_len)}
+            if self.long_prefix_len is not None and self.long_gen_len is not None:
+                fit_lengths |= {self.long_prefix_len + i for i in range(1, self.long_gen_len)}
+            if len(fit_lengths) < 4:
+                raise ValueError(
+                    f"project_lengths needs steps at 4 or more sequence lengths to fit, got {sorted(fit_lengths)}: "
+                    "raise gen_len to 5 or more, or set long_prefix_len and long_gen_len"
+                )
         return self
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The measured (prompt length, new tokens) pairs: the main run, then the long one if set."""
+        out = [(self.prefix_len, self.gen_len)]
+        if self.long_prefix_len is not None and self.long_gen_len is not None:
+            out.append((self.long_prefix_len, self.long_gen_len))
+        return out
 
 
 class _Overridable(FrozenConfig):
@@ -82,27 +109,34 @@ class _Overridable(FrozenConfig):
     secure_inference: Setting
 
 
+PAPER_METHODS = ("vanilla", "vanilla_kv", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge")
 PROFILES: dict[str, Setting] = {
     "quick": Setting(n_layer=2, n_embd=64, n_head=2, prefix_len=6, gen_len=6),
-    "paper": Setting(
+    "paper": Setting(  # GPT-2 124M's shape, measured at lengths 14 and 43 (steps at 9-13, 41-42), projected to 128 and 512
         n_layer=12,
         n_embd=768,
         n_head=12,
         prefix_len=8,
-        gen_len=120,
+        gen_len=6,
+        long_prefix_len=40,
+        long_gen_len=3,
+        project_lengths=(128, 512),
         repeats=1,
-        timeout_s=36000.0,
-        target_speedup=7.75,
+        timeout_s=7200.0,
+        target_speedup=5.0,
         target_comm_fraction=0.38,
+        methods=PAPER_METHODS,
     ),
 }
+PROFILE_ALIASES = {"paper-shape": "paper"}
 
 
 def resolve_setting(profile: str, options: Mapping[str, Any]) -> Setting:
     """The profile's setting with ``options["methods"]`` (``--methods``), then ``options["overrides"]``
     (``--set secure_inference.KEY=VALUE`` items) applied; ConfigError naming the bad key or value."""
+    profile = PROFILE_ALIASES.get(profile, profile)
     if profile not in PROFILES:
-        raise ConfigError(f"unknown profile {profile!r} for {NAME}; known: {', '.join(PROFILES)}")
+        raise ConfigError(f"unknown profile {profile!r} for {NAME}; known: {', '.join([*PROFILES, *PROFILE_ALIASES])}")
     setting = PROFILES[profile]
     methods = options.get("methods")
     if methods:
@@ -146,7 +180,7 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     from core.mpc.methods import method_spec
 
     torch.manual_seed(setting.seed)
-    n_pos = setting.prefix_len + setting.gen_len
+    n_pos = max(p + g for p, g in setting.runs())
     model = tiny_gpt2(
         setting.vocab, n_layer=setting.n_layer, n_embd=setting.n_embd, n_head=setting.n_head, n_positions=n_pos
     ).eval()
@@ -170,86 +204,163 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     "seconds, bytes and rounds per op category",
     options=("methods", "overrides"),
     setting=_config,
+    profile_aliases=PROFILE_ALIASES,
 )
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
-
-    from core.mpc.accounting import CATEGORIES
     from core.mpc.costmodel import NETWORKS, project_all
-    from core.mpc.methods import run_method_party
-    from core.mpc.parties import run_local
 
     setting = resolve_setting(profile, options)
     methods = setting.methods
-    threads = bench_threads()
     progress.print(
         f"[bold]{NAME}[/] ({profile}): GPT-2 L={setting.n_layer} d={setting.n_embd} h={setting.n_head} "
-        f"vocab={setting.vocab}, batch {setting.batch_size}, prefix {setting.prefix_len}, {setting.gen_len} new "
-        f"tokens, {len(methods)} methods, 2 parties on {_device()}"
+        f"vocab={setting.vocab}, batch {setting.batch_size}, (prefix, new tokens) {setting.runs()}, "
+        f"{len(methods)} methods, 2 parties on {_device()}"
     )
     loads = payloads(setting, methods)
-    prefix = torch.randint(
-        0,
-        setting.vocab,
-        (setting.batch_size, setting.prefix_len),
-        generator=torch.Generator().manual_seed(setting.seed + 1),
-    )  # (B, prefix_len)
-    per_thread = max(1, threads // 2)
-    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    for r in range(setting.repeats):
-        for m in methods if r % 2 == 0 else tuple(reversed(methods)):
-            parties = run_local(
-                run_method_party,
-                (m, loads[m], prefix, setting.gen_len, tuple(prefix.shape)),
-                timeout_s=setting.timeout_s,
-                device=_device(),
-                threads_per_party=per_thread,
-            )
-            ops = {
-                c: {k: max(float(p.costs[c][k]) for p in parties) for k in ("s", "bytes", "rounds")} for c in CATEGORIES
-            }
-            sample = {
-                "total_s": max(p.total_s for p in parties),
-                "comm_bytes": max(p.comm_bytes for p in parties),
-                "rounds": max(p.rounds for p in parties),
-                "ops": ops,
-                "per_party": {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in parties},
-            }
-            samples[m].append(sample)
-            progress.print(
-                f"  {m}: {sample['total_s']:.2f} s, {sample['comm_bytes'] / 1e6:.1f} MB, {sample['rounds']} rounds"
-            )
+    measured = [_measure(setting, loads, p, g, k, progress) for k, (p, g) in enumerate(setting.runs())]
     out_methods = {}
-    for m, ss in samples.items():
-        best = min(ss, key=lambda s: s["total_s"])  # least-disturbed repeat; bytes and rounds are deterministic
+    for m in methods:
+        best = measured[0][m]
         out_methods[m] = {
-            "total_s": best["total_s"],
-            "comm_bytes": best["comm_bytes"],
-            "rounds": best["rounds"],
-            "ops": best["ops"],
+            **{k: best[k] for k in ("total_s", "comm_bytes", "rounds", "ops")},
             "per_token_s": best["total_s"] / setting.gen_len,
             "projection": project_all(best["total_s"], best["per_party"], NETWORKS),
-            "samples_s": [s["total_s"] for s in ss],
+            "samples_s": best["samples_s"],
         }
-    ratios: dict[str, float] = {}
-    if "vanilla" in out_methods:
-        van = out_methods["vanilla"]
-        for m, r in out_methods.items():
-            ratios[f"{m}_speedup_over_vanilla"] = van["total_s"] / r["total_s"]
-            ratios[f"{m}_comm_fraction_of_vanilla"] = r["comm_bytes"] / van["comm_bytes"]
-        if "merge" in out_methods:
-            ratios["merge_speedup_over_vanilla"] = van["total_s"] / out_methods["merge"]["total_s"]
-            ratios["merge_comm_fraction_of_vanilla"] = out_methods["merge"]["comm_bytes"] / van["comm_bytes"]
-    if "merge" in out_methods and "vanilla_kv" in out_methods:
-        ratios["merge_speedup_over_vanilla_kv"] = out_methods["vanilla_kv"]["total_s"] / out_methods["merge"]["total_s"]
-    targets = {}
-    if "merge_speedup_over_vanilla" in ratios:
-        targets["merge_speedup_ge_target"] = ratios["merge_speedup_over_vanilla"] >= setting.target_speedup
-        if setting.target_comm_fraction is not None:
-            targets["merge_comm_le_target"] = ratios["merge_comm_fraction_of_vanilla"] <= setting.target_comm_fraction
-    return {
+    ratios = _ratios(out_methods)
+    targets = _targets(ratios, setting)
+    out: dict[str, Any] = {
         "setting": _setting_json(setting, options),
         "methods": out_methods,
         "ratios": ratios,
         "targets": targets,
     }
+    if setting.project_lengths:
+        out.update(_lengths(setting, measured))
+    return out
+
+
+def _measure(
+    setting: Setting, loads: dict[str, Any], prefix_len: int, gen_len: int, k: int, progress: Progress
+) -> dict[str, dict[str, Any]]:
+    """Every method's generation of ``gen_len`` tokens after a random ``prefix_len``-token prompt, ``repeats``
+    times (the fastest repeat is kept; bytes and rounds are deterministic): totals, ops, per-step and phase
+    costs, each the slower party's."""
+    import torch
+
+    from core.mpc.accounting import CATEGORIES
+    from core.mpc.methods import run_method_party
+    from core.mpc.parties import run_local
+
+    gen = torch.Generator().manual_seed(setting.seed + 1 + k)
+    prefix = torch.randint(0, setting.vocab, (setting.batch_size, prefix_len), generator=gen)  # (B, prefix_len)
+    per_thread = max(1, bench_threads() // 2)
+    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in setting.methods}
+    for r in range(setting.repeats):
+        for m in setting.methods if r % 2 == 0 else tuple(reversed(setting.methods)):
+            parties = run_local(
+                run_method_party,
+                (m, loads[m], prefix, gen_len, tuple(prefix.shape)),
+                timeout_s=setting.timeout_s,
+                device=_device(),
+                threads_per_party=per_thread,
+            )
+            worst = lambda values: max(float(v) for v in values)  # the slower party's
+            sample = {
+                "total_s": max(p.total_s for p in parties),
+                "comm_bytes": max(p.comm_bytes for p in parties),
+                "rounds": max(p.rounds for p in parties),
+                "ops": {c: {u: worst(p.costs[c][u] for p in parties) for u in UNITS} for c in CATEGORIES},
+                "per_party": {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in parties},
+                "steps": {
+                    u: [worst(v) for v in zip(*(getattr(p, f"step_{u}") for p in parties), strict=True)] for u in UNITS
+                },
+                "phases": {
+                    ph: {u: worst(p.phases[ph][u] for p in parties) for u in UNITS} for ph in ("prefix", "decode")
+                },
+            }
+            samples[m].append(sample)
+            progress.print(
+                f"  {m} (prefix {prefix_len}, {gen_len} new): {sample['total_s']:.2f} s, "
+                f"{sample['comm_bytes'] / 1e6:.1f} MB, {sample['rounds']} rounds"
+            )
+    return {
+        m: {**min(ss, key=lambda s: s["total_s"]), "samples_s": [s["total_s"] for s in ss]} for m, ss in samples.items()
+    }
+
+
+def _ratios(methods: Mapping[str, Mapping[str, Any]], key: str = "total_s") -> dict[str, float]:
+    """Every method's speedup over vanilla (in ``total_s`` or another seconds key) and bytes fraction of vanilla,
+    MERGE's speedup over vanilla_kv."""
+    ratios: dict[str, float] = {}
+    if "vanilla" in methods:
+        van = methods["vanilla"]
+        for m, r in methods.items():
+            ratios[f"{m}_speedup_over_vanilla"] = van[key] / r[key]
+            ratios[f"{m}_comm_fraction_of_vanilla"] = r["comm_bytes"] / van["comm_bytes"]
+    if "merge" in methods and "vanilla_kv" in methods:
+        ratios["merge_speedup_over_vanilla_kv"] = methods["vanilla_kv"][key] / methods["merge"][key]
+    return ratios
+
+
+def _targets(ratios: Mapping[str, float], setting: Setting, *, lan: Mapping[str, float] | None = None) -> dict:
+    targets: dict[str, bool] = {}
+    if "merge_speedup_over_vanilla" in ratios:
+        targets["merge_speedup_ge_target"] = ratios["merge_speedup_over_vanilla"] >= setting.target_speedup
+        if setting.target_comm_fraction is not None:
+            targets["merge_comm_le_target"] = ratios["merge_comm_fraction_of_vanilla"] <= setting.target_comm_fraction
+    if lan and "merge_speedup_over_vanilla" in lan:
+        targets["merge_lan_speedup_ge_target"] = lan["merge_speedup_over_vanilla"] >= setting.target_speedup
+    if "merge_speedup_over_vanilla_kv" in ratios:
+        targets["merge_faster_than_vanilla_kv"] = ratios["merge_speedup_over_vanilla_kv"] > 1.0
+    return targets
+
+
+def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``fits.<method>.<s|bytes|rounds>`` (:mod:`core.mpc.length_fit`) and ``lengths.<total length>``: each
+    measured run's and each projected length's methods (total_s, comm_bytes, rounds, per_token_s, lan_s, wan_s),
+    ratios (loopback and ``lan`` / ``wan`` projections) and targets, with ``projected`` saying which is which."""
+    from core.mpc.costmodel import NETWORKS, project_all
+    from core.mpc.length_fit import MeasuredGeneration, fit_length, project
+
+    runs = setting.runs()
+    fits: dict[str, dict[str, Any]] = {}
+    rows: dict[int, dict[str, Any]] = {}
+    for m in setting.methods:
+        per_unit = {}
+        for u in UNITS:
+            gens = []
+            for (p, g), res in zip(runs, measured, strict=True):
+                ph, steps = res[m]["phases"], tuple(res[m]["steps"][u])
+                gens.append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
+            per_unit[u] = (fit_length(gens), gens)
+        fits[m] = {u: f.as_dict() for u, (f, _) in per_unit.items()}
+        for j, ((p, g), res) in enumerate(zip(runs, measured, strict=True)):
+            row = rows.setdefault(p + g, {"prefix_len": p, "gen_len": g, "projected": False, "methods": {}})
+            r = res[m]
+            row["methods"][m] = {"total_s": r["total_s"], "comm_bytes": r["comm_bytes"], "rounds": r["rounds"]}
+            fit_at = {u: project(f, gens[j].head, p, p + g) for u, (f, gens) in per_unit.items()}
+            row["methods"][m]["fit_rel_err"] = {  # the fit against this measured run's own totals
+                u: abs(fit_at[u] - ref) / max(ref, 1e-300)
+                for u, ref in (("s", r["total_s"]), ("bytes", r["comm_bytes"]), ("rounds", r["rounds"]))
+            }
+        p0 = runs[0][0]
+        for total in setting.project_lengths:
+            row = rows.setdefault(total, {"prefix_len": p0, "gen_len": total - p0, "projected": True, "methods": {}})
+            row["methods"][m] = {
+                k: project(per_unit[u][0], per_unit[u][1][0].head, p0, total)
+                for k, u in (("total_s", "s"), ("comm_bytes", "bytes"), ("rounds", "rounds"))
+            }
+    for row in rows.values():
+        for m, v in row["methods"].items():
+            v["per_token_s"] = v["total_s"] / row["gen_len"]
+            nets = project_all(v["total_s"], {0: {"bytes": v["comm_bytes"], "rounds": v["rounds"]}}, NETWORKS)
+            for net, proj in nets.items():
+                v[f"{net}_s"] = proj["projected_s"]
+        row["ratios"] = _ratios(row["methods"])
+        for net in NETWORKS:
+            net_ratios = _ratios(row["methods"], key=f"{net}_s")
+            row["ratios"].update({f"{net}.{k}": x for k, x in net_ratios.items() if "speedup" in k})
+        lan = {k.removeprefix("lan."): x for k, x in row["ratios"].items() if k.startswith("lan.")}
+        row["targets"] = _targets(row["ratios"], setting, lan=lan)
+    return {"fits": fits, "lengths": {str(n): rows[n] for n in sorted(rows)}}

@@ -96,3 +96,51 @@ def test_set_is_refused_by_benchmarks_without_overrides(home) -> None:
     assert result.exit_code == 2 and "benchmark stip takes no --set overrides; --set works for: mpc-generation" in (
         " ".join(result.stderr.split())
     )
+
+
+def test_length_fit_projects_from_two_measured_runs(home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper profile's machinery on a tiny shape, reached by its alias: two measured runs, a fit per method
+    and unit that reproduces the measured bytes and rounds exactly, projections labelled as such."""
+    tiny = TINY.model_copy(
+        update={
+            "gen_len": 4,
+            "long_prefix_len": 9,
+            "long_gen_len": 2,
+            "project_lengths": (16, 24),
+            "target_comm_fraction": 0.9,
+            "methods": ("vanilla", "vanilla_kv", "merge"),
+        }
+    )
+    monkeypatch.setitem(mpc_generation.PROFILES, "paper", tiny)
+    monkeypatch.setenv("PRIVBENCH_BENCH_THREADS", "2")
+    out = run_benchmark("mpc-generation", profile="paper-shape")
+    assert out["profile"] == "paper" and ResultsRepository().get_run(out["run_id"])["profile"] == "paper"
+    lengths = out["lengths"]
+    assert {k: v["projected"] for k, v in lengths.items()} == {"7": False, "11": False, "16": True, "24": True}
+    for name in ("vanilla", "vanilla_kv", "merge"):
+        assert set(out["fits"][name]) == {"s", "bytes", "rounds"}
+        for key in ("7", "11"):  # deterministic costs: the fit reproduces each measured run
+            m = lengths[key]["methods"][name]
+            assert m["fit_rel_err"]["bytes"] < 1e-3 and m["fit_rel_err"]["rounds"] < 1e-3, (name, key, m)
+        assert lengths["7"]["methods"][name]["comm_bytes"] == out["methods"][name]["comm_bytes"]
+        bytes_at = [lengths[k]["methods"][name]["comm_bytes"] for k in ("7", "16", "24")]  # all after prefix 3
+        assert bytes_at == sorted(bytes_at)  # more new tokens never cost fewer bytes
+    for key in ("16", "24"):
+        row = lengths[key]
+        assert row["gen_len"] == int(key) - 3 and set(row["targets"]) >= {"merge_comm_le_target"}
+        assert row["ratios"]["merge_comm_fraction_of_vanilla"] == pytest.approx(
+            row["methods"]["merge"]["comm_bytes"] / row["methods"]["vanilla"]["comm_bytes"]
+        )
+        assert "lan.merge_speedup_over_vanilla" in row["ratios"] and "merge_lan_speedup_ge_target" in row["targets"]
+    # vanilla recomputes the sequence: its step bytes grow faster with the length than MERGE's
+    van, mer = (out["fits"][m]["bytes"]["step"] for m in ("vanilla", "merge"))
+    assert van[1] + 8 * van[2] > mer[1] + 8 * mer[2]
+
+
+def test_projection_needs_enough_steps_to_fit() -> None:
+    with pytest.raises(ConfigError, match="4 or more sequence lengths"):
+        mpc_generation.resolve_setting(
+            "quick", {"overrides": ["secure_inference.project_lengths=128", "secure_inference.gen_len=2"]}
+        )
+    with pytest.raises(ConfigError, match="long_prefix_len and long_gen_len"):
+        mpc_generation.resolve_setting("quick", {"overrides": ["secure_inference.long_prefix_len=40"]})

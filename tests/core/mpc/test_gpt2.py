@@ -124,3 +124,17 @@ def test_prefix_longer_than_positions_names_both_numbers(weights) -> None:
         G.plaintext_reference(weights, G.MPCVariant(), ids, 1)
     with pytest.raises(ConfigError, match=rf"30.*5.*{N_POS}"):
         G.check_lengths(30, 5, N_POS)
+
+
+@pytest.mark.parametrize("mode", [*G.GENERATION_MODES, "merge", "mm"])
+def test_prefix_steps_and_decode_make_up_the_run(two_party, mode) -> None:
+    """The length fit of the paper-shape bench reads these phases: together they are the whole run."""
+    for party in two_party:
+        res = party[mode]
+        assert set(res.phases) == {"prefix", "decode"}
+        assert len(res.step_s) == len(res.step_bytes) == NEW and min(res.step_s) > 0
+        pre, dec = res.phases["prefix"], res.phases["decode"]
+        assert pre["bytes"] + sum(res.step_bytes) + dec["bytes"] == res.comm_bytes
+        assert pre["rounds"] + sum(res.step_rounds) + dec["rounds"] == res.rounds
+        assert pre["s"] + sum(res.step_s) + dec["s"] == pytest.approx(res.total_s, rel=1e-3, abs=1e-3)
+        assert pre["bytes"] > 0 and dec["bytes"] > 0  # the prompt is shared, the tokens revealed

@@ -1,0 +1,81 @@
+"""The length fit of encrypted generation costs against exact polynomial costs and scipy's NNLS."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from core.mpc.length_fit import MeasuredGeneration, fit_length, nnls_small, project
+
+
+def _f(c: tuple[float, ...], n: int) -> float:
+    c = (*c, 0.0) if len(c) == 3 else c
+    return c[0] + c[1] * n + c[2] * n**2 + c[3] * math.log2(n)
+
+
+def _run(prefix: int, gen: int, c: tuple[float, ...], d: tuple[float, float], head: float = 7.0):
+    """A generation whose step i >= 1 costs f(n) (n = prefix + i) and whose decode is d0 + d1 G."""
+    steps = [head] + [_f(c, prefix + i) for i in range(1, gen)]
+    return MeasuredGeneration(prefix, gen, prefix=3.0 * prefix, steps=tuple(steps), decode=d[0] + d[1] * gen)
+
+
+def _brute_total(prefix: int, total_len: int, c, d, head: float = 7.0) -> float:
+    run = _run(prefix, total_len - prefix, c, d, head)
+    return run.total
+
+
+@pytest.mark.parametrize("c", [(5e8, 3e6, 2e3), (2e3, 0.0, 0.0), (1.5, 0.02, 0.0), (300.0, 0.0, 0.0, 40.0)])
+def test_polynomial_costs_are_recovered_and_projected_exactly(c) -> None:
+    d = (4e5, 2e4)
+    runs = [_run(8, 6, c, d), _run(40, 3, c, d)]
+    fit = fit_length(runs)
+    assert fit.max_rel_residual < 1e-9 and fit.decode_model == "linear" and fit.n_range == (9, 42)
+    assert fit.decode == pytest.approx(d, rel=1e-9)
+    head = runs[0].prefix + runs[0].steps[0]
+    for total in (14, 128, 512):  # 14 is measured (8 + 6), 128 and 512 are projections
+        assert project(fit, head, 8, total) == pytest.approx(_brute_total(8, total, c, d), rel=1e-9)
+
+
+def test_one_generated_length_makes_decode_proportional() -> None:
+    runs = [_run(8, 6, (1.0, 0.1, 0.0), (0.0, 2.0)), _run(20, 6, (1.0, 0.1, 0.0), (0.0, 2.0))]
+    fit = fit_length(runs)
+    assert fit.decode_model == "proportional" and fit.decode == pytest.approx((0.0, 2.0))
+
+
+def test_noisy_costs_stay_non_negative_and_close() -> None:
+    g = torch.Generator().manual_seed(0)
+    c, d = (2.0, 0.05, 0.0), (1.0, 0.5)
+    runs = []
+    for prefix, gen in ((8, 6), (40, 3)):
+        r = _run(prefix, gen, c, d)
+        noisy = tuple(s * (1 + 0.02 * float(torch.randn((), generator=g))) for s in r.steps)
+        runs.append(MeasuredGeneration(prefix, gen, r.prefix, noisy, r.decode))
+    fit = fit_length(runs)
+    assert min(fit.step) >= 0 and min(fit.decode) >= 0
+    assert project(fit, runs[0].head, 8, 128) == pytest.approx(_brute_total(8, 128, c, d), rel=0.1)
+
+
+def test_nnls_small_equals_scipy() -> None:
+    optimize = pytest.importorskip("scipy.optimize")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        a = torch.randn(9, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(9, generator=g, dtype=torch.float64)
+        ours = nnls_small(a, y)
+        ref, _ = optimize.nnls(a.numpy(), y.numpy())
+        assert torch.allclose(ours, torch.from_numpy(ref), atol=1e-9)
+
+
+def test_bad_input_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="distinct lengths"):
+        fit_length([_run(8, 4, (1.0, 0.0, 0.0), (0.0, 1.0))])  # steps 1, 2, 3 only
+    with pytest.raises(ConfigError, match="one per step"):
+        MeasuredGeneration(8, 3, 1.0, (1.0, 2.0), 0.0)
+    with pytest.raises(ConfigError, match="finite numbers >= 0"):
+        MeasuredGeneration(8, 2, 1.0, (1.0, float("nan")), 0.0)
+    fit = fit_length([_run(8, 6, (1.0, 0.0, 0.0), (0.0, 1.0))])
+    with pytest.raises(ConfigError, match="must exceed prefix_len"):
+        project(fit, 1.0, 8, 8)
