@@ -112,7 +112,8 @@ class _Overridable(FrozenConfig):
 PAPER_METHODS = ("vanilla", "vanilla_kv", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge")
 PROFILES: dict[str, Setting] = {
     "quick": Setting(n_layer=2, n_embd=64, n_head=2, prefix_len=6, gen_len=6),
-    "paper": Setting(  # GPT-2 124M's shape, measured at lengths 14 and 43 (steps at 9-13, 41-42), projected to 128 and 512
+    # GPT-2 124M's shape, measured at lengths 14 and 43 (steps at 9-13, 41-42), projected to 128 and 512
+    "paper": Setting(
         n_layer=12,
         n_embd=768,
         n_head=12,
@@ -317,7 +318,7 @@ def _targets(ratios: Mapping[str, float], setting: Setting, *, lan: Mapping[str,
 
 
 def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """``fits.<method>.<s|bytes|rounds>`` (:mod:`core.mpc.length_fit`) and ``lengths.<total length>``: each
+    """``fits.<method>.<s|bytes|rounds>`` (:mod:`core.mpc.length_fit`) and ``lengths.L<total length>``: each
     measured run's and each projected length's methods (total_s, comm_bytes, rounds, per_token_s, lan_s, wan_s),
     ratios (loopback and ``lan`` / ``wan`` projections) and targets, with ``projected`` saying which is which."""
     from core.mpc.costmodel import NETWORKS, project_all
@@ -363,4 +364,4 @@ def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dic
             row["ratios"].update({f"{net}.{k}": x for k, x in net_ratios.items() if "speedup" in k})
         lan = {k.removeprefix("lan."): x for k, x in row["ratios"].items() if k.startswith("lan.")}
         row["targets"] = _targets(row["ratios"], setting, lan=lan)
-    return {"fits": fits, "lengths": {str(n): rows[n] for n in sorted(rows)}}
+    return {"fits": fits, "lengths": {f"L{n}": {"total_len": n, **rows[n]} for n in sorted(rows)}}

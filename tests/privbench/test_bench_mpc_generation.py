@@ -116,18 +116,19 @@ def test_length_fit_projects_from_two_measured_runs(home, monkeypatch: pytest.Mo
     out = run_benchmark("mpc-generation", profile="paper-shape")
     assert out["profile"] == "paper" and ResultsRepository().get_run(out["run_id"])["profile"] == "paper"
     lengths = out["lengths"]
-    assert {k: v["projected"] for k, v in lengths.items()} == {"7": False, "11": False, "16": True, "24": True}
+    assert {k: v["projected"] for k, v in lengths.items()} == {"L7": False, "L11": False, "L16": True, "L24": True}
     for name in ("vanilla", "vanilla_kv", "merge"):
         assert set(out["fits"][name]) == {"s", "bytes", "rounds"}
-        for key in ("7", "11"):  # deterministic costs: the fit reproduces each measured run
+        for key in ("L7", "L11"):  # deterministic costs: the fit reproduces each measured run
             m = lengths[key]["methods"][name]
             assert m["fit_rel_err"]["bytes"] < 1e-3 and m["fit_rel_err"]["rounds"] < 1e-3, (name, key, m)
-        assert lengths["7"]["methods"][name]["comm_bytes"] == out["methods"][name]["comm_bytes"]
-        bytes_at = [lengths[k]["methods"][name]["comm_bytes"] for k in ("7", "16", "24")]  # all after prefix 3
+        assert lengths["L7"]["methods"][name]["comm_bytes"] == out["methods"][name]["comm_bytes"]
+        bytes_at = [lengths[k]["methods"][name]["comm_bytes"] for k in ("L7", "L16", "L24")]  # all after prefix 3
         assert bytes_at == sorted(bytes_at)  # more new tokens never cost fewer bytes
-    for key in ("16", "24"):
+    for key in ("L16", "L24"):
         row = lengths[key]
-        assert row["gen_len"] == int(key) - 3 and set(row["targets"]) >= {"merge_comm_le_target"}
+        assert row["gen_len"] == row["total_len"] - 3 == int(key[1:]) - 3
+        assert "merge_comm_le_target" in row["targets"]
         assert row["ratios"]["merge_comm_fraction_of_vanilla"] == pytest.approx(
             row["methods"]["merge"]["comm_bytes"] / row["methods"]["vanilla"]["comm_bytes"]
         )
