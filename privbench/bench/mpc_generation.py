@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from core.errors import ConfigError
 from pbconfig.base import FrozenConfig
@@ -66,7 +66,9 @@ class Setting(FrozenConfig):
 
     @field_validator("methods", "project_lengths", mode="before")
     @classmethod
-    def _comma_separated(cls, value: Any) -> Any:
+    def _comma_separated(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.field_name == "project_lengths":  # --set secure_inference.project_lengths=
+            return ()
         if isinstance(value, str):  # --set secure_inference.methods=vanilla,merge; project_lengths=128,512
             return tuple(m.strip() for m in value.split(",") if m.strip())
         if isinstance(value, int):

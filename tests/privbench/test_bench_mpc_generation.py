@@ -145,3 +145,11 @@ def test_projection_needs_enough_steps_to_fit() -> None:
         )
     with pytest.raises(ConfigError, match="long_prefix_len and long_gen_len"):
         mpc_generation.resolve_setting("quick", {"overrides": ["secure_inference.long_prefix_len=40"]})
+
+
+def test_paper_profile_can_measure_length_128_directly() -> None:
+    sets = ["gen_len=120", "project_lengths=", "long_prefix_len=null", "long_gen_len=null"]
+    s = mpc_generation.resolve_setting("paper-shape", {"overrides": [f"secure_inference.{x}" for x in sets]})
+    assert s.runs() == [(8, 120)] and s.project_lengths == () and s.n_layer == 12
+    s = mpc_generation.resolve_setting("paper", {"overrides": ["secure_inference.project_lengths=128,256,512"]})
+    assert s.project_lengths == (128, 256, 512) and s.runs() == [(8, 6), (40, 3)]
