@@ -368,12 +368,11 @@ class EncryptedGPT2:
                             seq = x if step == 0 else crypten.cat([x] + outs, dim=1)
                             h, _ = self.hidden(ops.embed(seq, self.wte, m) if step else emb)
                         else:
+                            if step:  # the previous token looked up at the start of the step, so every step
+                                emb = ops.embed(outs[-1], self.wte, m)  # after the first has the same work
                             h, past = self.hidden(emb, start=pos, past=past)
                             pos += emb.size(1)
-                        oh = ops.argmax_onehot(self.logits(h[:, -1:]), m)  # (B, 1, V)
-                        outs.append(oh)
-                        if mode == "vanilla_kv" and step + 1 < max_new_tokens:
-                            emb = ops.embed(oh, self.wte, m)
+                        outs.append(ops.argmax_onehot(self.logits(h[:, -1:]), m))  # (B, 1, V)
                 out = crypten.cat(outs, dim=1)
             tokens = reveal_tokens(out, self.rank)
             log.close(m)
@@ -565,16 +564,15 @@ class EncryptedMerge:
             emb, state, outs = ops.embed(x, self.lm_head, m), MergeState(), []  # E_0 (B, N, d)
             for step in range(max_new_tokens):
                 with log.step(m):
+                    if step:  # the previous step's output is this step's input (every step after the first alike)
+                        # mm: the selected token's embedding; merge: the hidden state itself (eq. 3)
+                        nxt = ops.embed(outs[-1], self.lm_head, m) if mode == "mm" else outs[-1]
+                        emb = crypten.cat([emb, nxt], dim=1) if recompute else nxt
                     last = self.hidden(emb)[:, -1:] if recompute else self.hidden_step(emb, state)  # (B, 1, d)
-                    more = step + 1 < max_new_tokens
                     if mode == "mm":
                         outs.append(ops.argmax_onehot(ops.linear(last, self.lm_head_t, None, m), m))  # (B, 1, V)
-                        nxt = ops.embed(outs[-1], self.lm_head, m) if more else None
                     else:
                         outs.append(last)
-                        nxt = last  # eq. 3: the hidden state is the next input embedding
-                    if more:
-                        emb = crypten.cat([emb, nxt], dim=1) if recompute else nxt
             out = crypten.cat(outs, dim=1)  # (B, n_new, V) one-hots or (B, n_new, d) hidden states
             if mode == "merge":
                 out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)

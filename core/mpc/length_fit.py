@@ -20,9 +20,12 @@ over ``n`` keys is a tree of comparisons, ``log2 n`` rounds deep. So
     ``d0 = 0``, ``d1 = decode / G``, labelled ``proportional``).
 
 Bytes and rounds are deterministic, so their fit is close to exact where the model holds (the tree's odd
-levels make it not quite so): ``max_rel_residual`` is the check. Seconds are noisy: their fit is a
-least-squares estimate and what :func:`project` gives beyond the measured lengths is a projection, to be
-labelled as one.
+levels make it not quite so): ``max_rel_residual`` is the check. Seconds are noisy, and a polynomial fitted to
+them from short sequences says little about the n^2 term at length 512. :func:`fit_seconds` therefore prices a
+step by what it does, ``s = a bytes + b rounds + c`` (``a, b, c >= 0``, fitted on the measured steps): the work
+of an encrypted op is proportional to the ring elements it opens and the round trips it waits for, so the
+projected seconds follow the bytes and rounds fits. Beyond the measured lengths every figure is a projection,
+to be labelled as one.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from core.errors import ConfigError
 
-__all__ = ["LengthFit", "MeasuredGeneration", "fit_length", "nnls_small", "project"]
+__all__ = ["LengthFit", "MeasuredGeneration", "RateFit", "fit_length", "fit_seconds", "nnls_small", "project"]
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,63 @@ def fit_length(runs: Sequence[MeasuredGeneration]) -> LengthFit:
     return LengthFit(step, decode, model, max_rel, (int(n.min()), int(n.max())))
 
 
-def project(fit: LengthFit, head: float, prefix_len: int, total_len: int) -> float:
+@dataclass(frozen=True)
+class RateFit:
+    """Seconds of a step from its bytes and rounds: ``per_byte bytes(n) + per_round rounds(n) + per_step``, with
+    ``bytes`` and ``rounds`` the length fits; ``decode(G)`` fitted on the seconds directly."""
+
+    per_byte: float
+    per_round: float
+    per_step: float
+    bytes_fit: LengthFit
+    rounds_fit: LengthFit
+    decode: tuple[float, float]
+    decode_model: str
+    max_rel_residual: float  # of the rate model on the measured steps' seconds
+
+    def step_cost(self, n: float) -> float:
+        work = self.per_byte * self.bytes_fit.step_cost(n) + self.per_round * self.rounds_fit.step_cost(n)
+        return work + self.per_step
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "per_byte": self.per_byte,
+            "per_round": self.per_round,
+            "per_step": self.per_step,
+            "decode": list(self.decode),
+            "decode_model": self.decode_model,
+            "max_rel_residual": self.max_rel_residual,
+        }
+
+
+def fit_seconds(
+    seconds: Sequence[MeasuredGeneration], bytes_: Sequence[MeasuredGeneration], rounds: Sequence[MeasuredGeneration]
+) -> RateFit:
+    """:class:`RateFit` of the same runs measured in seconds, bytes and rounds (same order, same shapes): the
+    rates by non-negative least squares over every step i >= 1, ``decode`` as in :func:`fit_length`."""
+    shapes = [[(g.prefix_len, g.gen_len) for g in gens] for gens in (seconds, bytes_, rounds)]
+    if not shapes[0] == shapes[1] == shapes[2]:
+        raise ConfigError(f"seconds, bytes and rounds must describe the same runs, got {shapes}")
+    rows = [
+        (s, b, r)
+        for gs, gb, gr in zip(seconds, bytes_, rounds, strict=True)
+        for i, (s, b, r) in enumerate(zip(gs.steps, gb.steps, gr.steps, strict=True))
+        if i >= 1
+    ]
+    y = torch.tensor([row[0] for row in rows], dtype=torch.float64)
+    cols = torch.tensor([[row[1], row[2], 1.0] for row in rows], dtype=torch.float64)
+    scale = cols.abs().amax(dim=0).clamp_min(1.0)  # bytes are ~1e9, rounds ~1e3: scale the columns
+    coef = nnls_small(cols / scale, y) / scale
+    fitted = cols @ coef
+    max_rel = float(((fitted - y).abs() / y.abs().clamp_min(1e-300)).max()) if bool((y > 0).all()) else 0.0
+    direct = fit_length(seconds)
+    return RateFit(
+        float(coef[0]), float(coef[1]), float(coef[2]), fit_length(bytes_), fit_length(rounds),
+        direct.decode, direct.decode_model, max_rel,
+    )  # fmt: skip
+
+
+def project(fit: LengthFit | RateFit, head: float, prefix_len: int, total_len: int) -> float:
     """Projected cost of generating up to ``total_len`` tokens in all after a ``prefix_len``-token prompt whose
     measured ``head`` (prefix phase + step 0) is given: ``head + sum_{i=1..G-1} f(P + i) + decode(G)``,
     ``G = total_len - prefix_len``."""

@@ -320,40 +320,45 @@ def _targets(ratios: Mapping[str, float], setting: Setting, *, lan: Mapping[str,
 
 
 def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """``fits.<method>.<s|bytes|rounds>`` (:mod:`core.mpc.length_fit`) and ``lengths.L<total length>``: each
-    measured run's and each projected length's methods (total_s, comm_bytes, rounds, per_token_s, lan_s, wan_s),
-    ratios (loopback and ``lan`` / ``wan`` projections) and targets, with ``projected`` saying which is which."""
+    """``fits.<method>.<s|s_poly|bytes|rounds>`` (:mod:`core.mpc.length_fit`: seconds priced by bytes and rounds,
+    ``s_poly`` the seconds' own polynomial) and ``lengths.L<total length>``: each measured run's and each projected
+    length's methods (total_s, total_s_poly, comm_bytes, rounds, per_token_s, lan_s, wan_s), ratios (loopback and
+    ``lan`` / ``wan`` projections) and targets, with ``projected`` saying which is which."""
     from core.mpc.costmodel import NETWORKS, project_all
-    from core.mpc.length_fit import MeasuredGeneration, fit_length, project
+    from core.mpc.length_fit import MeasuredGeneration, fit_length, fit_seconds, project
 
     runs = setting.runs()
     fits: dict[str, dict[str, Any]] = {}
     rows: dict[int, dict[str, Any]] = {}
+    keys = {"s": "total_s", "s_poly": "total_s_poly", "bytes": "comm_bytes", "rounds": "rounds"}
     for m in setting.methods:
-        per_unit = {}
+        gens: dict[str, list[MeasuredGeneration]] = {}
         for u in UNITS:
-            gens = []
+            gens[u] = []
             for (p, g), res in zip(runs, measured, strict=True):
                 ph, steps = res[m]["phases"], tuple(res[m]["steps"][u])
-                gens.append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
-            per_unit[u] = (fit_length(gens), gens)
-        fits[m] = {u: f.as_dict() for u, (f, _) in per_unit.items()}
+                gens[u].append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
+        models = {
+            "s": fit_seconds(gens["s"], gens["bytes"], gens["rounds"]),
+            "s_poly": fit_length(gens["s"]),
+            "bytes": fit_length(gens["bytes"]),
+            "rounds": fit_length(gens["rounds"]),
+        }
+        heads = {u: [g.head for g in gens[u.removesuffix("_poly")]] for u in models}
+        fits[m] = {u: f.as_dict() for u, f in models.items()}
         for j, ((p, g), res) in enumerate(zip(runs, measured, strict=True)):
             row = rows.setdefault(p + g, {"prefix_len": p, "gen_len": g, "projected": False, "methods": {}})
             r = res[m]
             row["methods"][m] = {"total_s": r["total_s"], "comm_bytes": r["comm_bytes"], "rounds": r["rounds"]}
-            fit_at = {u: project(f, gens[j].head, p, p + g) for u, (f, gens) in per_unit.items()}
-            row["methods"][m]["fit_rel_err"] = {  # the fit against this measured run's own totals
-                u: abs(fit_at[u] - ref) / max(ref, 1e-300)
-                for u, ref in (("s", r["total_s"]), ("bytes", r["comm_bytes"]), ("rounds", r["rounds"]))
+            row["methods"][m]["fit_rel_err"] = {  # each fit against this measured run's own totals
+                u: abs(project(f, heads[u][j], p, p + g) - r[keys[u]]) / max(r[keys[u]], 1e-300)
+                for u, f in models.items()
+                if u != "s_poly"
             }
         p0 = runs[0][0]
         for total in setting.project_lengths:
             row = rows.setdefault(total, {"prefix_len": p0, "gen_len": total - p0, "projected": True, "methods": {}})
-            row["methods"][m] = {
-                k: project(per_unit[u][0], per_unit[u][1][0].head, p0, total)
-                for k, u in (("total_s", "s"), ("comm_bytes", "bytes"), ("rounds", "rounds"))
-            }
+            row["methods"][m] = {keys[u]: project(f, heads[u][0], p0, total) for u, f in models.items()}
     for row in rows.values():
         for m, v in row["methods"].items():
             v["per_token_s"] = v["total_s"] / row["gen_len"]
@@ -364,6 +369,9 @@ def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dic
         for net in NETWORKS:
             net_ratios = _ratios(row["methods"], key=f"{net}_s")
             row["ratios"].update({f"{net}.{k}": x for k, x in net_ratios.items() if "speedup" in k})
+        if row["projected"]:
+            poly = _ratios(row["methods"], key="total_s_poly")
+            row["ratios"].update({f"poly.{k}": x for k, x in poly.items() if "speedup" in k})
         lan = {k.removeprefix("lan."): x for k, x in row["ratios"].items() if k.startswith("lan.")}
         row["targets"] = _targets(row["ratios"], setting, lan=lan)
     return {"fits": fits, "lengths": {f"L{n}": {"total_len": n, **rows[n]} for n in sorted(rows)}}

@@ -118,7 +118,7 @@ def test_length_fit_projects_from_two_measured_runs(home, monkeypatch: pytest.Mo
     lengths = out["lengths"]
     assert {k: v["projected"] for k, v in lengths.items()} == {"L7": False, "L11": False, "L16": True, "L24": True}
     for name in ("vanilla", "vanilla_kv", "merge"):
-        assert set(out["fits"][name]) == {"s", "bytes", "rounds"}
+        assert set(out["fits"][name]) == {"s", "s_poly", "bytes", "rounds"}
         for key in ("L7", "L11"):  # deterministic costs: the fit reproduces each measured run
             m = lengths[key]["methods"][name]
             assert m["fit_rel_err"]["bytes"] < 1e-3 and m["fit_rel_err"]["rounds"] < 1e-3, (name, key, m)
@@ -133,6 +133,8 @@ def test_length_fit_projects_from_two_measured_runs(home, monkeypatch: pytest.Mo
             row["methods"]["merge"]["comm_bytes"] / row["methods"]["vanilla"]["comm_bytes"]
         )
         assert "lan.merge_speedup_over_vanilla" in row["ratios"] and "merge_lan_speedup_ge_target" in row["targets"]
+        assert "poly.merge_speedup_over_vanilla" in row["ratios"]  # the seconds' own polynomial, beside
+        assert all(v["total_s"] > 0 and v["total_s_poly"] > 0 for v in row["methods"].values())
     # vanilla recomputes the sequence: its step bytes grow faster with the length than MERGE's
     van, mer = (out["fits"][m]["bytes"]["step"] for m in ("vanilla", "merge"))
     assert van[1] + 8 * van[2] > mer[1] + 8 * mer[2]

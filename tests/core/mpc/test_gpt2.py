@@ -138,3 +138,12 @@ def test_prefix_steps_and_decode_make_up_the_run(two_party, mode) -> None:
         assert pre["rounds"] + sum(res.step_rounds) + dec["rounds"] == res.rounds
         assert pre["s"] + sum(res.step_s) + dec["s"] == pytest.approx(res.total_s, rel=1e-3, abs=1e-3)
         assert pre["bytes"] > 0 and dec["bytes"] > 0  # the prompt is shared, the tokens revealed
+
+
+def test_every_step_after_the_first_does_the_same_work(two_party) -> None:
+    """The next token's lookup opens each step (the last step is not cheaper), so a step's cost is a function of
+    the sequence length alone, which the length fit assumes."""
+    for party in two_party:
+        mm, kv = party["mm"].step_bytes, party["vanilla_kv"].step_bytes
+        assert mm[1] == mm[2] > 0  # one new position, no attention to the past (constant attention)
+        assert kv[1] <= kv[2] < 1.1 * kv[1]  # one new position attending to a cache one longer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from core.mpc.length_fit import MeasuredGeneration, fit_length, nnls_small, project
+from core.mpc.length_fit import MeasuredGeneration, fit_length, fit_seconds, nnls_small, project
 
 
 def _f(c: tuple[float, ...], n: int) -> float:
@@ -79,3 +79,29 @@ def test_bad_input_is_refused_with_the_fix() -> None:
     fit = fit_length([_run(8, 6, (1.0, 0.0, 0.0), (0.0, 1.0))])
     with pytest.raises(ConfigError, match="must exceed prefix_len"):
         project(fit, 1.0, 8, 8)
+
+
+def test_seconds_priced_by_bytes_and_rounds_project_like_the_work() -> None:
+    """s = a bytes + b rounds + c per step: the rates are recovered and the projection follows the bytes."""
+    cb, cr, d = (2e9, 7e7, 2e5), (1500.0, 0.0, 0.0, 30.0), (1e3, 5.0)
+    a, b, c = 3e-9, 2e-3, 0.5
+    runs = {"bytes": [_run(8, 6, cb, d), _run(40, 3, cb, d)], "rounds": [_run(8, 6, cr, d), _run(40, 3, cr, d)]}
+    runs["s"] = [
+        MeasuredGeneration(
+            rb.prefix_len,
+            rb.gen_len,
+            1.0,
+            tuple(a * x + b * y + c for x, y in zip(rb.steps, rr.steps)),
+            0.2 * rb.gen_len,
+        )
+        for rb, rr in zip(runs["bytes"], runs["rounds"])
+    ]
+    fit = fit_seconds(runs["s"], runs["bytes"], runs["rounds"])
+    assert (fit.per_byte, fit.per_round, fit.per_step) == pytest.approx((a, b, c), rel=1e-6)
+    assert fit.max_rel_residual < 1e-9 and fit.decode == pytest.approx((0.0, 0.2), abs=1e-9)
+    head = runs["s"][0].head
+    for total in (128, 512):
+        want = head + sum(a * _f(cb, 8 + i) + b * _f(cr, 8 + i) + c for i in range(1, total - 8)) + 0.2 * (total - 8)
+        assert project(fit, head, 8, total) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ConfigError, match="same runs"):
+        fit_seconds(runs["s"][:1], runs["bytes"], runs["rounds"])
