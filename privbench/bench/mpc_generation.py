@@ -5,8 +5,10 @@ Setting: a GPT-2 with the real 50,257-token vocabulary and random weights of the
 and rounds do not depend on the weight values; the merge modules' constant attention is averaged over random
 ids), ``gen_len`` tokens after a ``prefix_len``-token prompt for a batch of ``batch_size`` prompts (1), both
 parties as local processes on this machine (CPU, or CUDA when ``PRIVBENCH_BENCH_DEVICE=cuda``). Quick: 2 layers
-of width 64, prefix 6, 6 tokens (minutes on 2 cores). Paper: the GPT-2 124M shape (12 layers, 768, 12 heads)
-generating up to sequence length 128 (Table 1) — hours on a CPU.
+of width 64, prefix 6, 6 tokens (minutes on 2 cores). Paper (alias ``paper-shape``): the GPT-2 124M shape
+(12 layers, 768, 12 heads) for seven methods, measured at 6 tokens after a prompt of 8 (length 14) and 3 after
+40 (length 43), each step's cost fitted against the length (:mod:`core.mpc.length_fit`) and projected to the
+paper's lengths 128 and 512 (``fits``, ``lengths.L<total>``; 14 minutes on 2 cores).
 
 JSON: ``methods.<name>.{total_s, comm_bytes, rounds, ops.<category>.{s, bytes, rounds}}`` for ``vanilla``,
 ``vanilla_kv``, ``mpcformer_2relu``, ``mpcformer_2quad``, ``thex``, ``merge_er``, ``merge_mm``, ``merge``
