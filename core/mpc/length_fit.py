@@ -124,7 +124,7 @@ def fit_length(runs: Sequence[MeasuredGeneration]) -> LengthFit:
     if len({n for n, _ in points}) < 4:
         raise ConfigError(
             "the step fit needs steps i >= 1 at 4 or more distinct lengths, got lengths "
-            f"{sorted({n for n, _ in points})}; generate more tokens (gen_len >= 4) or add a run at another "
+            f"{sorted({n for n, _ in points})}; generate more tokens (gen_len >= 5) or add a run at another "
             "prefix length"
         )
     n = torch.tensor([p[0] for p in points], dtype=torch.float64)
