@@ -40,8 +40,8 @@ from privbench.bench.harness import Progress, bench_threads, register
 
 NAME = "mpc-generation"
 METHOD_NAMES: tuple[str, ...] = SI_METHODS
-SECTION = "secure_inference"
-UNITS = ("s", "bytes", "rounds")  # the --set prefix, as for ``privbench run``: --set secure_inference.n_layer=4
+SECTION = "secure_inference"  # the --set prefix, as for ``privbench run``: --set secure_inference.n_layer=4
+UNITS = ("s", "bytes", "rounds")  # what each step and phase is measured in
 
 
 class Setting(FrozenConfig):
@@ -340,12 +340,8 @@ def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dic
             for (p, g), res in zip(runs, measured, strict=True):
                 ph, steps = res[m]["phases"], tuple(res[m]["steps"][u])
                 gens[u].append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
-        models = {
-            "s": fit_seconds(gens["s"], gens["bytes"], gens["rounds"]),
-            "s_poly": fit_length(gens["s"]),
-            "bytes": fit_length(gens["bytes"]),
-            "rounds": fit_length(gens["rounds"]),
-        }
+        rate = fit_seconds(gens["s"], gens["bytes"], gens["rounds"])  # fits bytes and rounds on the way
+        models = {"s": rate, "s_poly": fit_length(gens["s"]), "bytes": rate.bytes_fit, "rounds": rate.rounds_fit}
         heads = {u: [g.head for g in gens[u.removesuffix("_poly")]] for u in models}
         fits[m] = {u: f.as_dict() for u, f in models.items()}
         for j, ((p, g), res) in enumerate(zip(runs, measured, strict=True)):
