@@ -86,7 +86,9 @@ class FilmConfig(FrozenConfig):
     victims: tuple[Embedding, ...] = ("subword", "seb_co")
     settings: tuple[FilmSetting, ...] = FILM_SETTINGS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    batches_per_size: int = Field(5, ge=1)
+    batches_per_size: int | dict[int, int] = Field(
+        5, description="attacked batches per batch size: one count for every size, or {size: count} (paper: 5)"
+    )
     relaxed_random: int = Field(7000, ge=0, description="random subwords added in the relaxed setting (paper: 7,000)")
     shape: ModelShapeSpec = ModelShapeSpec()
     max_tokens: int = Field(40, ge=4, description="longest private sentence, in GPT-2 tokens")
@@ -119,8 +121,22 @@ class FilmConfig(FrozenConfig):
             raise ValueError(f"batch_sizes must be distinct positive integers, got {list(values)}; e.g. [1, 2, 4, 8]")
         return values
 
+    def batches_for(self, batch_size: int) -> int:
+        """How many batches of ``batch_size`` sentences are attacked."""
+        per = self.batches_per_size
+        return per if isinstance(per, int) else per[batch_size]
+
     @model_validator(mode="after")
     def _consistent(self) -> FilmConfig:
+        per = self.batches_per_size
+        counts = [per] if isinstance(per, int) else list(per.values())
+        if any(c < 1 for c in counts):
+            raise ValueError(f"film.batches_per_size must be >= 1 for every batch size, got {per}")
+        if isinstance(per, dict) and set(per) != set(self.batch_sizes):
+            raise ValueError(
+                f"film.batches_per_size names batch sizes {sorted(per)} but film.batch_sizes is "
+                f"{list(self.batch_sizes)}; give a count for every batch size (or one count for all)"
+            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if not self.victims:
@@ -156,6 +172,15 @@ class UtilityConfig(FrozenConfig):
     lm_steps: int = Field(300, ge=1)
     lm_batch_size: int = Field(32, ge=1)
     lm_lr: float = Field(3e-3, gt=0.0)
+    lm_eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="train each LM to a plateau: validation perplexity every this many steps (None: all lm_steps)",
+    )
+    lm_patience: int = Field(3, ge=1, description="validation measurements without improvement that end training")
+    lm_val_fraction: float = Field(
+        0.1, gt=0.0, lt=0.5, description="training sentences held out for validation when lm_eval_every is set"
+    )
     translation: str | None = "gettext-de-en"
     translation_embeddings: tuple[Embedding, ...] | None = Field(
         None, description="embeddings compared on translation (None: the same as embeddings)"

@@ -77,6 +77,7 @@ def utility_lm(
     """Perplexity of a small causal LM on ``dataset``'s test split with ``embedding`` (Sec. 5.2.3's analogue),
     initialised and trained with ``seed`` (None: ``utility.seed``)."""
     from core.attacks.lm import (
+        Plateau,
         build_causal_lm,
         count_parameters,
         embedding_parameter_count,
@@ -105,9 +106,16 @@ def utility_lm(
         rec.tag("privbench.result_group", "utility")
         data = _texts(path)
         train, test = _encode(data["train"]), _encode(data["test"])
+        plateau = None
+        if u.lm_eval_every is not None:  # the first sentences of the (shuffled) training split, the same every seed
+            n_val = max(1, round(len(train) * u.lm_val_fraction))
+            val, train = train[:n_val], train[n_val:]
         vocab = CompactVocab.from_sequences(train)
         tr = vocab.encode(_lm_blocks(train, u.lm_max_len, GPT2_EOS))
         te = vocab.encode(_lm_blocks(test, u.lm_max_len, GPT2_EOS))
+        if u.lm_eval_every is not None:
+            va = vocab.encode(_lm_blocks(val, u.lm_max_len, GPT2_EOS))
+            plateau = Plateau(va, torch.ones_like(va, dtype=torch.bool), every=u.lm_eval_every, patience=u.lm_patience)
         model = build_causal_lm(
             vocab.size,
             embedding=embedding,
@@ -132,6 +140,7 @@ def utility_lm(
             lr=u.lm_lr,
             seed=seed,
             max_seconds=u.max_seconds,
+            plateau=plateau,
         )
         train_s = time.perf_counter() - t0
         ppl = perplexity(model.eval(), te, torch.ones_like(te, dtype=torch.bool))
@@ -145,6 +154,10 @@ def utility_lm(
             "vocab_size": vocab.size,
             "test_unk_rate": float((te == vocab.unk).float().mean()),
         }
+        if plateau is not None:
+            out |= {k: float(fit[k]) for k in ("best_step", "val_perplexity", "plateaued")}
+            for step, ppl in fit["val_curve"]:
+                rec.metric("val_perplexity_curve", ppl, step=step)
         rec.metrics(out, units={"train_s": "s"})
     return {"dataset": dataset, "embedding": embedding, "seed": seed, **out}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -284,7 +285,7 @@ def _victim_model(victim: str, cfg: AttacksConfig, mapping: torch.Tensor) -> tor
 def film_attack(
     victim: str, cfg: AttacksConfig, private: dict[str, str], priors: dict[str, str], parent: RunRef
 ) -> list[dict[str, Any]]:
-    """FILM on one victim: FedSGD warm-up, then at every batch size ``batches_per_size`` attacked client batches,
+    """FILM on one victim: FedSGD warm-up, then at every batch size ``film.batches_for(size)`` attacked client batches,
     each recovered with every prior of ``priors`` (name -> what :func:`train_prior` returned). One run per batch
     size; returns one summary per (batch size, prior)."""
     from core.attacks.evaluate import settings_for, warm_up
@@ -311,7 +312,7 @@ def film_attack(
     for batch_size in f.batch_sizes:
         gen = torch.Generator().manual_seed(f.seed * 1000 + batch_size)
         batches = []
-        for k in range(f.batches_per_size):
+        for k in range(f.batches_for(batch_size)):
             pool = clients[k % len(clients)]
             batches.append([pool[i] for i in torch.randperm(len(pool), generator=gen)[:batch_size].tolist()])
         out += _attack_one_size(victim, batch_size, cfg, settings, model, batches, mapping, loaded, losses, parent)
@@ -374,7 +375,8 @@ def _attack_one_size(
             summary = summarize(results)
             for setting, vals in summary.items():
                 rec.metrics(
-                    {f"{name}.{setting}.{k}": v for k, v in vals.items()}, units={f"{name}.{setting}.seconds": "s"}
+                    {f"{name}.{setting}.{k}": v for k, v in vals.items() if math.isfinite(v)},
+                    units={f"{name}.{setting}.seconds": "s"},
                 )
                 best = max((r for r in results if r.setting == setting), key=lambda r: r.rougeL)
                 rec.attack(
@@ -388,7 +390,7 @@ def _attack_one_size(
                     extra={
                         "batch_size": batch_size,
                         "prior": name,
-                        **vals,
+                        **{k: (v if math.isfinite(v) else None) for k, v in vals.items()},
                         "best_original": best.best_original,
                         "best_recovered": best.best_recovered,
                     },

@@ -21,6 +21,7 @@ Attacker settings (``SETTINGS``):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -160,6 +161,18 @@ class BatchResult:
     best_recovered: str
     best_original: str
     seconds: float = 0.0  # candidates, beam search and reordering of this batch in this setting
+    # batch of one sentence whose tokens are all candidates (the original is in the search space): the prior's
+    # log-prob of the recovered and of the original sentence; original > recovered is a search error (the search
+    # missed a sentence the prior prefers), otherwise the prior itself ranks a wrong sentence first
+    logp_recovered: float = math.nan
+    logp_original: float = math.nan
+
+    @property
+    def search_error(self) -> float:
+        """1.0 for a search error, 0.0 for a prior error or an exact recovery, NaN when not comparable."""
+        if math.isnan(self.logp_original) or math.isnan(self.logp_recovered):
+            return math.nan
+        return float(self.logp_original > self.logp_recovered + 1e-4)
 
 
 def attack_batches(
@@ -231,6 +244,9 @@ def attack_batches(
             recovered = [decode(r) for r in recovered_ids]
             best = film.best_match(recovered, originals)
             hit = len(set(cand.tolist()) & set(true_ids))
+            logp_rec = logp_orig = math.nan
+            if len(sentences) == 1 and hit == len(true_ids) and len(recovered_ids[0]) == len(sentences[0]):
+                logp_rec, logp_orig = film.prior_log_probs(prior, [recovered_ids[0], list(sentences[0])]).tolist()
             results.append(
                 BatchResult(
                     setting=setting,
@@ -250,6 +266,8 @@ def attack_batches(
                     best_recovered=best["recovered"],
                     best_original=best["original"],
                     seconds=seconds,
+                    logp_recovered=logp_rec,
+                    logp_original=logp_orig,
                 )
             )
     return results
@@ -305,5 +323,9 @@ def summarize(results: Sequence[BatchResult]) -> dict[str, dict[str, float]]:
             )
         }
         out[setting]["n_unique_bytes"] = fmean(float(r.n_unique_bytes) for r in rs)
+        judged = [r.search_error for r in rs if not math.isnan(r.search_error)]
+        out[setting]["search_error"] = fmean(judged) if judged else math.nan
+        gaps = [r.logp_original - r.logp_recovered for r in rs if not math.isnan(r.search_error)]
+        out[setting]["logp_gap"] = fmean(gaps) if gaps else math.nan
         out[setting]["n_batches"] = float(len(rs))
     return out

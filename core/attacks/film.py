@@ -40,6 +40,7 @@ __all__ = [
     "film_recover",
     "nonzero_rows",
     "positional_byte_sets",
+    "prior_log_probs",
     "relaxed_candidates",
     "reorder",
     "rouge_scores",
@@ -387,6 +388,11 @@ def _score(prior: LMPrior, seqs: Sequence[Sequence[int]], chunk: int) -> torch.T
     """Prior log-prob of each token sequence (bos prepended), in chunks: ``(len(seqs),)``."""
     ids = torch.tensor([[prior.bos_id, *s] for s in seqs], dtype=torch.long)  # (N, T+1)
     return torch.cat([prior.sequence_log_prob(part).float().cpu() for part in ids.split(chunk)])
+
+
+def prior_log_probs(prior: LMPrior, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The prior's log-prob of each token sequence after its bos, sequences of any lengths: ``(len(seqs),)``."""
+    return torch.cat([_score(prior, [list(s)], 1) for s in seqs]) if len(seqs) else torch.zeros(0)
 
 
 def reorder(

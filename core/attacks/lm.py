@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -179,17 +180,47 @@ def train_lm(
     max_seconds: float | None = None,
     grad_clip: float | None = 1.0,
     flush_denormal: bool = True,
+    plateau: Plateau | None = None,
 ) -> dict:
     """AdamW next-token training on ``ids (N, T)`` / ``mask (N, T)``; batches drawn with a seeded generator.
 
     Linear warmup over ``warmup`` steps then cosine decay to 0. Returns ``{"steps": done, "train_loss": mean
     of the last 50 step losses, "seconds": wall time}``; stops early once ``max_seconds`` have passed.
-    ``flush_denormal`` runs the loop under :func:`flush_denormals` (a CPU speed fix).
+    ``flush_denormal`` runs the loop under :func:`flush_denormals` (a CPU speed fix). With ``plateau`` the
+    validation perplexity is measured every ``plateau.every`` steps, training stops once it has not improved for
+    ``plateau.patience`` measurements, and the model is left at its best measurement; the result then also has
+    ``best_step``, ``val_perplexity`` (the best), ``val_curve`` (``[(step, perplexity), ...]``) and ``plateaued``
+    (stopped by patience, not by the step or time budget).
     """
     _check_data(ids, mask)
     _check_train_args(steps, batch_size, lr, warmup)
+    if plateau is not None:
+        _check_data(plateau.ids, plateau.mask)
     with flush_denormals(flush_denormal):
-        return _train_loop(model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip)
+        fit = _train_loop(
+            model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip, plateau
+        )
+    return fit
+
+
+@dataclass(frozen=True)
+class Plateau:
+    """Early stopping on validation perplexity: ``ids (N, T)`` / ``mask (N, T)`` held out from training,
+    measured every ``every`` steps; stop after ``patience`` measurements without a relative improvement of more
+    than ``min_delta``."""
+
+    ids: Tensor
+    mask: Tensor
+    every: int
+    patience: int
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.patience < 1 or self.min_delta < 0:
+            raise ConfigError(
+                f"plateau needs every >= 1, patience >= 1 and min_delta >= 0, got every={self.every}, "
+                f"patience={self.patience}, min_delta={self.min_delta}"
+            )
 
 
 def _train_loop(
@@ -204,6 +235,7 @@ def _train_loop(
     weight_decay: float,
     max_seconds: float | None,
     grad_clip: float | None,
+    plateau: Plateau | None = None,
 ) -> dict:
     device = next(model.parameters()).device
     labels = lm_labels(ids, mask)
@@ -211,6 +243,7 @@ def _train_loop(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(seed)
     guard = DivergenceGuard(hint=f"lower the learning rate (lr={lr:g})")
+    watch = _Watch(plateau) if plateau is not None else None
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
@@ -228,11 +261,54 @@ def _train_loop(
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         sched.step()
+        if watch is not None and (step % plateau.every == 0 or step == steps) and watch.measure(model, step):
+            break
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     model.eval()
     tail = losses[-50:]
-    return {"steps": len(losses), "train_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - start}
+    out = {"steps": len(losses), "train_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - start}
+    if watch is not None:
+        out |= watch.finish(model, len(losses))
+    return out
+
+
+class _Watch:
+    """Validation measurements for :class:`Plateau`, keeping the best state."""
+
+    def __init__(self, plateau: Plateau) -> None:
+        self.plateau = plateau
+        self.curve: list[tuple[int, float]] = []
+        self.best = (math.inf, 0)
+        self.state: dict[str, Tensor] | None = None
+        self.stale = 0
+        self.plateaued = False
+
+    def measure(self, model: nn.Module, step: int) -> bool:
+        """Measure at ``step``; True once the patience is spent."""
+        ppl = perplexity(model, self.plateau.ids, self.plateau.mask)
+        model.train()
+        self.curve.append((step, ppl))
+        if ppl < self.best[0] * (1.0 - self.plateau.min_delta):
+            self.best, self.stale = (ppl, step), 0
+            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            self.stale += 1
+        self.plateaued = self.stale >= self.plateau.patience
+        return self.plateaued
+
+    def finish(self, model: nn.Module, steps: int) -> dict:
+        if not self.curve or self.curve[-1][0] != steps:
+            self.measure(model, steps)
+            model.eval()
+        if self.state is not None:
+            model.load_state_dict(self.state)
+        return {
+            "best_step": self.best[1],
+            "val_perplexity": self.best[0],
+            "val_curve": self.curve,
+            "plateaued": self.plateaued,
+        }
 
 
 @torch.no_grad()

@@ -74,3 +74,13 @@ def test_priors_are_named_and_share_the_victims_vocabulary() -> None:
         FilmConfig(priors=[{"name": "a"}, {"name": "a"}])
     with pytest.raises(ValidationError, match="not both"):
         FilmConfig(prior={}, priors=[{}])
+
+
+def test_batches_per_size_is_one_count_or_one_per_batch_size() -> None:
+    assert FilmConfig(batch_sizes=(1, 2), batches_per_size=3).batches_for(2) == 3
+    per = FilmConfig(batch_sizes=(1, 2), batches_per_size={1: 5, 2: 1})
+    assert (per.batches_for(1), per.batches_for(2)) == (5, 1)
+    with pytest.raises(ValidationError, match=r"names batch sizes \[1\] but film.batch_sizes is \[1, 2\]"):
+        FilmConfig(batch_sizes=(1, 2), batches_per_size={1: 5})
+    with pytest.raises(ValidationError, match="must be >= 1 for every batch size"):
+        FilmConfig(batch_sizes=(1,), batches_per_size={1: 0})

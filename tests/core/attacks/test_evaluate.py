@@ -4,6 +4,7 @@ through candidates, beam search and reordering (the plumbing carries the signal,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -153,3 +154,34 @@ def test_warm_up_lowers_the_loss_and_summary_averages(mapping: torch.Tensor) -> 
     summary = summarize(results)
     assert summary["bytes"]["n_batches"] == 2.0
     assert summary["bytes"]["n_candidates"] == pytest.approx(sum(r.n_candidates for r in results) / 2)
+
+
+def test_a_prior_that_prefers_another_order_is_a_prior_error_not_a_search_error(mapping: torch.Tensor) -> None:
+    """The oracle recovers the sentence (equal log-probs, no search error); a prior that knows the sentence
+    backwards recovers it backwards, with a higher log-prob than the original: the prior is at fault."""
+    sentence = SENTENCES[0]
+    kw = {
+        "victim": "subword",
+        "settings": ("subwords",),
+        "mapping": mapping,
+        "byte_vocab": 256,
+        "decode": lambda s: " ".join(map(str, s)),
+        "beam_width": 4,
+        "reorder_passes": 1,
+        "relaxed_random": 0,
+        "seed": 0,
+        "reorder_moves": 16,
+    }
+    model = _victim("subword", mapping)
+    [exact] = attack_batches(model, [[sentence]], prior=OraclePrior([sentence]), **kw)
+    assert exact.logp_recovered == exact.logp_original and exact.search_error == 0.0
+    [backwards] = attack_batches(model, [[sentence]], prior=OraclePrior([sentence[::-1]]), **kw)
+    assert backwards.recovered == [" ".join(map(str, sentence[::-1]))]
+    assert backwards.logp_recovered > backwards.logp_original and backwards.search_error == 0.0
+    summary = summarize([exact, backwards])["subwords"]
+    assert summary["search_error"] == 0.0 and summary["logp_gap"] < 0
+    missed = dataclasses.replace(backwards, logp_recovered=backwards.logp_original - 1.0)
+    assert missed.search_error == 1.0 and summarize([missed])["subwords"]["search_error"] == 1.0
+    # a batch of two sentences is not judged (the recovered and original lengths differ in general)
+    [pair] = attack_batches(model, [SENTENCES], prior=UniformPrior(), **kw)
+    assert math.isnan(pair.search_error) and math.isnan(summarize([pair])["subwords"]["search_error"])

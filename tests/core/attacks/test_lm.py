@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from core.attacks.lm import (
     EMBEDDINGS,
+    Plateau,
     build_causal_lm,
     count_parameters,
     embedding_parameter_count,
@@ -134,3 +135,35 @@ def test_bad_build_arguments_raise() -> None:
         build_causal_lm(V, embedding="bytes")
     with pytest.raises(ConfigError, match=r"needs a subword->bytes mapping.*build_byte_mapping\(40\)"):
         build_causal_lm(V, embedding="seb_cr")
+
+
+def test_plateau_stops_at_the_best_validation_perplexity_and_restores_it() -> None:
+    g = torch.Generator().manual_seed(0)
+    train = torch.randint(0, V, (4, 16), generator=g)  # 4 random sequences: memorised, so validation gets worse
+    val = torch.randint(0, V, (8, 16), generator=g)
+    ones = torch.ones_like(val, dtype=torch.bool)
+    model = tiny()
+    plateau = Plateau(val, ones, every=10, patience=2)
+    fit = train_lm(
+        model, train, torch.ones_like(train, dtype=torch.bool), steps=2000, batch_size=4, lr=1e-2, plateau=plateau
+    )
+    steps = [s for s, _ in fit["val_curve"]]
+    assert fit["plateaued"] and fit["steps"] < 2000 and steps == list(range(10, fit["steps"] + 1, 10))
+    best = min(fit["val_curve"], key=lambda c: c[1])
+    assert (fit["best_step"], fit["val_perplexity"]) == best
+    assert fit["steps"] == best[0] + 2 * 10  # two measurements without improvement after the best
+    assert perplexity(model, val, ones) == pytest.approx(fit["val_perplexity"], rel=1e-6)  # the best state is back
+
+
+def test_plateau_without_patience_spent_runs_every_step() -> None:
+    ids, mask = padded_batch()
+    fit = train_lm(tiny(), ids, mask, steps=7, batch_size=2, lr=1e-4, plateau=Plateau(ids, mask, every=5, patience=50))
+    assert fit["steps"] == 7 and not fit["plateaued"]
+    assert [s for s, _ in fit["val_curve"]] == [5, 7]  # the last step is always measured
+
+
+@pytest.mark.parametrize("bad", [{"every": 0}, {"patience": 0}, {"min_delta": -0.1}])
+def test_plateau_rejects_bad_settings(bad: dict) -> None:
+    ids, mask = padded_batch()
+    with pytest.raises(ConfigError, match="plateau needs"):
+        Plateau(ids, mask, **({"every": 5, "patience": 2} | bad))
