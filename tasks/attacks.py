@@ -84,7 +84,7 @@ def utility_lm(
         perplexity,
         train_lm,
     )
-    from core.attacks.vocab import GPT2_EOS, CompactVocab
+    from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, CompactVocab
 
     _threads(cfg)
     u = cfg.utility
@@ -116,20 +116,26 @@ def utility_lm(
         if u.lm_eval_every is not None:
             va = vocab.encode(_lm_blocks(val, u.lm_max_len, GPT2_EOS))
             plateau = Plateau(va, torch.ones_like(va, dtype=torch.bool), every=u.lm_eval_every, patience=u.lm_patience)
-        model = build_causal_lm(
-            vocab.size,
-            embedding=embedding,
-            n_layer=u.lm_shape.n_layer,
-            n_embd=u.lm_shape.n_embd,
-            n_head=u.lm_shape.n_head,
-            n_positions=u.lm_max_len,
-            mapping=_mapping(cfg, vocab.size) if embedding != "subword" else None,
-            byte_dim=cfg.seb.byte_dim,
-            hidden=cfg.seb.hidden,
-            output="tied",
-            tie_subword=True,
-            seed=seed,
-        )
+
+        def build(size: int) -> torch.nn.Module:
+            return build_causal_lm(
+                size,
+                embedding=embedding,
+                n_layer=u.lm_shape.n_layer,
+                n_embd=u.lm_shape.n_embd,
+                n_head=u.lm_shape.n_head,
+                n_positions=u.lm_max_len,
+                mapping=_mapping(cfg, size) if embedding != "subword" else None,
+                byte_dim=cfg.seb.byte_dim,
+                hidden=cfg.seb.hidden,
+                output="tied",
+                tie_subword=True,
+                seed=seed,
+            )
+
+        # the same model at GPT-2's whole vocabulary (as the paper counts, Table 6), built only to be counted
+        full_vocab_params = embedding_parameter_count(build(GPT2_VOCAB))
+        model = build(vocab.size)
         t0 = time.perf_counter()
         fit = train_lm(
             model,
@@ -147,6 +153,7 @@ def utility_lm(
         out = {
             "perplexity": ppl,
             "embedding_params": embedding_parameter_count(model),
+            "embedding_params_full_vocab": full_vocab_params,
             "params": count_parameters(model),
             "train_s": train_s,
             "steps": fit["steps"],

@@ -81,7 +81,7 @@ TINY = AttacksConfig(
         "private": ["private"],
         "victims": ["subword", "seb_co"],
         "batch_sizes": [1, 2],
-        "batches_per_size": 1,
+        "batches_per_size": {1: 2, 2: 1},
         "relaxed_random": 50,
         "shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
         "max_tokens": 32,
@@ -106,6 +106,8 @@ TINY = AttacksConfig(
         "lm_shape": {"n_layer": 1, "n_embd": 16, "n_head": 2},
         "lm_max_len": 16,
         "lm_steps": 2,
+        "lm_eval_every": 1,
+        "lm_patience": 1,
         "lm_batch_size": 4,
         "translation": "de-en",
         "mt_d_model": 16,
@@ -147,6 +149,10 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
         (e, s) for e in ("seb_co", "subword") for s in (0, 1)
     ]
     assert all(r["seconds"] >= 0 for r in summary["recovery"])
+    for r in summary["utility_lm"]:  # trained to a plateau (or the 2-step cap) and counted at the whole vocabulary
+        assert r["best_step"] in (1.0, 2.0) and r["val_perplexity"] > 1 and r["plateaued"] in (0.0, 1.0)
+        full = GPT2_VOCAB * 16 if r["embedding"] == "subword" else r["embedding_params"]
+        assert r["embedding_params_full_vocab"] == full
     assert all(r["perplexity"] > 1 for r in summary["utility_lm"]) and all(
         r["bleu"] >= 0 for r in summary["utility_mt"]
     )
@@ -170,6 +176,8 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
         local = MlflowClient().download_artifacts(mlflow_id, "recovered.json", str(tmp_path))
         batches = json.loads(Path(local).read_text())["kjv-small"]
         assert batches and all(b["originals"] and b["recovered"] for b in batches)
+        assert len({(b["setting"], tuple(b["originals"])) for b in batches}) == len(batches)
+        assert {len(batches) / len({b["setting"] for b in batches})} <= {1.0, 2.0}  # 2 batches of 1, 1 of 2
     _, seeds = repo.query("select config_json from runs where technique like 'seb-lm-%'")
     assert sorted(json.loads(c)["seed"] for (c,) in seeds) == [0, 0, 1, 1]  # the claims pair runs by this seed
 
