@@ -77,6 +77,8 @@ def attacks_summary(
     lm_rows = [
         {"seed": r.get("seed", 0)}
         | {k: r[k] for k in ("dataset", "embedding", "perplexity", "embedding_params", "params", "steps", "train_s")}
+        # counted at GPT-2's whole vocabulary, and the validation plateau (when the LM was trained to one)
+        | {k: r[k] for k in ("embedding_params_full_vocab", "best_step", "val_perplexity", "plateaued") if k in r}
         for r in lm
     ]
     mt_rows = [
