@@ -34,6 +34,10 @@ Rules (``rule.kind``):
 * ``all_at_most`` / ``all_at_least`` with ``bound``: every run's value must satisfy the bound (deterministic
   checks such as exactness to a tolerance: no interval needed, one run decides).
 
+``run_interval`` (``[low, high]`` columns, stat ``value`` only): a context measured by one run (one seed) takes
+that run's own recorded 95% interval (a bootstrap over its test examples) instead of none; with two or more
+seeds the interval over seeds is used. ``min_n`` still counts seeds, so such a claim sets ``min_n: 1``.
+
 A claim is ``not run`` when the store has no rows for it; ``reproduced`` when every required context is
 reproduced; ``not reproduced`` when any context is not; ``inconclusive`` otherwise.
 """
@@ -164,6 +168,9 @@ class Measure(FrozenConfig):
     per: tuple[str, ...] = ()
     require: dict[str, list[Scalar]] = Field(default_factory=dict)
     stat: Literal["value", "difference", "relative", "ratio"] = "value"
+    # stat value only: the columns (low, high) where a run records its own 95% interval of the value (a bootstrap
+    # over its test examples), used for a context that one run (one seed) measures, where seeds give no interval
+    run_interval: tuple[str, str] | None = None
     # how the stat is shown: as is, a signed percentage (relative), a multiple, accuracy points, a share
     unit: Literal["", "%", "x", "pt", "share"] = ""
 
@@ -191,12 +198,19 @@ class Measure(FrozenConfig):
             raise ValueError(f"require names column(s) {', '.join(stray)} that are not in per {list(self.per)}")
         if self.value_b is not None and self.b is None:
             raise ValueError("value_b needs a side b")
+        if self.run_interval is not None and self.stat != "value":
+            raise ValueError(f"run_interval applies to stat 'value' only, got stat {self.stat!r}")
+        for bound in self.run_interval or ():
+            if not _names(bound):
+                raise ValueError(f"run_interval column {bound!r} names no column")
         return self
 
     @property
     def columns(self) -> set[str]:
         """Every column the measure reads from its own source (side b's from ``b_source``: ``b_source.columns``)."""
         cols = _names(self.value) | _names(self.value_b or "0") | set(self.where) | set(self.a) | set(self.per)
+        for bound in self.run_interval or ():
+            cols |= _names(bound)
         return cols | set(self.b or {})
 
 

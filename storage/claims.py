@@ -91,6 +91,7 @@ class _Sides:
     a: dict[Any, float] = field(default_factory=dict)  # replicate -> value
     b: dict[Any, float] = field(default_factory=dict)
     runs: set[str] = field(default_factory=set)
+    intervals: dict[Any, tuple[float, float]] = field(default_factory=dict)  # side a: a run's own (run_interval)
     order: tuple[Any, ...] = ()  # the context's sort key (numbers in numeric order)
 
 
@@ -216,6 +217,9 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
     frame = _source_rows(db_url, claim.id, m.source, m.stage, m.techniques, m.columns, **filters)
     frame = frame[_matches(frame, m.where)].copy()
     frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
+    if m.run_interval is not None:
+        for column, expression in zip(("low", "high"), m.run_interval, strict=True):
+            frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
     if m.value_b is not None and len(frame):
         in_b = _matches(frame, m.b or {}) & ~_matches(frame, m.a)
         frame.loc[in_b, "value"] = _evaluate(m.value_b, frame)[in_b]
@@ -282,8 +286,9 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
     frame["context"] = [_context_name(measure, k) for k in keys]
     frame["order"] = [_sort_key(k) for k in keys]
     frame = frame.sort_values("order", kind="stable")
+    extra = {c: (c, "first") for c in ("low", "high") if c in frame}  # a run's own interval (run_interval)
     reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False).agg(
-        value=("value", measure.reduce), started_at=("started_at", "max"), order=("order", "first")
+        value=("value", measure.reduce), started_at=("started_at", "max"), order=("order", "first"), **extra
     )
     reduced["replicate"] = [
         f"seed:{int(seeds[r])}" if seeds.get(r) is not None and not pd.isna(seeds.get(r)) else f"run:{r}"
@@ -297,6 +302,8 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
         sides = out.setdefault(row.context, _Sides(order=row.order))
         getattr(sides, row.side)[row.replicate] = float(row.value)
         sides.runs.add(row.run_id)
+        if extra and row.side == "a":
+            sides.intervals[row.replicate] = (float(row.low), float(row.high))
     return dict(sorted(out.items(), key=lambda item: item[1].order))
 
 
@@ -312,6 +319,10 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
     """(estimate, low, high, interval kind, per-seed stats) of one context."""
     if measure.stat == "value":
         ci = seed_interval(sides.a.values())
+        if ci.n == 1 and measure.run_interval is not None:  # one run: its own interval over examples, if recorded
+            low, high = next(iter(sides.intervals.values()), (math.nan, math.nan))
+            if math.isfinite(low) and math.isfinite(high):
+                return ci.mean, low, high, "the run's own (bootstrap over examples)", tuple(sides.a.values())
         return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
     common = sorted(set(sides.a) & set(sides.b) - {k for k in sides.a if k.startswith("run:")})
     paired = measure.b_source is None  # a peer's seed 0 has nothing in common with ours

@@ -247,6 +247,35 @@ def test_bound_on_every_run_from_metrics(home: Path) -> None:
     assert result.verdict == sc.NOT_REPRODUCED and "worst run 0.01" in result.reason
 
 
+def test_one_run_is_judged_on_its_own_recorded_interval(home: Path) -> None:
+    measure = {
+        "source": "metrics",
+        "stage": "tangent",
+        "techniques": ["gen"],
+        "value": "drop.r",
+        "run_interval": ["drop.r_lo", "drop.r_hi"],
+    }
+    claim = _claim(measure, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
+    _metric_run("gen", {"drop.r": 0.01, "drop.r_lo": -0.02, "drop.r_hi": 0.04}, {"seed": 0})
+    result = sc.evaluate_claim(None, claim)
+    (ctx,) = result.contexts
+    assert result.verdict == sc.REPRODUCED and (ctx.low, ctx.high) == (-0.02, 0.04)
+    assert ctx.interval == "the run's own (bootstrap over examples)"
+    _metric_run("gen", {"drop.r": 0.03, "drop.r_lo": 0.0, "drop.r_hi": 0.08}, {"seed": 0})  # the newest seed 0
+    assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
+    _metric_run("gen", {"drop.r": 0.2, "drop.r_lo": 0.1, "drop.r_hi": 0.3}, {"seed": 0})
+    assert sc.evaluate_claim(None, claim).verdict == sc.NOT_REPRODUCED
+    _metric_run("gen", {"drop.r": 0.3, "drop.r_lo": 0.29, "drop.r_hi": 0.31}, {"seed": 1})  # two seeds: t over seeds
+    (ctx,) = sc.evaluate_claim(None, claim).contexts
+    half = 12.706204736174698 * (0.1 / math.sqrt(2)) / math.sqrt(2)  # t(0.975, 1) s / sqrt(n), seeds 0.2 and 0.3
+    assert ctx.interval == "t over seeds" and ctx.estimate == pytest.approx(0.25)
+    assert ctx.high - ctx.estimate == pytest.approx(half)
+    without = _claim({**measure, "run_interval": None}, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
+    with pytest.raises(ValueError, match="run_interval applies to stat 'value' only"):
+        _claim({**BEATS, "run_interval": ["a", "b"]}, ABOVE)
+    assert without.measure.run_interval is None
+
+
 def test_value_b_and_config_columns(home: Path) -> None:
     _metric_run("forget-retrain", {"retrain_s": 12.0})
     _metric_run("forget-subtraction", {"subtraction_s": 0.5})
