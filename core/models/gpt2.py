@@ -54,7 +54,17 @@ def tiny_gpt2(
     )
     cfg._attn_implementation = attn_implementation
     if seed is None:
-        return GPT2LMHeadModel(cfg)
+        return _tied(GPT2LMHeadModel(cfg), tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT2LMHeadModel(cfg)
+        return _tied(GPT2LMHeadModel(cfg), tie_word_embeddings)
+
+
+def _tied(model: nn.Module, tie: bool) -> nn.Module:
+    """``model`` with its LM head sharing the input embedding's weight when ``tie``. Done here, not left to
+    ``post_init``: transformers' ``from_pretrained`` swaps ``PreTrainedModel.tie_weights`` for a no-op on the
+    class while it loads, so a model built in another thread meanwhile came out untied (twice the embedding
+    parameters, seen once in the attacks flow test)."""
+    if tie:
+        model.lm_head.weight = model.transformer.wte.weight
+    return model

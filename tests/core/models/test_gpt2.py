@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from core.models.gpt2 import GPT2_EOS, GPT2_VOCAB, tiny_gpt2
@@ -38,3 +39,16 @@ def test_a_seed_fixes_the_weights_and_leaves_the_global_rng() -> None:
     torch.manual_seed(3)  # seed=None draws from the global RNG as it stands: the same weights here
     c = tiny_gpt2(30, n_layer=1, n_embd=8, n_head=2)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters(), strict=True))
+
+
+def test_the_head_is_tied_even_while_transformers_has_tying_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import PreTrainedModel
+
+    # what from_pretrained does to the class while it loads (another thread may be building a model meanwhile)
+    monkeypatch.setattr(PreTrainedModel, "tie_weights", lambda self, *a, **k: None)
+    tied = tiny_gpt2(50, n_layer=1, n_embd=8, n_head=2, n_positions=8, seed=0)
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    assert sum(p.numel() for p in tied.parameters()) < sum(
+        p.numel()
+        for p in tiny_gpt2(50, n_layer=1, n_embd=8, n_head=2, n_positions=8, tie_word_embeddings=False).parameters()
+    )
