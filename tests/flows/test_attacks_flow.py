@@ -16,6 +16,7 @@ from flows.attacks import attacks_flow
 from pbconfig.attacks import AttacksConfig
 from pbconfig.benchmark import BenchmarkConfig, validate
 from pbconfig.data import PrepareConfig
+from pbconfig.settings import get_settings
 from storage.repository import ResultsRepository
 from tests.core.data.test_text import write_mo
 
@@ -173,7 +174,9 @@ def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfi
     _, film_runs = repo.query("select mlflow_run_id from runs where technique like 'film-s%'")
     assert len(film_runs) == 4
     for (mlflow_id,) in film_runs:
-        local = MlflowClient().download_artifacts(mlflow_id, "recovered.json", str(tmp_path))
+        # this test's tracking store named (another test may have set mlflow's process-wide URI)
+        client = MlflowClient(tracking_uri=get_settings().tracking_uri)
+        local = client.download_artifacts(mlflow_id, "recovered.json", str(tmp_path))
         batches = json.loads(Path(local).read_text())["kjv-small"]
         assert batches and all(b["originals"] and b["recovered"] for b in batches)
         assert len({(b["setting"], tuple(b["originals"])) for b in batches}) == len(batches)

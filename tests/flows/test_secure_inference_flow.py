@@ -13,6 +13,7 @@ from core.mpc.methods import run_method_party
 from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, PartyError
 from flows.secure_inference import secure_inference_flow
 from pbconfig.secure_inference import SecureInferenceConfig
+from pbconfig.settings import get_settings
 from storage.repository import ResultsRepository
 
 pytestmark = [
@@ -84,7 +85,8 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
     from mlflow import MlflowClient  # every MPC run names its share randomness (CrypTen's os.urandom seeds)
 
     _, ml = repo.query("select technique, mlflow_run_id from runs where stage = 'secure-inference'")
-    source = {t: MlflowClient().get_run(m).data.tags.get(SECRET_SOURCE_TAG) for t, m in ml}
+    client = MlflowClient(tracking_uri=get_settings().tracking_uri)  # this test's store, whatever mlflow's global
+    source = {t: client.get_run(m).data.tags.get(SECRET_SOURCE_TAG) for t, m in ml}
     assert {source[t] for t in (*TINY.methods, "scaling-merge")} == {SHARE_RANDOMNESS}
 
 
