@@ -134,6 +134,14 @@ def bench(
             help="mpc-generation: comma-separated methods to run (default: all)",
         ),
     ] = None,
+    no_record: Annotated[
+        bool,
+        typer.Option(
+            "--no-record",
+            help="measure without the results store or MLflow (a GPU worker that cannot reach them); record the "
+            "--json output later with `privbench results import-bench FILE`",
+        ),
+    ] = False,
     set_: Annotated[
         list[str] | None,
         typer.Option(
@@ -168,13 +176,40 @@ def bench(
     except ConfigError as exc:
         _fail(str(exc), code=2)
     try:
-        result = run_benchmark(name, profile=profile, progress=err, **options)
+        result = run_benchmark(name, profile=profile, progress=err, record=not no_record, **options)
     except PrivbenchError as exc:
         _fail(str(exc))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         err.print_json(json.dumps(result))
+
+
+@results_app.command("import-bench")
+def results_import_bench(
+    files: Annotated[list[Path], typer.Argument(help="JSON files printed by `privbench bench ... --no-record --json`")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Record benchmark results measured elsewhere (`privbench bench --no-record --json`, e.g. on a GPU worker that
+    cannot reach the store) as bench runs, with the measuring machine's commit, host, device and times."""
+    from privbench.bench.harness import import_benchmark_result
+
+    results = []
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            _fail(f"cannot read {path}: {exc}; give a file printed by `privbench bench NAME --no-record --json`", 2)
+        try:
+            recorded = import_benchmark_result(data)
+        except ConfigError as exc:
+            _fail(f"{path}: {exc}", code=2)
+        except PrivbenchError as exc:
+            _fail(f"{path}: {exc}")
+        results.append({"file": str(path), "run_id": recorded["run_id"], "benchmark": recorded["benchmark"]})
+        err.print(f"{_shown(str(path))}: recorded as run {recorded['run_id']} ({_shown(recorded['benchmark'])})")
+    if as_json:
+        print(json.dumps(results, indent=2))
 
 
 @results_app.command("list")

@@ -65,11 +65,24 @@ class RunRef:
     scope: str | None = None  # the root Prefect flow run: a retry of it may reuse this run's completed tasks
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Provenance of a run measured on another machine and recorded here afterwards (``privbench results
+    import-bench``): its times, commit, host and device replace this process's."""
+
+    started_at: datetime
+    finished_at: datetime
+    git_commit: str | None
+    host: str
+    device: str
+
+
 @dataclass
 class Recorder:
     """What a running task records into; flushed atomically when the ``record_run`` block exits."""
 
     ref: RunRef
+    finished_at: datetime | None = None  # a measured run's own finish (``Measured``); None: when it is flushed
     _metrics: list[Metric] = field(default_factory=list)
     _rows: list[Any] = field(default_factory=list)
     _json: dict[str, Any] = field(default_factory=dict)
@@ -235,8 +248,10 @@ def start_run(
     prefect_flow_run_id: str | None = None,
     prefect_task_run_id: str | None = None,
     track: bool = True,
+    measured: Measured | None = None,
 ) -> Recorder:
     """Commit a ``running`` row and create its MLflow run; close it with ``finish_run`` or ``fail_run``.
+    ``measured``: a run measured elsewhere, recorded with that machine's times, commit, host and device.
 
     Prefer ``record_run`` (a context manager over these two) wherever the work fits in one block; the
     explicit pair is for runs that span several tasks, like a flow's parent run.
@@ -264,16 +279,16 @@ def start_run(
         status="running",
         config_json=cfg_json,
         config_hash=cfg_hash,
-        started_at=_now(),
+        started_at=measured.started_at if measured else _now(),
         prefect_flow_run_id=prefect_flow_run_id,
         prefect_task_run_id=prefect_task_run_id,
-        git_commit=provenance.git_commit(),
-        host=provenance.host(),
-        device=provenance.device(),
+        git_commit=measured.git_commit if measured else provenance.git_commit(),
+        host=measured.host if measured else provenance.host(),
+        device=measured.device if measured else provenance.device(),
         privbench_version=__version__,
     )
     row.pid, row.pid_started = liveness.this_process()
-    row.heartbeat_at = row.started_at
+    row.heartbeat_at = _now() if measured else row.started_at
     with session_scope(settings.db_url) as session:
         session.add(row)
     if run_name:
@@ -299,7 +314,7 @@ def start_run(
     with _open_lock:
         _open_runs[run_id] = (ref, settings.db_url)
     _heartbeat.ensure_started()
-    return Recorder(ref=ref)
+    return Recorder(ref=ref, finished_at=measured.finished_at if measured else None)
 
 
 def _announce(run_id: str, run_name: str) -> None:
@@ -508,7 +523,7 @@ def _finish(db_url: str, rec: Recorder, tracker: Tracker | None) -> None:
             tracker.log_json(mlflow_run_id, name, obj)
         for path, artifact_path in rec._files:
             tracker.log_file(mlflow_run_id, path, artifact_path)
-    finished = _now()
+    finished = rec.finished_at or _now()
     with session_scope(db_url) as session:
         started = session.scalar(select(Run.started_at).where(Run.id == run_id))
         for obj in [*rec._metrics, *rec._rows]:

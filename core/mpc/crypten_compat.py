@@ -64,3 +64,76 @@ def crypten_available() -> bool:
     except CryptenUnavailableError:
         return False
     return True
+
+
+# CrypTen's communicator hands CUDA shares straight to torch.distributed. The gloo backend (the only one that runs
+# two parties on one GPU: NCCL refuses two ranks on the same device) moves CUDA tensors only for all_reduce and
+# broadcast; send, recv, reduce, gather, all_gather and scatter of a CUDA tensor fail or read device memory as
+# host memory. :func:`stage_cuda_communication` routes every tensor operation of the communicator through host
+# memory instead: the CUDA (or CUDALongTensor) arguments are copied to the CPU, the original method runs (and
+# counts its bytes and rounds, which are the same), and the results are copied back to the arguments' device and
+# type. The copies cost PCIe time, which gloo's own CUDA path pays too.
+STAGED_METHODS = ("send", "recv", "scatter", "reduce", "all_reduce", "gather", "all_gather", "broadcast")
+
+
+def _to_host(obj: Any, found: list[Any]) -> Any:
+    """``obj`` with every CUDA tensor (plain or CrypTen's CUDALongTensor) copied to the CPU; ``found`` collects the
+    originals (the first one decides where and as what results go back)."""
+    import torch
+
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_host(o, found) for o in obj)
+    if getattr(obj, "is_cuda", False) and (torch.is_tensor(obj) or hasattr(obj, "_tensor")):
+        found.append(obj)
+        return obj.cpu()  # CUDALongTensor.cpu() is its int64 tensor on the CPU
+    return obj
+
+
+def _to_device(obj: Any, like: Any) -> Any:
+    import torch
+
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_device(o, like) for o in obj)
+    if torch.is_tensor(obj) and not obj.is_cuda:
+        moved = obj.to(like.device)
+        return type(like)(moved) if not torch.is_tensor(like) else moved  # CUDALongTensor in, CUDALongTensor out
+    return obj
+
+
+def _staged(method: Any) -> Any:
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found: list[Any] = []
+        host_args = _to_host(list(args), found)
+        host_kwargs = {k: _to_host(v, found) for k, v in kwargs.items()}
+        device = host_kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):  # scatter(..., device=cuda) on a receiver
+            host_kwargs["device"] = "cpu"
+            if not found:
+                import torch
+                from crypten.cuda import CUDALongTensor
+
+                found.append(CUDALongTensor(torch.zeros(0, dtype=torch.long, device=device)))
+        result = method(self, *host_args, **host_kwargs)
+        if method.__name__ == "broadcast" and found:  # in place, as gloo does (CrypTen's TTP provider relies on it)
+            received = result if isinstance(result, list | tuple) else [result]
+            for original, value in zip(found, received, strict=True):
+                original.data.copy_(value)
+            return found if isinstance(result, list | tuple) else found[0]
+        return _to_device(result, found[0]) if found else result
+
+    wrapper._privbench_staged = True
+    return wrapper
+
+
+def stage_cuda_communication(crypten: Any) -> None:
+    """Route CrypTen's tensor communication through host memory (see ``STAGED_METHODS``). Idempotent; needed only
+    when the parties compute on CUDA over gloo."""
+    from crypten.communicator.distributed_communicator import DistributedCommunicator
+
+    for name in STAGED_METHODS:
+        method = getattr(DistributedCommunicator, name)
+        if not getattr(method, "_privbench_staged", False):
+            setattr(DistributedCommunicator, name, _staged(method))

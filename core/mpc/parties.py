@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from core.errors import ConfigError, PrivbenchError
-from core.mpc.crypten_compat import import_crypten
+from core.mpc.crypten_compat import import_crypten, stage_cuda_communication
 
 MODEL_OWNER = 0
 CLIENT = 1
@@ -92,6 +92,8 @@ def free_port() -> int:
 
 def _run_initialized(fn: Callable[..., Any], ctx: PartyContext, args: Sequence[Any], kwargs: dict) -> Any:
     crypten = import_crypten()
+    if ctx.device.type == "cuda":  # gloo moves CUDA tensors for two of CrypTen's eight operations only
+        stage_cuda_communication(crypten)
     crypten.init(device=ctx.device if ctx.device.type == "cuda" else None)
     crypten.cfg.communicator.verbose = True
     try:

@@ -421,8 +421,11 @@ def canonical_profile(name: str, profile: str) -> str:
     return canonical
 
 
+WRAPPER_KEYS = ("benchmark", "profile", "started_at", "finished_at", "git_commit", "run_id", "machine", "config")
+
+
 def run_benchmark(
-    name: str, *, profile: str = "quick", progress: Progress | None = None, **options: Any
+    name: str, *, profile: str = "quick", progress: Progress | None = None, record: bool = True, **options: Any
 ) -> dict[str, Any]:
     """Run benchmark ``name`` and record it (one run); returns the JSON object the CLI prints.
 
@@ -430,6 +433,10 @@ def run_benchmark(
     ``finished_at``, ``git_commit`` (when known), ``run_id`` (the results-store run) and ``machine``.
     ``options`` are benchmark specific (``BENCHMARKS[name].options``). Raises ConfigError for an unknown
     benchmark, profile or option, BenchmarkError when a measurement fails (the run is then marked failed).
+
+    ``record=False`` (``privbench bench --no-record``) measures without touching the results store or MLflow (a
+    GPU worker that cannot reach them): ``run_id`` is None and ``config`` holds what the run would have recorded,
+    so that :func:`import_benchmark_result` records it later, elsewhere, with this machine's provenance.
     """
     spec = get_benchmark(name)
     setting = resolve_benchmark(name, profile, options)
@@ -438,36 +445,121 @@ def run_benchmark(
         from rich.console import Console
 
         progress = Console(stderr=True)
-    from storage.provenance import git_commit
-    from storage.recording import record_run
-
     config = {"benchmark": name, "profile": profile, "options": dict(options), "setting": setting}
     started_at, load_start = _now(), load_average()
+    if not record:
+        body = spec.fn(profile, progress, options)
+        return {**_wrap(name, profile, started_at, load_start, body, run_id=None), "config": config}
+    from storage.recording import record_run
+
     with record_run(
         flow="bench", stage="bench", technique=name, dataset=spec.dataset, config=config, profile=profile
     ) as rec:
         body = spec.fn(profile, progress, options)
-        machine = machine_info(threads=(body.get("setting") or {}).get("threads"))
-        machine["load_avg_at_start"] = load_start
-        commit = git_commit()
-        result: dict[str, Any] = {
-            "benchmark": name,
-            "profile": profile,
-            "started_at": started_at,
-            "finished_at": _now(),
-            **({"git_commit": commit} if commit else {}),
-            "run_id": rec.run_id,
-            "machine": machine,
-            **body,
-        }
-        measured = {k: v for k, v in body.items() if k != "setting"}  # machine: tags, artifact
-        for path, value in numeric_leaves(measured):
-            rec.metric(metric_name(path), value, unit=metric_unit(path))
-        rec.artifact_json("result.json", result)
-        rec.tag("privbench.bench", name)
-        for key in ("cpu_model", "cuda_device", "torch", "torch_threads"):
-            if machine.get(key) is not None:
-                rec.tag(f"privbench.bench.{key}", str(machine[key]))
-        if (body.get("setting") or {}).get("device"):
-            rec.tag("privbench.bench.device", str(body["setting"]["device"]))
+        result = _wrap(name, profile, started_at, load_start, body, run_id=rec.run_id)
+        _log(rec, body, result)
     return result
+
+
+def _wrap(
+    name: str, profile: str, started_at: str, load_start: Any, body: dict[str, Any], *, run_id: str | None
+) -> dict[str, Any]:
+    from storage.provenance import git_commit
+
+    machine = machine_info(threads=(body.get("setting") or {}).get("threads"))
+    machine["load_avg_at_start"] = load_start
+    commit = git_commit()
+    return {
+        "benchmark": name,
+        "profile": profile,
+        "started_at": started_at,
+        "finished_at": _now(),
+        **({"git_commit": commit} if commit else {}),
+        "run_id": run_id,
+        "machine": machine,
+        **body,
+    }
+
+
+def _log(rec: Any, body: Mapping[str, Any], result: Mapping[str, Any]) -> None:
+    """Every finite numeric leaf of ``body`` but its ``setting`` as a metric, ``result`` as ``result.json``, the
+    benchmark's name and the machine's CPU, CUDA device, torch and threads as tags."""
+    measured = {k: v for k, v in body.items() if k != "setting"}  # machine: tags, artifact
+    for path, value in numeric_leaves(measured):
+        rec.metric(metric_name(path), value, unit=metric_unit(path))
+    rec.artifact_json("result.json", dict(result))
+    rec.tag("privbench.bench", str(result["benchmark"]))
+    machine = result.get("machine") or {}
+    for key in ("cpu_model", "cuda_device", "torch", "torch_threads"):
+        if machine.get(key) is not None:
+            rec.tag(f"privbench.bench.{key}", str(machine[key]))
+    if (body.get("setting") or {}).get("device"):
+        rec.tag("privbench.bench.device", str(body["setting"]["device"]))
+
+
+def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Record in this machine's results store and MLflow one benchmark result measured elsewhere with
+    ``--no-record`` (the JSON it printed), under the provenance of the machine that measured it: its commit, host,
+    device, start and finish times; tagged ``privbench.bench.imported = true``. Returns the result with its new
+    ``run_id``. ConfigError naming what is wrong when ``result`` is not such a JSON object (already recorded, a key
+    missing, an unknown benchmark or profile)."""
+    from storage.recording import Measured, record_run
+
+    if not isinstance(result, Mapping):
+        raise ConfigError(f"a benchmark result must be a JSON object, got {type(result).__name__}")
+    missing = [k for k in ("benchmark", "profile", "started_at", "finished_at", "machine", "config") if k not in result]
+    if missing:
+        raise ConfigError(
+            f"not a `privbench bench --no-record --json` result: missing {', '.join(missing)}; rerun the "
+            "benchmark with --no-record --json and import what it printed"
+        )
+    if result.get("run_id"):
+        raise ConfigError(
+            f"this result is already recorded as run {result['run_id']} (it was not measured with --no-record); "
+            "import only --no-record results"
+        )
+    name = str(result["benchmark"])
+    spec = get_benchmark(name)
+    profile = canonical_profile(name, str(result["profile"]))
+    config = result["config"]
+    if not isinstance(config, Mapping) or config.get("benchmark") != name:
+        raise ConfigError(f"the result's config is not benchmark {name}'s: {str(config)[:200]}")
+    machine = result["machine"] if isinstance(result["machine"], Mapping) else {}
+    try:
+        started = datetime.fromisoformat(str(result["started_at"]))
+        finished = datetime.fromisoformat(str(result["finished_at"]))
+    except ValueError as exc:
+        raise ConfigError(f"started_at/finished_at must be ISO 8601 times: {exc}") from exc
+    started, finished = (t if t.tzinfo else t.replace(tzinfo=UTC) for t in (started, finished))  # naive: UTC
+    if finished < started:
+        raise ConfigError(f"finished_at {result['finished_at']} is before started_at {result['started_at']}")
+    measured = Measured(
+        started_at=started,
+        finished_at=finished,
+        git_commit=result.get("git_commit"),
+        host=str(machine.get("host") or "unknown"),
+        device=describe_device(machine),
+    )
+    body = {k: v for k, v in result.items() if k not in WRAPPER_KEYS}
+    with record_run(
+        flow="bench",
+        stage="bench",
+        technique=name,
+        dataset=spec.dataset,
+        config=config,
+        profile=profile,
+        measured=measured,
+    ) as rec:
+        recorded = {**result, "run_id": rec.run_id}
+        recorded.pop("config", None)
+        _log(rec, body, recorded)
+        rec.tag("privbench.bench.imported", "true")
+    return recorded
+
+
+def describe_device(machine: Mapping[str, Any]) -> str:
+    """A result's ``machine`` as the store's device text (``storage.provenance.device``'s form)."""
+    torch = machine.get("torch")
+    if machine.get("cuda_device"):
+        return f"cuda: {machine['cuda_device']} (x{machine.get('cuda_device_count') or 1}), torch {torch}"
+    return f"cpu: {machine.get('cpu_model') or 'unknown'}, {machine.get('cpu_count')} cores, torch {torch}"
