@@ -87,6 +87,14 @@ def _secure_gaussian_like(reference: torch.Tensor, std: float, generator: torch.
     return (total / 2).to(reference.dtype)
 
 
+def _device_of(device: torch.device) -> torch.device:
+    """``device`` with its index made explicit: ``torch.Generator(device="cuda")`` reports ``cuda`` (the current
+    device), while tensors report ``cuda:0``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def add_gaussian_noise_(
     params: Iterable[torch.Tensor],
     *,
@@ -126,7 +134,7 @@ def add_gaussian_noise_(
                 f"non-finite gradient in parameter #{index} (shape {tuple(p.shape)}): NaN/inf after clipping "
                 "breaks the sensitivity bound; refusing to add noise -- fix the loss or the clipping"
             )
-        if generator is not None and generator.device != p.device:
+        if generator is not None and _device_of(generator.device) != _device_of(p.device):
             raise ConfigError(
                 f"generator is on {generator.device} but parameter #{index} is on {p.device}; "
                 "pass a torch.Generator(device=...) on the parameters' device"

@@ -157,7 +157,10 @@ def run_local(
     dev = resolve_device(device)
     import_crypten()  # fail early, in the parent, when CrypTen is missing
     if start_method is None:
-        start_method = "spawn" if dev.type == "cuda" or "fork" not in mp.get_all_start_methods() else "fork"
+        # a forked child of a process that has initialised CUDA cannot use it (nor can CrypTen's init, which
+        # touches CUDA whenever it is available): spawn then, and for CUDA parties
+        cuda_here = dev.type == "cuda" or torch.cuda.is_initialized()
+        start_method = "spawn" if cuda_here or "fork" not in mp.get_all_start_methods() else "fork"
     mpctx = mp.get_context(start_method)
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     procs, conns = [], {}

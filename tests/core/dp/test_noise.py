@@ -215,3 +215,12 @@ def test_secure_mode_draws_on_the_parameters_device() -> None:
 def test_noise_sources_name_the_regenerable_one() -> None:
     assert "seed kept secret" in noise_source(False) and noise_source(True).startswith("secure")
     assert set(NOISE_SOURCES) == {"seeded", "secure"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_generator_on_the_current_cuda_device_is_that_device() -> None:
+    p = torch.nn.Parameter(torch.zeros(1000, device="cuda:0"))  # reports cuda:0; the generator reports cuda
+    p.grad = torch.zeros(1000, device="cuda:0")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    add_gaussian_noise_([p], noise_multiplier=1.0, clip_norm=1.0, generator=gen)
+    assert float(p.grad.std()) == pytest.approx(1.0, rel=0.15)

@@ -96,8 +96,8 @@ def test_two_parties_on_cuda_generate_the_plaintext_tokens_with_the_cpu_runs_byt
     from core.mpc.parties import run_local
 
     spec = tiny_merge_spec()
-    gpu = run_local(_generate, (weights, prefix, spec), device="cuda", timeout_s=600)
     cpu = run_local(_generate, (weights, prefix, spec), timeout_s=600)
+    gpu = run_local(_generate, (weights, prefix, spec), device="cuda", timeout_s=600)
     assert gpu[0]["device"].startswith("cuda") and cpu[0]["device"] == "cpu"
     for mode in ("vanilla", "vanilla_kv"):
         want = G.plaintext_reference(weights, G.MPCVariant(), prefix, NEW, mode=mode)
