@@ -516,6 +516,27 @@ def test_a_reference_report_judges_bench_claims_on_the_paper_bench(home: Path) -
     assert sc.claims_table([result], "reference")["scale"].iloc[0].startswith("bench paper profile")
 
 
+def test_the_report_lists_the_bench_runs_with_their_device_and_top_level_ratios(home: Path, tmp_path: Path) -> None:
+    from tasks.report import render_report
+
+    with record_run(
+        flow="bench", stage="bench", technique="mpc-generation", dataset=None, profile="paper", config={},
+        track=False,
+    ) as rec:  # fmt: skip
+        rec.metrics(
+            {"ratios.merge_speedup_over_vanilla": 2.5464, "lengths.L128.ratios.merge_speedup_over_vanilla": 9.0}
+        )
+    runs = sc.bench_runs(profile="paper")
+    assert list(runs["benchmark"]) == ["mpc-generation"] and runs["ratios"].iloc[0] == {
+        "merge_speedup_over_vanilla": 2.5464
+    }  # the nested (projected) ratios are the claims' business
+    assert sc.bench_runs(profile="quick").empty
+    text = render_report(tmp_path / "paper.md", profile="paper", figures=False).path.read_text()
+    assert "## Benchmark runs" in text and f"| mpc-generation | `{rec.run_id}` |" in text
+    assert "merge_speedup_over_vanilla 2.55 |" in text
+    assert "## Benchmark runs" not in render_report(tmp_path / "q.md", profile="quick", figures=False).path.read_text()
+
+
 def test_stage_runs_take_a_stage_not_its_passes(home: Path) -> None:
     """The tangent stage runs one pass per seed as flow runs under its own flow run: the stage's wall time is the
     parent's, and a stage run under a benchmark chain still counts."""
