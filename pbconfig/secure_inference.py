@@ -65,6 +65,10 @@ class SecureInferenceConfig(FrozenConfig):
     prefix_len: int = Field(8, ge=1)
     gen_len: int = Field(8, ge=1)
     n_prompts: int = Field(4, ge=1)
+    # prompts the quality is scored on: the first n_prompts decrypted under MPC, the rest through each method's
+    # plaintext twin (its decrypted tokens equal the twin's, measured as mpc_plain_token_agreement); 0: the MPC
+    # prompts only
+    quality_prompts: int = Field(0, ge=0)
     scaling_gen_lens: tuple[int, ...] = (4, 8, 16)
     scaling_methods: tuple[SIMethod, ...] = ("vanilla", "merge")
     scaling_sizes: tuple[ModelShape, ...] = ()
@@ -103,9 +107,19 @@ class SecureInferenceConfig(FrozenConfig):
             raise ValueError(
                 f"pretrain_len={self.pretrain_len} exceeds n_positions={self.n_positions}; lower pretrain_len"
             )
+        if 0 < self.quality_prompts < self.n_prompts:
+            raise ValueError(
+                f"quality_prompts={self.quality_prompts} is below n_prompts={self.n_prompts}: quality is scored on "
+                "the MPC prompts and more; raise quality_prompts or set it to 0 (the MPC prompts only)"
+            )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
         return self
+
+    @property
+    def n_quality(self) -> int:
+        """How many prompts the quality is scored on (the MPC prompts first)."""
+        return max(self.n_prompts, self.quality_prompts)
 
     @property
     def n_max(self) -> int:

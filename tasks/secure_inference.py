@@ -142,8 +142,8 @@ def collect_models(cfg: SecureInferenceConfig, models: dict[str, ModelRef], pare
     workdir = workdir_of(parent)
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = eval_prompts(
-        data.test_pairs, prefix_len=cfg.prefix_len, gen_len=cfg.gen_len, n_prompts=cfg.n_prompts, eos=EOS
-    )
+        data.test_pairs, prefix_len=cfg.prefix_len, gen_len=cfg.gen_len, n_prompts=cfg.n_quality, eos=EOS
+    )  # the first n_prompts run under MPC; quality is scored on all of them
     state = torch.load(Path(models["finetuned"].path) / "state.pt", weights_only=True)
     prompts["table"] = state["transformer.wte.weight"].detach().clone()
     # what every method's decrypted text is compared with: the fine-tuned GPT-2's plaintext generation
@@ -234,7 +234,8 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
     spec = method_spec(method)
     payload = torch.load(models.payloads[method], weights_only=False)
     prompts = torch.load(models.prompts_path, weights_only=False)
-    prefix = prompts["prefix"]
+    prefix = prompts["prefix"][: cfg.n_prompts]  # under MPC; the rest of the prompts through the plaintext twin
+    rest = prompts["prefix"][cfg.n_prompts :]
     config = {
         "method": method,
         "engine": spec.engine,
@@ -244,6 +245,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "prefix_len": cfg.prefix_len,
         "gen_len": cfg.gen_len,
         "batch": int(prefix.shape[0]),
+        "quality_prompts": int(prompts["prefix"].shape[0]),
         "device": _device(cfg),
         "corpus": models.corpus,
     }
@@ -260,16 +262,21 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         rec_costs = _record_costs(rec, out, cfg)
         plain = generate_plain(method, payload, prefix, cfg.gen_len)
         agreement = float((out["tokens"] == plain).double().mean())
+        twin = _cut(generate_plain(method, payload, rest, cfg.gen_len)) if len(rest) else []
         tok = gpt2_tokenizer()
         decode = lambda ids: tok.decode([t for t in ids if t != EOS])
-        refs = prompts["references"]
-        quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])
-        plain_quality = text_quality(_cut(plain), refs, decode, prompts["table"])
+        refs_all = prompts["references"]
+        refs = refs_all[: cfg.n_prompts]
+        quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])  # decrypted, MPC prompts
+        plain_quality = text_quality(_cut(plain) + twin, refs_all, decode, prompts["table"])
         base = _cut(prompts["finetuned_tokens"])
-        drop = quality_drop(base, _cut(out["tokens"]), refs, decode, prompts["table"], seed=cfg.seed)
+        # the method's text on every quality prompt: decrypted where it ran under MPC, its plaintext twin's after
+        drop = quality_drop(base, _cut(out["tokens"]) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
         metrics = {
             **rec_costs["metrics"],
             "mpc_plain_token_agreement": agreement,
+            "quality_prompts": float(len(refs_all)),
+            "mpc_prompts": float(len(refs)),
             **{f"quality.{k}": v for k, v in quality.items()},
             **{f"plain_quality.{k}": v for k, v in plain_quality.items()},
             **{f"quality_drop.{k}": v for k, v in drop.items()},
@@ -284,7 +291,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
                 "finetuned_plain": decode(f),
                 "reference": decode(r),
             }
-            for p, c, q, f, r in zip(prefix, _cut(out["tokens"]), _cut(plain), base, refs, strict=True)
+            for p, c, q, f, r in zip(prefix, _cut(out["tokens"]), _cut(plain), base[: len(refs)], refs, strict=True)
         ]
         rec.artifact_json("generations.json", samples)
         rec.artifact_json("projection.json", rec_costs["projection"])
@@ -444,11 +451,12 @@ def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, sca
         )
     lines += [
         "",
-        "Quality of the decrypted generations",
+        f"Quality of the decrypted generations ({cfg.n_prompts} prompts under MPC)",
         "",
         (
             "Drop: the fine-tuned GPT-2's plaintext score minus the method's (the paper's Table 3 comparison; "
-            "positive is worse), ROUGE-L's with a paired bootstrap 95% interval over the prompts."
+            f"positive is worse) over {cfg.n_quality} prompts (the method's decrypted text on the MPC prompts, its "
+            "plaintext twin's on the rest), ROUGE-L's with a paired bootstrap 95% interval over the prompts."
         ),
         "",
         (

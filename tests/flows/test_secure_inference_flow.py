@@ -37,6 +37,7 @@ TINY = SecureInferenceConfig(
     prefix_len=3,
     gen_len=2,
     n_prompts=2,
+    quality_prompts=4,  # 2 under MPC, 2 more through each method's plaintext twin
     scaling_gen_lens=(1,),
     scaling_methods=("merge",),
 )
@@ -72,6 +73,7 @@ def test_secure_inference_flow_records_every_method(home: Path) -> None:
         assert max(sum(c["bytes"] for c in costs if c["party"] == p) for p in (0, 1)) == metrics["comm_bytes"]
         assert metrics["mpc_plain_token_agreement"] == 1.0  # decrypted MPC output == plaintext twin
         assert 0.0 <= metrics["quality.rouge_l"] <= 1.0 and "quality.chrf" in metrics
+        assert (metrics["mpc_prompts"], metrics["quality_prompts"]) == (2.0, 4.0)
         # the drop against the fine-tuned model's plaintext text: vanilla decrypts to exactly that text
         drop = {k.removeprefix("quality_drop."): v for k, v in metrics.items() if k.startswith("quality_drop.")}
         assert drop["rouge_l_lo"] <= drop["rouge_l"] <= drop["rouge_l_hi"]

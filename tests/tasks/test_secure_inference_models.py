@@ -149,6 +149,7 @@ def test_pretraining_is_the_fine_tuned_models_teacher(home: Path, monkeypatch: p
         ({"pretrain_corpora": ("kjv",)}, r"pretrain_steps=0 with pretrain_corpora=\['kjv'\]"),
         ({"pretrain_steps": 5, "pretrain_corpora": ("kjv", "kjv")}, "must be distinct"),
         ({"pretrain_steps": 5, "pretrain_corpora": ("kjv",), "pretrain_len": 64}, "pretrain_len=64 exceeds n_posit"),
+        ({"n_prompts": 4, "quality_prompts": 3}, r"quality_prompts=3 is below n_prompts=4.*set it to 0"),
     ],
 )
 def test_bad_pretraining_settings_are_named(update: dict, message: str) -> None:
