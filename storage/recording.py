@@ -77,6 +77,23 @@ class Measured:
     device: str
 
 
+def find_measured_run(*, flow: str, technique: str, measured: Measured) -> str | None:
+    """The id of a finished run of ``flow``/``technique`` recorded from the same measurement (same host, same start
+    time and commit), e.g. a benchmark result imported twice; None when there is none."""
+    with session_scope(get_settings().db_url) as session:
+        rows = session.execute(
+            select(Run.id, Run.started_at, Run.git_commit).where(
+                Run.flow == flow, Run.technique == technique, Run.host == measured.host, Run.status == "finished"
+            )
+        ).all()
+    want = measured.started_at.astimezone(UTC)
+    for run_id, started, commit in rows:
+        started = started if started.tzinfo else started.replace(tzinfo=UTC)  # SQLite: naive, written in UTC
+        if started == want and commit == measured.git_commit:
+            return run_id
+    return None
+
+
 @dataclass
 class Recorder:
     """What a running task records into; flushed atomically when the ``record_run`` block exits."""

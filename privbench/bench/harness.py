@@ -503,7 +503,7 @@ def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
     device, start and finish times; tagged ``privbench.bench.imported = true``. Returns the result with its new
     ``run_id``. ConfigError naming what is wrong when ``result`` is not such a JSON object (already recorded, a key
     missing, an unknown benchmark or profile)."""
-    from storage.recording import Measured, record_run
+    from storage.recording import Measured, find_measured_run, record_run
 
     if not isinstance(result, Mapping):
         raise ConfigError(f"a benchmark result must be a JSON object, got {type(result).__name__}")
@@ -540,6 +540,12 @@ def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
         host=str(machine.get("host") or "unknown"),
         device=describe_device(machine),
     )
+    earlier = find_measured_run(flow="bench", technique=name, measured=measured)
+    if earlier is not None:
+        raise ConfigError(
+            f"this result (host {measured.host}, started {result['started_at']}) is already in the store as run "
+            f"{earlier}; nothing recorded"
+        )
     body = {k: v for k, v in result.items() if k not in WRAPPER_KEYS}
     with record_run(
         flow="bench",

@@ -76,6 +76,9 @@ def test_import_records_the_run_with_the_measuring_machines_provenance(home: Pat
     metrics = {m["name"]: m["value"] for m in shown["metrics"]}
     assert metrics == {"methods.a.step_s": 0.5, "methods.b.step_s": 2.0, "ratios.b_over_a": 4.0}
     assert run["config"]["setting"] == {"n": 3}
+    again = runner.invoke(app, ["results", "import-bench", str(path)])  # the same measurement twice: refused
+    assert again.exit_code == 2 and f"already in the store as run {imported['run_id']}" in again.output
+    assert len(json.loads(runner.invoke(app, ["results", "list", "--json"]).stdout)) == 1
 
 
 def test_import_refuses_what_is_not_a_no_record_result(home: Path, toy: str, tmp_path: Path) -> None:
