@@ -68,8 +68,8 @@ def crypten_available() -> bool:
 
 # CrypTen's communicator hands CUDA shares straight to torch.distributed. The gloo backend (the only one that runs
 # two parties on one GPU: NCCL refuses two ranks on the same device) moves CUDA tensors only for all_reduce and
-# broadcast; send, recv, reduce, gather, all_gather and scatter of a CUDA tensor fail or read device memory as
-# host memory. :func:`stage_cuda_communication` routes every tensor operation of the communicator through host
+# broadcast (PyTorch's distributed docs); it does not support send, recv, reduce, gather, all_gather or scatter of a
+# CUDA tensor. :func:`stage_cuda_communication` routes every tensor operation of the communicator through host
 # memory instead: the CUDA (or CUDALongTensor) arguments are copied to the CPU, the original method runs (and
 # counts its bytes and rounds, which are the same), and the results are copied back to the arguments' device and
 # type. The copies cost PCIe time, which gloo's own CUDA path pays too.
