@@ -561,42 +561,6 @@ def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: s
     return frame.sort_values("order").drop(columns="order").reset_index(drop=True)[columns]
 
 
-def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
-    """Every finished benchmark run (``privbench bench``, recorded or imported) of ``profile``, oldest first:
-    ``benchmark, run_id, started_at, duration_s, git_commit, host, device, ratios`` (``ratios``: the run's
-    top-level ``ratios.*`` metrics as ``{name: value}``)."""
-    from sqlalchemy import select
-
-    from storage.models import Metric, Run
-
-    columns = ["benchmark", "run_id", "started_at", "duration_s", "git_commit", "host", "device"]
-    f = views._filters({"profile": profile, "root": root})
-    stmt = select(
-        Run.technique.label("benchmark"),
-        Run.id.label("run_id"),
-        Run.started_at,
-        Run.duration_s,
-        Run.git_commit,
-        Run.host,
-        Run.device,
-    ).where(Run.status == "finished", Run.flow == "bench")
-    engine = views._engine(db_url)
-    frame = views._timestamps(views._read(engine, f.apply(stmt), columns), "started_at")
-    if frame.empty:
-        return pd.DataFrame(columns=[*columns, "ratios"])
-    ratios = views._read(
-        engine,
-        select(Metric.run_id, Metric.name, Metric.value).where(
-            Metric.run_id.in_(list(frame["run_id"])), Metric.name.like("ratios.%")
-        ),
-        ["run_id", "name", "value"],
-    )
-    top = ratios[ratios["name"].str.count(r"\.") == 1]
-    by_run = {r: dict(zip(g["name"].str[len("ratios.") :], g["value"], strict=True)) for r, g in top.groupby("run_id")}
-    frame["ratios"] = [by_run.get(r, {}) for r in frame["run_id"]]
-    return frame.sort_values("started_at", kind="stable").reset_index(drop=True)
-
-
 __all__ = [
     "CLAIM_COLUMNS",
     "INCONCLUSIVE",
@@ -606,7 +570,6 @@ __all__ = [
     "STAGE_FLOWS",
     "ClaimResult",
     "ContextResult",
-    "bench_runs",
     "claim_rows",
     "claims_table",
     "evaluate_claim",

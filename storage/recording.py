@@ -41,6 +41,7 @@ from pbconfig.canon import canonical_json, config_hash, flatten
 from pbconfig.settings import get_settings
 from storage import liveness, provenance
 from storage.db import session_scope
+from storage.measured import Measured
 from storage.models import AttackResult, Dataset, Metric, MpcCost, PrivacyLedger, Run
 from storage.tracking import Tracker
 
@@ -63,35 +64,6 @@ class RunRef:
     profile: str | None = None
     tracked: bool = True
     scope: str | None = None  # the root Prefect flow run: a retry of it may reuse this run's completed tasks
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Provenance of a run measured on another machine and recorded here afterwards (``privbench results
-    import-bench``): its times, commit, host and device replace this process's."""
-
-    started_at: datetime
-    finished_at: datetime
-    git_commit: str | None
-    host: str
-    device: str
-
-
-def find_measured_run(*, flow: str, technique: str, measured: Measured) -> str | None:
-    """The id of a finished run of ``flow``/``technique`` recorded from the same measurement (same host, same start
-    time and commit), e.g. a benchmark result imported twice; None when there is none."""
-    with session_scope(get_settings().db_url) as session:
-        rows = session.execute(
-            select(Run.id, Run.started_at, Run.git_commit).where(
-                Run.flow == flow, Run.technique == technique, Run.host == measured.host, Run.status == "finished"
-            )
-        ).all()
-    want = measured.started_at.astimezone(UTC)
-    for run_id, started, commit in rows:
-        started = started if started.tzinfo else started.replace(tzinfo=UTC)  # SQLite: naive, written in UTC
-        if started == want and commit == measured.git_commit:
-            return run_id
-    return None
 
 
 @dataclass

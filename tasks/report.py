@@ -27,6 +27,7 @@ import pandas as pd
 from prefect import task
 
 from pbconfig.claims import load_papers
+from storage.bench_runs import bench_runs
 from storage.claims import (
     NOT_REPRODUCED,
     NOT_RUN,
@@ -34,7 +35,6 @@ from storage.claims import (
     STAGE_FLOWS,
     ClaimResult,
     bench_profile,
-    bench_runs,
     claims_table,
     evaluate_claims,
     stage_runs,

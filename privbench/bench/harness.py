@@ -503,7 +503,8 @@ def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
     device, start and finish times; tagged ``privbench.bench.imported = true``. Returns the result with its new
     ``run_id``. ConfigError naming what is wrong when ``result`` is not such a JSON object (already recorded, a key
     missing, an unknown benchmark or profile)."""
-    from storage.recording import Measured, find_measured_run, record_run
+    from storage.measured import Measured, find_measured_run
+    from storage.recording import record_run
 
     if not isinstance(result, Mapping):
         raise ConfigError(f"a benchmark result must be a JSON object, got {type(result).__name__}")

@@ -526,11 +526,13 @@ def test_the_report_lists_the_bench_runs_with_their_device_and_top_level_ratios(
         rec.metrics(
             {"ratios.merge_speedup_over_vanilla": 2.5464, "lengths.L128.ratios.merge_speedup_over_vanilla": 9.0}
         )
-    runs = sc.bench_runs(profile="paper")
+    from storage.bench_runs import bench_runs
+
+    runs = bench_runs(profile="paper")
     assert list(runs["benchmark"]) == ["mpc-generation"] and runs["ratios"].iloc[0] == {
         "merge_speedup_over_vanilla": 2.5464
     }  # the nested (projected) ratios are the claims' business
-    assert sc.bench_runs(profile="quick").empty
+    assert bench_runs(profile="quick").empty
     text = render_report(tmp_path / "paper.md", profile="paper", figures=False).path.read_text()
     assert "## Benchmark runs" in text and f"| mpc-generation | `{rec.run_id}` |" in text
     assert "merge_speedup_over_vanilla 2.55 |" in text
