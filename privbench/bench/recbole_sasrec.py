@@ -21,8 +21,11 @@ Profiles (:data:`PROFILES`): ``paper`` is the protocol above, up to 300 epochs, 
 the wiring in a few minutes: the first 150 users of the file, 3 epochs. ``--set recbole.KEY=VALUE`` overrides any
 field of :class:`Setting` (``epochs``, ``users``, ``seed``, ...), validated before anything runs.
 
-RecBole runs in a fresh worker process (``privbench.bench._worker``, CPU, ``PRIVBENCH_BENCH_THREADS`` threads),
-offline. For the dataset named ``ml-100k`` RecBole always reads its own bundled folder
+RecBole runs in a fresh worker process (``privbench.bench._worker``, ``PRIVBENCH_BENCH_THREADS`` threads), offline,
+on ``recbole.device``: ``auto`` (the default) trains on the GPU when torch sees one, else on the CPU; ``cpu`` and
+``cuda`` force one (``cuda`` without a GPU is refused before anything runs). The device changes how long a run
+takes, not the protocol; the JSON's ``setting.device`` and ``trained_on`` say where it ran.
+For the dataset named ``ml-100k`` RecBole always reads its own bundled folder
 (``recbole/dataset_example/ml-100k``, whatever ``data_path`` says) and writes nothing there (``save_dataset``
 off), so the full dataset is read in place; a ``users`` subsample is written to a temporary folder as the dataset
 ``ml-100k-first<N>`` with the same settings. Checkpoints go to a temporary folder, removed afterwards. The shims
@@ -31,8 +34,8 @@ RecBole needs on numpy 2 / torch 2.13 are in :mod:`privbench.bench.recbole_compa
 JSON (and the run's metrics): ``test_ndcg_at_10``, ``test_hit_at_10``, ``valid_ndcg_at_10``,
 ``valid_hit_at_10`` (at the best epoch), ``best_epoch`` (1-based), ``epochs_run``, ``train_s`` (training and
 validation), ``eval_s``, ``data.{users, items, interactions}`` (after the 5-core), ``valid_curve`` and
-``train_loss`` (per epoch; lists: in the artifact only), ``stopped_early``; ``setting`` (the run's config)
-holds the seed.
+``train_loss`` (per epoch; lists: in the artifact only), ``stopped_early``, ``trained_on``; ``setting`` (the run's
+config) holds the seed and the device.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -77,6 +80,7 @@ class Setting(FrozenConfig):
     train_batch_size: int = Field(2048, ge=1)
     eval_batch_size: int = Field(4096, ge=1)
     timeout_s: float = Field(gt=0.0, allow_inf_nan=False)  # the worker is killed after this
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees a GPU, else CPU
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Setting:
@@ -113,10 +117,26 @@ def recbole_dataset(setting: Setting) -> str:
     return DATASET if setting.users is None else f"{DATASET}-first{setting.users}"
 
 
-def recbole_config(setting: Setting, data_path: str, checkpoint_dir: str) -> dict[str, Any]:
-    """RecBole's ``config_dict`` for ``setting``: the protocol of the module docstring, on CPU, offline. The keys of
-    RecBole's ``ml-100k.yaml`` that matter are given explicitly, so a subsample (another dataset name, which gets
-    RecBole's generic dataset defaults) is read the same way."""
+def resolve_device(setting: Setting) -> str:
+    """``cpu`` or ``cuda``: the setting's device, ``auto`` resolved by what torch sees. ConfigError for ``cuda``
+    where no GPU is visible (RecBole itself would fall back to the CPU without a word)."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if setting.device == "auto":
+        return "cuda" if available else "cpu"
+    if setting.device == "cuda" and not available:
+        raise ConfigError("recbole.device=cuda but torch sees no GPU on this machine; use recbole.device=cpu (or auto)")
+    return setting.device
+
+
+def recbole_config(setting: Setting, data_path: str, checkpoint_dir: str, device: str = "cpu") -> dict[str, Any]:
+    """RecBole's ``config_dict`` for ``setting``: the protocol of the module docstring, on ``device`` (``cpu`` or
+    ``cuda``: RecBole's first visible GPU), offline. The keys of RecBole's ``ml-100k.yaml`` that matter are given
+    explicitly, so a subsample (another dataset name, which gets RecBole's generic dataset defaults) is read the
+    same way."""
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"RecBole device {device!r} is not cpu or cuda")
     interval = f"[{setting.kcore},inf)"
     return {
         "data_path": data_path,  # ignored by RecBole for the dataset named ml-100k (its bundled folder)
@@ -126,8 +146,9 @@ def recbole_config(setting: Setting, data_path: str, checkpoint_dir: str) -> dic
         "TIME_FIELD": "timestamp",
         "normalize_all": True,  # min-max scales the timestamps (order kept), as ml-100k.yaml does
         "checkpoint_dir": checkpoint_dir,
-        "gpu_id": "",  # CPU (RecBole picks CUDA whenever gpu_id is set and a GPU is visible)
-        "use_gpu": False,
+        # RecBole picks CUDA whenever gpu_id is set and a GPU is visible (and sets CUDA_VISIBLE_DEVICES to it)
+        "gpu_id": "0" if device == "cuda" else "",
+        "use_gpu": device == "cuda",
         "seed": setting.seed,
         "reproducibility": True,
         "show_progress": False,
@@ -159,7 +180,7 @@ def recbole_config(setting: Setting, data_path: str, checkpoint_dir: str) -> dic
     }
 
 
-def _setting_json(setting: Setting, options: Mapping[str, Any]) -> dict[str, Any]:
+def _setting_json(setting: Setting, options: Mapping[str, Any], device: str) -> dict[str, Any]:
     return {
         **setting.model_dump(mode="json"),
         "overrides": list(options.get("overrides") or ()),
@@ -167,13 +188,14 @@ def _setting_json(setting: Setting, options: Mapping[str, Any]) -> dict[str, Any
         "recbole": RECBOLE_VERSION,
         "dataset": DATASET,
         "protocol": "leave-one-out, time order, full ranking with the user's history masked (RecBole)",
-        "device": "cpu",
+        "device": device,
         "threads": bench_threads(),
     }
 
 
 def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    return _setting_json(resolve_setting(profile, options), options)
+    setting = resolve_setting(profile, options)
+    return _setting_json(setting, options, resolve_device(setting))
 
 
 @register(
@@ -186,17 +208,18 @@ def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
 )
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     setting = resolve_setting(profile, options)
+    device = resolve_device(setting)
     threads = bench_threads()
     who = "all users" if setting.users is None else f"the first {setting.users} users"
     progress.print(
         f"[bold]{NAME}[/] ({profile}): RecBole {RECBOLE_VERSION} SASRec on {DATASET} ({who}, {setting.kcore}-core), "
         f"L={setting.max_len} d={setting.hidden_size} {setting.n_layers} blocks {setting.n_heads} head(s), "
         f"up to {setting.epochs} epochs (stop after {setting.stopping_step} without a better validation NDCG@10), "
-        f"seed {setting.seed}, {threads} threads"
+        f"seed {setting.seed}, {device}, {threads} threads"
     )
     out = run_in_fresh_process(
         WORKER_TARGET,
-        {"setting": setting.model_dump(mode="json"), "threads": threads},
+        {"setting": setting.model_dump(mode="json"), "threads": threads, "device": device},
         label=f"RecBole SASRec (seed {setting.seed})",
         timeout=setting.timeout_s,
         threads=threads,
@@ -205,7 +228,7 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         f"  test NDCG@10 {out['test_ndcg_at_10']:.4f}  HIT@10 {out['test_hit_at_10']:.4f}  (valid NDCG@10 "
         f"{out['valid_ndcg_at_10']:.4f} at epoch {out['best_epoch']} of {out['epochs_run']}, {out['train_s']:.0f} s)"
     )
-    return {"setting": _setting_json(setting, options), **out}
+    return {"setting": _setting_json(setting, options, device), **out}
 
 
 # ------------------------------------------------------------------------------------------ worker side
@@ -224,7 +247,7 @@ def write_inter_file(source: Path, target: Path, users: int) -> None:
                 dst.write(line)
 
 
-def train_and_test(*, setting: dict[str, Any], threads: int) -> dict[str, Any]:
+def train_and_test(*, setting: dict[str, Any], threads: int, device: str = "cpu") -> dict[str, Any]:
     """Worker side: train RecBole's SASRec with early stopping on validation, test the best checkpoint."""
     from privbench.bench import recbole_compat
 
@@ -252,7 +275,9 @@ def train_and_test(*, setting: dict[str, Any], threads: int) -> dict[str, Any]:
             write_inter_file(recbole_ml100k_path(), folder / "data" / name / f"{name}.inter", s.users)
         with recbole_compat.no_command_line():
             config = Config(
-                model="SASRec", dataset=name, config_dict=recbole_config(s, str(folder / "data"), str(folder / "saved"))
+                model="SASRec",
+                dataset=name,
+                config_dict=recbole_config(s, str(folder / "data"), str(folder / "saved"), device),
             )
         init_seed(config["seed"], config["reproducibility"])
         dataset = create_dataset(config)
@@ -293,4 +318,5 @@ def train_and_test(*, setting: dict[str, Any], threads: int) -> dict[str, Any]:
         "valid_curve": [float(v) for v in curve],
         "train_loss": [float(v) if math.isfinite(v) else None for v in trainer.train_loss_dict.values()],
         "stubbed_modules": stubbed,
+        "trained_on": str(config["device"]),  # what RecBole really used (torch.device)
     }

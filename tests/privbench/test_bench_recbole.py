@@ -42,6 +42,7 @@ def test_profiles_and_overrides_resolve() -> None:
         ("recbole.users=5", "recbole.users = 5: Input should be greater than or equal to 10"),
         ("recbole.n_heads=3", "hidden_size=64 must be a multiple of n_heads=3"),
         ("recbole.dropout=1.5", "recbole.dropout = 1.5: Input should be less than 1"),
+        ("recbole.device=tpu", "recbole.device = 'tpu': Input should be 'auto', 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_set_is_refused_before_anything_runs(home: Path, item: str, message: str) -> None:
@@ -73,9 +74,33 @@ def test_recbole_config_is_the_protocol() -> None:
     assert config["loss_type"] == "CE" and config["train_neg_sample_args"] is None
     assert config["valid_metric"] == "NDCG@10" and config["metrics"] == ["NDCG", "Hit"] and config["topk"] == [10]
     assert (config["epochs"], config["stopping_step"], config["eval_step"]) == (300, 10, 1)
-    assert config["gpu_id"] == "" and config["seed"] == 0
+    assert config["gpu_id"] == "" and config["use_gpu"] is False and config["seed"] == 0
+    on_gpu = recbole_sasrec.recbole_config(setting, "/data", "/saved", "cuda")
+    assert on_gpu["gpu_id"] == "0" and on_gpu["use_gpu"] is True
+    assert {k: v for k, v in on_gpu.items() if k not in ("gpu_id", "use_gpu")} == {
+        k: v for k, v in config.items() if k not in ("gpu_id", "use_gpu")
+    }  # the device changes where it runs, nothing of the protocol
+    with pytest.raises(ConfigError, match="'tpu' is not cpu or cuda"):
+        recbole_sasrec.recbole_config(setting, "/data", "/saved", "tpu")
     assert recbole_sasrec.recbole_dataset(setting) == "ml-100k"
     assert recbole_sasrec.recbole_dataset(setting.model_copy(update={"users": 150})) == "ml-100k-first150"
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_device_resolves_and_cuda_without_a_gpu_is_refused(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    setting = recbole_sasrec.resolve_setting("paper", {})
+    assert setting.device == "auto"
+    assert recbole_sasrec.resolve_device(setting) == ("cuda" if gpu else "cpu")
+    assert recbole_sasrec.resolve_device(setting.model_copy(update={"device": "cpu"})) == "cpu"
+    on_gpu = recbole_sasrec.resolve_setting("paper", {"overrides": ("recbole.device=cuda",)})
+    if gpu:
+        assert recbole_sasrec.resolve_device(on_gpu) == "cuda"
+    else:
+        with pytest.raises(ConfigError, match="recbole.device=cuda but torch sees no GPU.*recbole.device=cpu"):
+            recbole_sasrec.resolve_device(on_gpu)
 
 
 def test_the_user_subsample_keeps_the_first_users_of_the_file(tmp_path: Path) -> None:
@@ -99,6 +124,11 @@ def test_tiny_run_is_recorded_with_its_metrics(home: Path, monkeypatch: pytest.M
         assert math.isfinite(body[key]), key
     assert 0 <= body["test_ndcg_at_10"] <= body["test_hit_at_10"] <= 1
     assert body["epochs_run"] == body["best_epoch"] == 1 and body["stopped_early"] is False
+    assert (
+        body["trained_on"]
+        == body["setting"]["device"]
+        == recbole_sasrec.resolve_device(recbole_sasrec.resolve_setting("quick", {}))
+    )
     assert body["data"]["users"] == 30 and 0 < body["data"]["items"] < 1682 and len(body["valid_curve"]) == 1
     run = ResultsRepository().get_run(body["run_id"])
     assert run["status"] == "finished" and run["technique"] == "recbole-sasrec" and run["dataset"] == "ml-100k"
