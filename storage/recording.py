@@ -16,7 +16,6 @@ propagates: a failed run never leaves partial metrics.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -41,7 +40,7 @@ from pbconfig.canon import canonical_json, config_hash, flatten
 from pbconfig.settings import get_settings
 from storage import liveness, provenance
 from storage.db import session_scope
-from storage.measured import Measured
+from storage.measured import Measured, canonical_mapping
 from storage.models import AttackResult, Dataset, Metric, MpcCost, PrivacyLedger, Run
 from storage.tracking import Tracker
 
@@ -473,9 +472,8 @@ def fail_runs_of_prefect_flow(prefect_flow_run_id: str, error: str | BaseExcepti
 def _describe(config: BaseModel | Mapping[str, Any]) -> tuple[str, str, dict[str, str]]:
     if isinstance(config, BaseModel):
         return canonical_json(config), config_hash(config), flatten(config)
-    tree = json.loads(json.dumps(dict(config), default=str))
-    text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
-    return text, hashlib.sha256(text.encode()).hexdigest(), flatten(tree)
+    tree, text, digest = canonical_mapping(config)
+    return text, digest, flatten(tree)
 
 
 def _tags(row: Run, parent: RunRef | None) -> dict[str, str]:

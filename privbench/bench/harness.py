@@ -541,10 +541,11 @@ def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
         host=str(machine.get("host") or "unknown"),
         device=describe_device(machine),
     )
-    earlier = find_measured_run(flow="bench", technique=name, measured=measured)
+    earlier = find_measured_run(flow="bench", technique=name, measured=measured, config=config)
     if earlier is not None:
         raise ConfigError(
-            f"this result (host {measured.host}, started {result['started_at']}) is already in the store as run "
+            f"this result (host {measured.host}, started {result['started_at']}, the same config) is already in the "
+            f"store as run "
             f"{earlier}; nothing recorded"
         )
     body = {k: v for k, v in result.items() if k not in WRAPPER_KEYS}

@@ -79,6 +79,17 @@ def test_import_records_the_run_with_the_measuring_machines_provenance(home: Pat
     again = runner.invoke(app, ["results", "import-bench", str(path)])  # the same measurement twice: refused
     assert again.exit_code == 2 and f"already in the store as run {imported['run_id']}" in again.output
     assert len(json.loads(runner.invoke(app, ["results", "list", "--json"]).stdout)) == 1
+    # started side by side in the same second on the same machine with another setting (e.g. one per seed): a
+    # different measurement, recorded; it too only once
+    body = json.loads(path.read_text())
+    body["config"]["setting"] = {"n": 4}
+    sibling = tmp_path / "toy-n4.json"
+    sibling.write_text(json.dumps(body))
+    result = runner.invoke(app, ["results", "import-bench", str(sibling), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["run_id"] != imported["run_id"]
+    assert runner.invoke(app, ["results", "import-bench", str(sibling)]).exit_code == 2
+    assert len(json.loads(runner.invoke(app, ["results", "list", "--json"]).stdout)) == 2
 
 
 def test_import_refuses_what_is_not_a_no_record_result(home: Path, toy: str, tmp_path: Path) -> None:
