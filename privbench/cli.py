@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -28,6 +26,7 @@ from privbench.display import literal as _literal
 from privbench.display import seconds as _secs
 from privbench.display import shown as _shown
 from privbench.display import verdict_table
+from privbench.results_cli import JsonOpt, _fail, _repo, _store_call, err, results_app
 
 # the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
 FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
@@ -42,14 +41,11 @@ app = typer.Typer(
     help=" ".join(__doc__.split("\n\n")[0].split()),
     pretty_exceptions_enable=False,
 )
-results_app = typer.Typer(no_args_is_help=True, help="Query the results store.")
 app.add_typer(results_app, name="results")
-err = Console(stderr=True, soft_wrap=True)
 
 ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="a YAML config file instead of the profile")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override one value: key=value (repeatable)")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
 
 
 def main() -> None:
@@ -183,208 +179,6 @@ def bench(
         print(json.dumps(result, indent=2))
     else:
         err.print_json(json.dumps(result))
-
-
-@results_app.command("import-bench")
-def results_import_bench(
-    files: Annotated[list[Path], typer.Argument(help="JSON files printed by `privbench bench ... --no-record --json`")],
-    as_json: JsonOpt = False,
-) -> None:
-    """Record benchmark results measured elsewhere (`privbench bench --no-record --json`, e.g. on a GPU worker that
-    cannot reach the store) as bench runs, with the measuring machine's commit, host, device and times."""
-    from privbench.bench.harness import import_benchmark_result
-
-    results = []
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            _fail(f"cannot read {path}: {exc}; give a file printed by `privbench bench NAME --no-record --json`", 2)
-        try:
-            recorded = import_benchmark_result(data)
-        except ConfigError as exc:
-            _fail(f"{path}: {exc}", code=2)
-        except PrivbenchError as exc:
-            _fail(f"{path}: {exc}")
-        results.append({"file": str(path), "run_id": recorded["run_id"], "benchmark": recorded["benchmark"]})
-        err.print(f"{_shown(str(path))}: recorded as run {recorded['run_id']} ({_shown(recorded['benchmark'])})")
-    if as_json:
-        print(json.dumps(results, indent=2))
-
-
-@results_app.command("list")
-def results_list(
-    as_json: JsonOpt = False,
-    stage: Annotated[str | None, typer.Option(help="only this stage")] = None,
-    flow: Annotated[str | None, typer.Option(help="only this flow")] = None,
-    status: Annotated[str | None, typer.Option(help="running, finished or failed")] = None,
-    limit: Annotated[int, typer.Option(min=0, help="newest N runs (0 = all)")] = 50,
-) -> None:
-    """Runs, newest first. Filters that match nothing (an unknown stage or flow) list nothing."""
-    from storage.models import RUN_STATUSES
-
-    if status is not None and status not in RUN_STATUSES:
-        _fail(f"unknown --status {status!r}; use one of {', '.join(RUN_STATUSES)}", code=2)
-    repo = _repo()
-    rows = _store_call(lambda: repo.list_runs(stage=stage, flow=flow, status=status, limit=limit or None))
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table("id", "flow", "stage", "technique", "dataset", "status", "started", "secs", "mlflow run")
-    for r in rows:
-        colour = {"finished": "green", "failed": "red"}.get(r["status"], "yellow")
-        table.add_row(
-            _cell(r["id"][:12]),
-            _cell(r["flow"]),
-            _cell(r["stage"]),
-            _cell(r["technique"]),
-            _cell(r["dataset"]),
-            Text(r["status"], style=colour),
-            _cell((r["started_at"] or "")[:19]),
-            _secs(r["duration_s"]),
-            _cell(r["mlflow_run_id"]),
-        )
-    Console().print(table)
-
-
-@results_app.command("show")
-def results_show(
-    run_id: Annotated[str, typer.Argument(help="run id or a unique prefix")], as_json: JsonOpt = False
-) -> None:
-    """One run with its metrics, privacy ledger, MPC costs, attack results and child runs."""
-    repo = _repo()
-    data = _store_call(lambda: repo.get_run(run_id))
-    if as_json:
-        print(json.dumps(data, indent=2))
-        return
-    out = Console()
-    out.print(
-        Text.assemble(
-            (data["id"], "bold"),
-            _literal(
-                f"  {data['flow']}/{data['stage']}/{data['technique']}  dataset={data['dataset']}  "
-                f"status={data['status']}  mlflow={data['mlflow_run_id']}"
-            ),
-        )
-    )
-    if data["error"]:
-        out.print(Text.assemble(("error", "red"), ": ", _literal(data["error"])))
-    for section in ("metrics", "privacy_ledger", "mpc_costs", "attack_results", "datasets", "children"):
-        rows = data[section]
-        if section == "datasets":
-            rows = [
-                {k: d[k] for k in ("name", "n_users", "n_items", "n_interactions", "content_hash", "path")}
-                for d in rows
-            ]
-        if rows:
-            table = Table(*rows[0].keys(), title=section)
-            for row in rows:
-                table.add_row(*(_cell(v) for v in row.values()))
-            out.print(table)
-
-
-@results_app.command("query")
-def results_query(
-    sql: Annotated[str, typer.Argument(help="one read-only SQL statement")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="table, csv or json")] = "table",
-    as_json: Annotated[bool, typer.Option("--json", help="same as --format json")] = False,
-) -> None:
-    """Run read-only SQL against the store, e.g. ``select technique, count(*) from runs group by 1``.
-
-    ``--format csv`` and ``--format json`` write to stdout (pipe them into pandas, jq or a spreadsheet)."""
-    fmt = "json" if as_json else fmt
-    if fmt not in ("table", "csv", "json"):
-        _fail(f"--format must be table, csv or json, got {fmt!r}", code=2)
-    repo = _repo()
-    columns, rows = _store_call(lambda: repo.query(sql))
-    if fmt == "json":
-        print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], indent=2, default=str))
-    elif fmt == "csv":
-        import csv
-
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows(["" if v is None else v for v in row] for row in rows)
-    else:
-        table = Table(*(escape(str(c)) for c in columns))
-        for row in rows:
-            table.add_row(*(_cell(v) for v in row))
-        Console().print(table)
-
-
-@results_app.command("export")
-def results_export(
-    fmt: Annotated[str, typer.Option("--format", "-f", help="csv or parquet")] = "csv",
-    out: Annotated[Path, typer.Option("--out", "-o", help="output folder")] = Path("privbench-export"),
-) -> None:
-    """Write every table of the store to ``OUT/<table>.<format>``."""
-    if fmt not in ("csv", "parquet"):
-        _fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
-    repo = _repo()
-    try:
-        written = _store_call(lambda: repo.export(out, fmt))  # type: ignore[arg-type]
-    except OSError as exc:
-        where = exc.filename if exc.filename is not None else out
-        _fail(
-            f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
-            "create and write to (e.g. --out ./privbench-export)"
-        )
-    for path in written:
-        err.print(f"wrote {_shown(path)}")
-
-
-@results_app.command("reap")
-def results_reap(
-    older_than: Annotated[
-        float | None,
-        typer.Option(
-            "--older-than",
-            metavar="SECONDS",
-            help="a run of another host (or of an unknown process) is stale after this long without a heartbeat; "
-            "default PRIVBENCH_STALE_AFTER_SECONDS or 600. A run whose process is gone from this host is stale "
-            "at once; one whose process still runs here never is",
-        ),
-    ] = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Mark ``failed`` the runs left ``running`` by a killed process or a lost host (store and MLflow), with the
-    reason; their Prefect flow runs are set Crashed when PREFECT_API_URL names a server. Every flow start does
-    the same."""
-    from storage.recording import reap_stale_runs
-
-    if older_than is not None and older_than < 0:
-        _fail(f"--older-than must be >= 0 seconds, got {older_than:g}", code=2)
-    stale = _store_call(lambda: reap_stale_runs(older_than))
-    crashed = 0
-    flow_runs = {s.prefect_flow_run_id for s in stale if s.prefect_flow_run_id}
-    if flow_runs and os.environ.get("PREFECT_API_URL"):
-        from tasks.records import end_prefect_flow_runs
-
-        try:
-            crashed = end_prefect_flow_runs(flow_runs, "Crashed: reaped by `privbench results reap`")
-        except Exception as exc:  # noqa: BLE001 -- the store is already right; say what was left undone
-            err.print(Text(f"note: could not set the Prefect flow runs Crashed ({type(exc).__name__}: {exc})"))
-    rows = [
-        {
-            "run_id": s.run_id,
-            "flow": s.flow,
-            "stage": s.stage,
-            "reason": s.reason,
-            "prefect_flow_run_id": s.prefect_flow_run_id,
-        }
-        for s in stale
-    ]
-    if as_json:
-        print(json.dumps(rows, indent=2))
-    else:
-        for r in rows:
-            err.print(Text(f"reaped {r['run_id'][:12]} ({r['flow']}/{r['stage']}): {r['reason']}"))
-    err.print(
-        Text(
-            f"{len(rows)} stale run(s) marked failed"
-            + (f"; {crashed} Prefect flow run(s) set Crashed" if crashed else "")
-        )
-    )
 
 
 @app.command()
@@ -577,19 +371,6 @@ def mlflow_ui_command(*, port: int, host: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _repo():
-    from storage.repository import ResultsRepository
-
-    return ResultsRepository()
-
-
-def _store_call(fn):
-    try:
-        return fn()
-    except PrivbenchError as exc:
-        _fail(str(exc))
-
-
 def _print_summary(flow: str, summary: dict[str, Any]) -> None:
     settings = get_settings()
     repo = _repo()
@@ -620,9 +401,3 @@ def _print_summary(flow: str, summary: dict[str, Any]) -> None:
             ),
         )
     )
-
-
-def _fail(message: str, code: int = 1) -> None:
-    """Print ``message`` literally (redacted) as the error and exit with ``code``."""
-    err.print(Text.assemble(("error", "bold red"), ": ", _literal(message)), highlight=False)
-    raise typer.Exit(code)
