@@ -51,6 +51,7 @@ class ContextResult:
     interval: str  # "t over seeds", "paired t over seeds", "Welch t", "delta method (Welch)", "none", "all runs"
     values: tuple[float, ...]  # the per-seed stats (paired, or value), or the per-run values (all_* rules)
     reason: str = ""
+    means: tuple[float, float] = (math.nan, math.nan)  # side a's and side b's mean over replicates (two sides)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class ClaimResult:
                 shown += f" [{fmt(c.low, unit)}, {fmt(c.high, unit)}]"
             n = str(c.n_a) if c.n_b == 0 or c.n_a == c.n_b else f"{c.n_a}/{c.n_b}"
             label = "runs" if c.interval == "all runs" else "n"
+            if self.claim.measure.b_source is not None and all(math.isfinite(m) for m in c.means):
+                shown += f" (ours {fmt(c.means[0])}, peer {fmt(c.means[1])})"  # both numbers, not just the ratio
             parts.append(f"{c.context + ': ' if c.context else ''}{shown} ({label}={n})")
         return "; ".join(parts) if parts else "-"
 
@@ -352,6 +355,13 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
 
 
 def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
+    result = _verdict(rule, measure, sides)
+    if measure.stat == "value" or not (sides.a and sides.b):
+        return result
+    return replace(result, means=(float(np.mean(list(sides.a.values()))), float(np.mean(list(sides.b.values())))))
+
+
+def _verdict(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
     estimate, low, high, interval, values = _estimate(measure, sides)
     n_a, n_b = len(sides.a), len(sides.b)
     unit = measure.unit

@@ -388,6 +388,8 @@ def test_side_b_from_another_source_is_a_peer(home: Path) -> None:
     result = sc.evaluate_claim(None, claim, profile="tiny")
     assert result.verdict == sc.REPRODUCED and result.contexts[0].n_b == 3
     assert result.contexts[0].estimate == pytest.approx(1.1 / 0.51 - 1)
+    assert result.contexts[0].means == pytest.approx((1.1, 0.51))  # the report shows both numbers, not just the ratio
+    assert f"(ours {sc.fmt(1.1)}, peer {sc.fmt(0.51)}) (n=3)" in result.ours()
 
 
 def test_b_source_is_validated() -> None:
