@@ -40,6 +40,14 @@ seeds the interval over seeds is used. ``min_n`` still counts seeds, so such a c
 
 A claim is ``not run`` when the store has no rows for it; ``reproduced`` when every required context is
 reproduced; ``not reproduced`` when any context is not; ``inconclusive`` otherwise.
+
+``precondition`` (optional) names another claim that must hold for this one's comparison to mean anything (DPFormer
+against the Transformer presupposes that the private Transformer has learned more than the most-popular-items
+ranking: Re-Attention reweights attention over the user's history, and a model that ranks by item counts makes no
+use of it). Where the precondition is ``not reproduced``, a ``not reproduced`` verdict of this claim becomes
+``inconclusive`` (the measurement had no power to show the effect) and its reason gives both measurements; a
+``reproduced`` verdict stands (an effect seen anyway is evidence); an ``inconclusive`` or ``not run`` precondition
+is named in the reason of a claim that is not reproduced.
 """
 
 from __future__ import annotations
@@ -251,6 +259,9 @@ class Claim(FrozenConfig):
     measure: Measure
     rule: Rule
     note: str = ""  # what a reader should know (a deviation from the paper's setting)
+    # the id of a claim this one presupposes (the private models learn more than item counts): where that claim is
+    # not reproduced, this one's comparison cannot show, so "not reproduced" reads "inconclusive" (module docstring)
+    precondition: str | None = None
 
     @property
     def stat_label(self) -> str:
@@ -302,6 +313,12 @@ def load_claims(directory: Path | None = None) -> list[Claim]:
                 raise ConfigError(f"claim id {claim.id!r} is in both {seen[claim.id].name} and {path.name}; rename one")
             seen[claim.id] = path
             claims.append(claim if claim.paper else claim.model_copy(update={"paper": parsed.paper}))
+    for claim in claims:
+        if claim.precondition is not None and (claim.precondition not in seen or claim.precondition == claim.id):
+            raise ConfigError(
+                f"claims registry {seen[claim.id].name}: claim {claim.id!r} has precondition {claim.precondition!r}, "
+                "which is no other claim of the registry; give the id of another claim, or drop the precondition"
+            )
     return claims
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from core.errors import ConfigError
 from pbconfig.claims import Claim, Measure, Rule, SideSource, dotted_name, load_claims
 from storage import views
 from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
@@ -482,8 +483,36 @@ def _combine(contexts: Sequence[ContextResult], min_n: int) -> tuple[str, str]:
 def evaluate_claims(
     db_url: str | None = None, *, claims: Sequence[Claim] | None = None, **filters: Any
 ) -> list[ClaimResult]:
-    """Every claim of the registry (or ``claims``), in registry order."""
-    return [evaluate_claim(db_url, c, **filters) for c in (claims if claims is not None else load_claims())]
+    """Every claim of the registry (or ``claims``), in registry order, each read beside its ``precondition``
+    (:func:`with_precondition`; a precondition outside ``claims`` is taken from the registry)."""
+    chosen = list(claims if claims is not None else load_claims())
+    results = {c.id: evaluate_claim(db_url, c, **filters) for c in chosen}
+    registry: dict[str, Claim] | None = None
+    for claim in chosen:
+        if claim.precondition is None:
+            continue
+        pre = results.get(claim.precondition)
+        if pre is None:
+            registry = registry if registry is not None else {c.id: c for c in load_claims()}
+            if claim.precondition not in registry:
+                raise ConfigError(
+                    f"claim {claim.id!r}: precondition {claim.precondition!r} is no claim of the registry"
+                )
+            pre = evaluate_claim(db_url, registry[claim.precondition], **filters)
+        results[claim.id] = with_precondition(results[claim.id], pre)
+    return [results[c.id] for c in chosen]
+
+
+def with_precondition(result: ClaimResult, pre: ClaimResult) -> ClaimResult:
+    """``result`` read beside its precondition's ``pre`` (rule in ``pbconfig.claims``): a ``not reproduced`` claim
+    whose precondition is not reproduced either is ``inconclusive``, the measurement having no power to show it."""
+    if result.verdict != NOT_REPRODUCED or pre.verdict == REPRODUCED:
+        return result
+    measured = f"measured: {result.reason}" if result.reason else ""
+    if pre.verdict == NOT_REPRODUCED:
+        reason = f"cannot show here: its precondition `{pre.claim.id}` is not reproduced ({pre.reason}); {measured}"
+        return replace(result, verdict=INCONCLUSIVE, reason=reason.rstrip("; "))
+    return replace(result, reason=f"{result.reason}; its precondition `{pre.claim.id}` is {pre.verdict}")
 
 
 CLAIM_COLUMNS = [
@@ -586,4 +615,5 @@ __all__ = [
     "evaluate_claims",
     "fmt",
     "stage_runs",
+    "with_precondition",
 ]

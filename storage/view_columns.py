@@ -36,6 +36,8 @@ PRIVACY_UTILITY_COLUMNS = [
     "hit_at_10_masked",
     "final_ndcg_at_10",
     "final_hit_at_10",
+    "popularity_ndcg_at_10",
+    "popularity_ndcg_at_10_masked",
     "train_wall_s",
     "started_at",
     "git_commit",

@@ -192,7 +192,9 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     non-private baselines, ``private`` False), ``epsilon_spent`` the accountant's, ``ndcg_at_10`` /
     ``hit_at_10`` the test metrics at the best validation epoch, ``final_*`` at the last epoch (full ranking, the
     user's history ranked); ``*_masked`` the same with the history masked (RecBole's protocol), at the best epoch on
-    masked validation (NaN for runs recorded before both protocols were)."""
+    masked validation (NaN for runs recorded before both protocols were); ``popularity_*`` the most-popular-items
+    ranking's test NDCG@10 on the same data (the floor a trained model must clear; NaN for runs recorded before
+    it was)."""
     engine, f = _engine(db_url), _filters(filters)
     base = _result_runs(engine, f, Run.stage == "train-dp", Run.technique.not_in(_NOT_TRAINED_MODELS))
     if base.empty:
@@ -204,6 +206,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         "test_hit_at_10_masked",
         "final_test_ndcg_at_10",
         "final_test_hit_at_10",
+        "popularity.test_ndcg_at_10",
+        "popularity.test_ndcg_at_10_masked",
         "train_wall_s",
         "steps",
     ]
@@ -231,6 +235,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
             "test_hit_at_10_masked": "hit_at_10_masked",
             "final_test_ndcg_at_10": "final_ndcg_at_10",
             "final_test_hit_at_10": "final_hit_at_10",
+            "popularity.test_ndcg_at_10": "popularity_ndcg_at_10",
+            "popularity.test_ndcg_at_10_masked": "popularity_ndcg_at_10_masked",
         }
     )
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])

@@ -24,6 +24,7 @@ from core.dp.trainer import (
     train_seqrec,
 )
 from core.errors import DivergedError
+from core.models.popularity import popularity_metrics
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare import load_prepared
@@ -128,6 +129,7 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
             rec.tag("privbench.noise_source", noise_source_of(train_cfg))
             result = _train(data, train_cfg, rec)
             _record_result(rec, result, point)
+            _record_popularity(rec, data)
     except DivergedError as exc:  # raised by training, so ``rec`` is bound and its row is already failed
         logger.warning("grid point %s diverged (run %s failed): %s", point.label, rec.run_id, exc)
         return {"run_id": rec.run_id, **about, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
@@ -188,6 +190,21 @@ def _run_config(point: GridPoint, train_cfg: DPTrainConfig) -> dict[str, Any]:
         "protocol": EVAL_PROTOCOL,
         "noise_source": noise_source_of(train_cfg),
     }
+
+
+def _record_popularity(rec: Recorder, data: SequentialDataset) -> None:
+    """The most-popular-items ranking on the same users and splits (``popularity.*``): the floor the run must
+    clear to have learned more than item counts (``core.models.popularity``)."""
+    for split in ("valid", "test"):
+        floor = popularity_metrics(data, split)
+        rec.metrics(
+            {
+                f"popularity.{split}_ndcg_at_10": floor.ndcg,
+                f"popularity.{split}_hit_at_10": floor.hit,
+                f"popularity.{split}_ndcg_at_10_masked": floor.ndcg_masked,
+                f"popularity.{split}_hit_at_10_masked": floor.hit_masked,
+            }
+        )
 
 
 def _record_epoch(rec: Recorder, log: EpochLog) -> None:

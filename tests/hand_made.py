@@ -6,9 +6,17 @@ from storage.recording import record_run
 
 
 def record_train_dp(
-    method: str, seed: int, ndcg: float, hit: float, wall: float, *, epsilon: float | None = 8.0
+    method: str,
+    seed: int,
+    ndcg: float,
+    hit: float,
+    wall: float,
+    *,
+    epsilon: float | None = 8.0,
+    popularity: float | None = None,
 ) -> None:
-    """A train-dp grid point on dataset ``d`` (profile ``tiny``) with its test metrics, and its ledger when private."""
+    """A train-dp grid point on dataset ``d`` (profile ``tiny``) with its test metrics (and the popularity floor's
+    test NDCG@10 when given), and its ledger when private."""
     with record_run(
         flow="train-dp",
         stage="train-dp",
@@ -19,6 +27,8 @@ def record_train_dp(
         track=False,
     ) as rec:
         rec.metrics({"test_ndcg_at_10": ndcg, "test_hit_at_10": hit, "train_wall_s": wall})
+        if popularity is not None:
+            rec.metric("popularity.test_ndcg_at_10", popularity)
         if epsilon is not None:
             rec.privacy(
                 epsilon=epsilon,

@@ -96,6 +96,17 @@ def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any,
     return inputs, targets
 
 
+def indexed_device(device: str) -> Any:
+    """``device`` as a ``torch.device`` with its index: a bare ``cuda`` is the current CUDA device (``cuda:N``), which
+    ``torch.cuda.set_per_process_memory_fraction`` needs (it refuses an index-less device)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def measure_step(
     *,
     method: str,
@@ -132,7 +143,7 @@ def measure_step(
     t_setup = time.perf_counter()
     torch.set_num_threads(int(threads))
     torch.manual_seed(seed)
-    dev = torch.device(device)
+    dev = indexed_device(device)
     cuda = dev.type == "cuda"
     cfg = SeqRecConfig(
         num_items=items,

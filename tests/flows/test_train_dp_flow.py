@@ -10,9 +10,12 @@ from mlflow.tracking import MlflowClient
 
 from core.dp.noise import NOISE_SOURCES
 from core.dp.trainer import EVAL_PROTOCOL
+from core.models.popularity import popularity_metrics
 from flows.train_dp import train_dp_flow, train_dp_runner
 from pbconfig.benchmark import BenchmarkConfig, validate
+from storage import views
 from storage.repository import ResultsRepository
+from tasks.prepare import load_prepared
 from tasks.train_dp import expand_grid, train_overrides
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -115,6 +118,13 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
         ranked, masked = metrics[name], metrics[f"{name}_masked"]
         assert 0.0 <= ranked <= masked <= 1.0, name  # one epoch: both protocols rank the same scores
     assert metrics["best_epoch"] == metrics["best_epoch_masked"] == 1
+    prepared = load_prepared(run["config"]["point"]["dataset_path"])
+    for split in ("valid", "test"):  # the popularity floor of the same users, recorded beside the run's own metrics
+        floor = popularity_metrics(prepared, split)
+        assert metrics[f"popularity.{split}_ndcg_at_10"] == pytest.approx(floor.ndcg)
+        assert metrics[f"popularity.{split}_hit_at_10_masked"] == pytest.approx(floor.hit_masked)
+    frame = views.privacy_utility()
+    assert frame["popularity_ndcg_at_10"].tolist() == pytest.approx([metrics["popularity.test_ndcg_at_10"]] * 4)
     assert [m["step"] for m in run["metrics"] if m["name"] == "curve/test_ndcg_at_10_masked"] == [1]
     assert summary["runs"][0]["test_ndcg_at_10_masked"] == metrics["test_ndcg_at_10_masked"]
     mlflow_run = MlflowClient().get_run(run["mlflow_run_id"])

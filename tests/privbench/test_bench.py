@@ -241,3 +241,26 @@ def test_max_batch_ratios_and_the_baseline_refused_before_its_gram_matrices() ->
     with pytest.raises(MemoryError, match="Gram matrices alone need 12"):
         dp_clipping_worker._check_gram_fits(1, 128, 50258, 4096.0)
     dp_clipping_worker._check_gram_fits(2, 8, 201, 4096.0)  # the tiny setting fits
+
+
+def test_a_bare_cuda_device_gets_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the max-batch search caps CUDA memory with set_per_process_memory_fraction, which refuses a bare "cuda"
+    import torch
+
+    from privbench.bench.dp_clipping_worker import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed_device("cuda") == torch.device("cuda", 3)
+    assert indexed_device("cuda:1") == torch.device("cuda", 1)
+    assert indexed_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_a_max_batch_trial_under_a_memory_cap_runs_on_cuda() -> None:
+    from privbench.bench.dp_clipping_worker import measure_step
+
+    out = measure_step(
+        method="phantom", clipping="phantom", tied=True, d_model=16.0, items=50, seq_len=8, batch=4, n_layers=1,
+        n_heads=1, dropout=0.0, warmup=1, steps=1, seed=0, device="cuda", threads=1, fit_trial=True, mem_cap_mb=512.0,
+    )  # fmt: skip
+    assert out["ok"] is True
