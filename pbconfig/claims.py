@@ -34,9 +34,13 @@ Rules (``rule.kind``):
 * ``all_at_most`` / ``all_at_least`` with ``bound``: every run's value must satisfy the bound (deterministic
   checks such as exactness to a tolerance: no interval needed, one run decides).
 
-``run_interval`` (``[low, high]`` columns, stat ``value`` only): a context measured by one run (one seed) takes
-that run's own recorded 95% interval (a bootstrap over its test examples) instead of none; with two or more
-seeds the interval over seeds is used. ``min_n`` still counts seeds, so such a claim sets ``min_n: 1``.
+``run_interval`` (``[low, high]`` columns, stat ``value`` or ``difference``): a context measured by one run (one
+seed) per side takes the runs' own recorded 95% intervals (a bootstrap or DeLong interval over their test examples)
+instead of none: for ``value`` side a's interval; for ``difference`` a - b +- 1.96 sqrt(se_a^2 + se_b^2), each
+side's standard error its interval's larger half-width over 1.96 (the two runs taken as independent, which
+overstates the error where they are scored on the same examples). With ``reduce: max`` (``min``) a run's interval
+is that of its row with the largest (smallest) value. With two or more seeds the interval over seeds is used.
+``min_n`` still counts seeds, so such a claim sets ``min_n: 1``.
 
 A claim is ``not run`` when the store has no rows for it; ``reproduced`` when every required context is
 reproduced; ``not reproduced`` when any context is not; ``inconclusive`` otherwise.
@@ -176,8 +180,8 @@ class Measure(FrozenConfig):
     per: tuple[str, ...] = ()
     require: dict[str, list[Scalar]] = Field(default_factory=dict)
     stat: Literal["value", "difference", "relative", "ratio"] = "value"
-    # stat value only: the columns (low, high) where a run records its own 95% interval of the value (a bootstrap
-    # over its test examples), used for a context that one run (one seed) measures, where seeds give no interval
+    # stat value or difference: the columns (low, high) where a run records its own 95% interval of the value (a
+    # bootstrap or DeLong over its test examples), used for a context that one run (one seed) per side measures
     run_interval: tuple[str, str] | None = None
     # how the stat is shown: as is, a signed percentage (relative), a multiple, accuracy points, a share
     unit: Literal["", "%", "x", "pt", "share"] = ""
@@ -206,8 +210,10 @@ class Measure(FrozenConfig):
             raise ValueError(f"require names column(s) {', '.join(stray)} that are not in per {list(self.per)}")
         if self.value_b is not None and self.b is None:
             raise ValueError("value_b needs a side b")
-        if self.run_interval is not None and self.stat != "value":
-            raise ValueError(f"run_interval applies to stat 'value' only, got stat {self.stat!r}")
+        if self.run_interval is not None and self.stat not in ("value", "difference"):
+            raise ValueError(f"run_interval applies to stat 'value' or 'difference', got stat {self.stat!r}")
+        if self.run_interval is not None and self.b_source is not None:
+            raise ValueError("run_interval does not apply to a b_source (a peer's runs record no interval of ours)")
         for bound in self.run_interval or ():
             if not _names(bound):
                 raise ValueError(f"run_interval column {bound!r} names no column")

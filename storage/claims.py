@@ -95,7 +95,8 @@ class _Sides:
     a: dict[Any, float] = field(default_factory=dict)  # replicate -> value
     b: dict[Any, float] = field(default_factory=dict)
     runs: set[str] = field(default_factory=set)
-    intervals: dict[Any, tuple[float, float]] = field(default_factory=dict)  # side a: a run's own (run_interval)
+    # (side, replicate) -> a run's own 95% interval (run_interval)
+    intervals: dict[tuple[str, Any], tuple[float, float]] = field(default_factory=dict)
     order: tuple[Any, ...] = ()  # the context's sort key (numbers in numeric order)
 
 
@@ -291,6 +292,8 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
     frame["order"] = [_sort_key(k) for k in keys]
     frame = frame.sort_values("order", kind="stable")
     extra = {c: (c, "first") for c in ("low", "high") if c in frame}  # a run's own interval (run_interval)
+    if extra and measure.reduce in ("max", "min"):  # the interval of the row the reduction keeps
+        frame = frame.sort_values("value", ascending=measure.reduce == "min", kind="stable")
     reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False).agg(
         value=("value", measure.reduce), started_at=("started_at", "max"), order=("order", "first"), **extra
     )
@@ -306,8 +309,8 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
         sides = out.setdefault(row.context, _Sides(order=row.order))
         getattr(sides, row.side)[row.replicate] = float(row.value)
         sides.runs.add(row.run_id)
-        if extra and row.side == "a":
-            sides.intervals[row.replicate] = (float(row.low), float(row.high))
+        if extra:
+            sides.intervals[(row.side, row.replicate)] = (float(row.low), float(row.high))
     return dict(sorted(out.items(), key=lambda item: item[1].order))
 
 
@@ -324,7 +327,7 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
     if measure.stat == "value":
         ci = seed_interval(sides.a.values())
         if ci.n == 1 and measure.run_interval is not None:  # one run: its own interval over examples, if recorded
-            low, high = next(iter(sides.intervals.values()), (math.nan, math.nan))
+            low, high = sides.intervals.get(("a", next(iter(sides.a))), (math.nan, math.nan))
             if math.isfinite(low) and math.isfinite(high):
                 return ci.mean, low, high, "the run's own (bootstrap over examples)", tuple(sides.a.values())
         return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
@@ -337,6 +340,10 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
     a, b = seed_interval(sides.a.values()), seed_interval(sides.b.values())
     estimate = _stat(measure.stat, a.mean, b.mean)
     pairs = tuple(_stat(measure.stat, x, y) for x in sides.a.values() for y in sides.b.values())
+    if a.n == b.n == 1 and measure.run_interval is not None:  # one run a side: their own intervals over examples
+        own = _runs_own_difference(sides)
+        if own is not None:
+            return estimate, estimate - own, estimate + own, "the runs' own (normal, sides independent)", pairs
     if a.n < 2 or b.n < 2:
         return estimate, math.nan, math.nan, "none", pairs
     va, vb = a.std**2 / a.n, b.std**2 / b.n
@@ -353,6 +360,20 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
     half = float(stats.t.ppf((1 + CONFIDENCE) / 2, max(df, 1.0))) * se
     kind = "Welch t" if measure.stat == "difference" else "delta method (Welch)"
     return estimate, estimate - half, estimate + half, kind, pairs
+
+
+def _runs_own_difference(sides: _Sides) -> float | None:
+    """Half-width of the 95% interval of a - b from one run a side with their own recorded intervals (module
+    docstring of ``pbconfig.claims``), or None where either run recorded none."""
+    z = float(stats.norm.ppf((1 + CONFIDENCE) / 2))
+    ses = []
+    for side, values in (("a", sides.a), ("b", sides.b)):
+        key, value = next(iter(values.items()))
+        low, high = sides.intervals.get((side, key), (math.nan, math.nan))
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return None
+        ses.append(max(high - value, value - low, 0.0) / z)
+    return z * math.sqrt(ses[0] ** 2 + ses[1] ** 2)
 
 
 def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:

@@ -132,6 +132,8 @@ MEMBERSHIP_COLUMNS = [
     "epsilon",
     "attack",
     "auc",
+    "auc_lo",
+    "auc_hi",
     "tpr_at_0_1pct_fpr",
     "tpr_at_1pct_fpr",
     "empirical_epsilon",

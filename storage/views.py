@@ -448,7 +448,8 @@ _EPS = re.compile(r"eps=([0-9.eE+-]+)")
 
 
 def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
-    """Membership-inference audits (``MEMBERSHIP_COLUMNS``). ``audit`` is ``dp`` for the DP-trained
+    """Membership-inference audits (``MEMBERSHIP_COLUMNS``), with the AUC's 95% interval over the audited users
+    (``auc_lo``, ``auc_hi``: DeLong). ``audit`` is ``dp`` for the DP-trained
     recommenders (``method`` and target ``epsilon``; NaN and ``private`` False for non-private targets) and
     ``unlearning`` for TAFT's forgetting audit (``setting`` says before/after and which users)."""
     engine, f = _engine(db_url), _filters(filters)
@@ -462,6 +463,9 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     eps = [(float(m.group(1)) if (m := _EPS.search(s or "")) else math.nan) for s in frame["setting"]]
     frame["epsilon"] = pd.Series(eps, dtype=float)
     frame["private"] = frame["epsilon"].notna() | frame["accountant_epsilon"].notna()
+    extra = [_config(e) for e in frame["extra_json"]]
+    for bound in ("auc_lo", "auc_hi"):  # DeLong's 95% interval over the audited users (NaN before it was recorded)
+        frame[bound] = pd.Series([e.get(bound, math.nan) for e in extra], index=frame.index, dtype=float)
     return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

@@ -128,12 +128,19 @@ def audit_seqrec(
                 empirical_epsilon_hi=hi,
                 accountant_epsilon=r["accountant_epsilon"],
                 extra={
-                    k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr", "threshold_fpr")
+                    **{
+                        k: r[k]
+                        for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr", "threshold_fpr")
+                    },
+                    "auc_lo": r["auc_ci"][0],
+                    "auc_hi": r["auc_ci"][1],
                 },
             )
             rec.metrics(
                 {
                     f"{name}.auc": r["auc"],
+                    f"{name}.auc_lo": r["auc_ci"][0],
+                    f"{name}.auc_hi": r["auc_ci"][1],
                     f"{name}.tpr_at_0.1pct_fpr": r["tpr_at_0.1pct_fpr"],
                     f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
                     f"{name}.empirical_epsilon": r["empirical_epsilon"],
@@ -237,6 +244,7 @@ def audit_unlearning(
         for setting, r in results.items():
             lo, hi = r["empirical_epsilon_ci"]
             extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers")}
+            extra |= {"auc_lo": r["auc_ci"][0], "auc_hi": r["auc_ci"][1]}
             if setting.startswith("after: forgotten"):
                 extra |= {"two_sample": forgotten_test}
             rec.attack(

@@ -85,7 +85,8 @@ def audit(
     alpha: float = 0.05,
     max_thresholds: int | None = 2000,
 ) -> dict[str, dict]:
-    """Every attack of ``attacks`` (names of ``membership.ATTACKS``) against ``target``: ROC AUC, TPR at 0.1%
+    """Every attack of ``attacks`` (names of ``membership.ATTACKS``) against ``target``: ROC AUC with its 95%
+    interval over the examples (``auc_ci``, DeLong), TPR at 0.1%
     and 1% FPR, the ROC curve, and the empirical epsilon at ``delta`` from (TPR, FPR) at one threshold with
     its Clopper-Pearson interval at confidence 1 - alpha: the threshold is chosen on one random half of the
     examples and the rates are counted on the other (``empirical_epsilon_lower_bound(split=True)``), so
@@ -137,6 +138,7 @@ def audit(
         )
         out[name] = {
             "auc": float(curve["auc"]),
+            "auc_ci": list(M.auc_interval(scores[members], scores[~members])),
             "tpr_at_0.1pct_fpr": float(curve["tpr_at_0.1pct_fpr"]),
             "tpr_at_1pct_fpr": float(curve["tpr_at_1pct_fpr"]),
             "empirical_epsilon": _point_epsilon(eps, delta),

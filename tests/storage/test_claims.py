@@ -340,9 +340,44 @@ def test_one_run_is_judged_on_its_own_recorded_interval(home: Path) -> None:
     assert ctx.interval == "t over seeds" and ctx.estimate == pytest.approx(0.25)
     assert ctx.high - ctx.estimate == pytest.approx(half)
     without = _claim({**measure, "run_interval": None}, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
-    with pytest.raises(ValueError, match="run_interval applies to stat 'value' only"):
+    with pytest.raises(ValueError, match="run_interval applies to stat 'value' or 'difference', got stat 'relative'"):
         _claim({**BEATS, "run_interval": ["a", "b"]}, ABOVE)
     assert without.measure.run_interval is None
+
+
+def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path) -> None:
+    # the membership audit's shape: a run's rows are attacks, reduce max keeps the strongest attack and its interval
+    measure = {
+        "source": "metrics",
+        "stage": "tangent",
+        "techniques": ["nonprivate", "private"],
+        "value": "auc",
+        "reduce": "max",
+        "a": {"method": "nonprivate"},
+        "b": {"method": "private"},
+        "stat": "difference",
+        "run_interval": ["auc_lo", "auc_hi"],
+    }
+    claim = _claim(measure, {"kind": "above", "bound": 0.0, "min_n": 1}, stage="tangent")
+    _metric_run("nonprivate", {"auc": 0.9, "auc_lo": 0.86, "auc_hi": 0.95}, {"seed": 0})  # half-widths 0.04, 0.05
+    _metric_run("private", {"auc": 0.55, "auc_lo": 0.52, "auc_hi": 0.58}, {"seed": 0})
+    (ctx,) = sc.evaluate_claim(None, claim).contexts
+    z = 1.959963984540054
+    assert ctx.interval == "the runs' own (normal, sides independent)"
+    assert ctx.estimate == pytest.approx(0.35)
+    half = z * math.sqrt((0.05 / z) ** 2 + (0.03 / z) ** 2)  # each side's larger half-width
+    assert (ctx.low, ctx.high) == pytest.approx((0.35 - half, 0.35 + half))
+    assert ctx.verdict == sc.REPRODUCED
+    _metric_run("private", {"auc": 0.87, "auc_lo": 0.84, "auc_hi": 0.9}, {"seed": 0})  # the newest: straddles 0
+    assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
+    _metric_run("private", {"auc": 0.2}, {"seed": 0})  # the newest records no interval
+    result = sc.evaluate_claim(None, claim)
+    assert result.verdict == sc.INCONCLUSIVE and "no interval" in result.reason
+    with pytest.raises(ValueError, match="run_interval does not apply to a b_source"):
+        _claim(
+            {**measure, "b": None, "b_source": {"source": "metrics", "stage": "bench", "value": "x"}},
+            {"kind": "above", "bound": 0.0},
+        )
 
 
 def test_value_b_and_config_columns(home: Path) -> None:

@@ -14,6 +14,7 @@ from scipy.stats import norm
 
 from core.attacks.membership import (
     ATTACKS,
+    auc_interval,
     clopper_pearson,
     empirical_epsilon,
     empirical_epsilon_lower_bound,
@@ -169,6 +170,42 @@ def test_roc_auc_and_low_fpr_tpr_match_slow_reference(seed):
     assert res["tpr_at_1pct_fpr"] == pytest.approx(slow_tpr_at(members, nonmembers, 0.01))
     assert res["tpr_at_0.1pct_fpr"] == pytest.approx(slow_tpr_at(members, nonmembers, 0.001))
     assert res["fpr"].shape == res["tpr"].shape == res["thresholds"].shape
+
+
+def slow_delong_interval(members: np.ndarray, nonmembers: np.ndarray, z: float = 1.959963984540054):
+    """DeLong's interval from the explicit kernel matrix psi(x, y) = 1 if x > y, 1/2 if equal, 0 otherwise."""
+    psi = (members[:, None] > nonmembers[None, :]) + 0.5 * (members[:, None] == nonmembers[None, :])
+    v10, v01 = psi.mean(axis=1), psi.mean(axis=0)
+    se = math.sqrt(np.var(v10, ddof=1) / members.size + np.var(v01, ddof=1) / nonmembers.size)
+    return max(0.0, psi.mean() - z * se), min(1.0, psi.mean() + z * se)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auc_interval_matches_the_kernel_matrix_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    members = rng.integers(0, 12, 150).astype(float)  # many ties
+    nonmembers = rng.integers(-3, 9, 220).astype(float)
+    assert auc_interval(members, nonmembers) == pytest.approx(slow_delong_interval(members, nonmembers), abs=1e-12)
+    low, high = auc_interval(members, nonmembers)
+    assert low < roc(members, nonmembers)["auc"] < high
+
+
+def test_auc_interval_covers_the_true_auc_about_95_percent_of_the_time():
+    # members ~ N(0.5, 1), non-members ~ N(0, 1): true AUC = Phi(0.5 / sqrt(2)); 400 fresh draws of 200 + 200
+    rng = np.random.default_rng(0)
+    truth = norm.cdf(0.5 / math.sqrt(2))
+    covered = [
+        low <= truth <= high
+        for low, high in (auc_interval(rng.normal(0.5, 1, 200), rng.normal(0, 1, 200)) for _ in range(400))
+    ]
+    assert 0.92 <= np.mean(covered) <= 0.98  # binomial sd of the rate at 400 draws is 1.1 points
+
+
+def test_auc_interval_refuses_too_few_examples_and_bad_confidence():
+    with pytest.raises(DataError, match=r">= 2 members and >= 2 non-members, got 1 and 3"):
+        auc_interval([1.0], [0.0, 1.0, 2.0])
+    with pytest.raises(ConfigError, match=r"confidence must lie in \(0, 1\), got confidence=95"):
+        auc_interval([1.0, 2.0], [0.0, 1.0], confidence=95)
 
 
 def test_roc_low_fpr_with_few_nonmembers_is_tpr_at_zero_fpr():
