@@ -121,11 +121,13 @@ def _secure_inference_runs(cfg: BenchmarkConfig) -> int:
     from tasks.secure_inference_models import models_needed
 
     s = _section(cfg, "secure_inference")
-    # flow + one training run per model + one generation per method + the scaling points
+    # flow + one training run per model + one generation per method + the scaling points; with seeds, that once per
+    # seed under one run of the flow
     scaling = len([m for m in s.scaling_methods if m in s.methods]) * len(s.scaling_gen_lens) + len(
         s.scaling_methods
     ) * len(s.scaling_sizes)
-    return 1 + len(models_needed(s)) + len(s.methods) + scaling
+    one = 1 + len(models_needed(s)) + len(s.methods) + scaling
+    return one if s.seeds is None else 1 + len(s.seeds) * one
 
 
 def _stip_runs(cfg: BenchmarkConfig) -> int:

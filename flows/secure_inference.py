@@ -35,7 +35,20 @@ def secure_inference_flow(
     config: SecureInferenceConfig, profile: str = "quick", parent: RunRef | None = None
 ) -> dict[str, Any]:
     """Tables 1-2 analogues (per-op time and communication per method), quality of the decrypted text, and
-    time/bytes vs generated length and model size."""
+    time/bytes vs generated length and model size; once, or with ``config.seeds`` once per seed: a run of the flow
+    with its config (``n_seeds``) holds one seed pass each, a pass's run recording its own seed."""
+    if config.seeds is None:
+        return seed_pass(config, profile, parent)
+    run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
+    passes = {str(c.seed): seed_pass(c, profile, run) for c in config.seed_configs()}
+    summary = {"run_id": run.run_id, "seeds": passes}
+    close_flow_record(run, metrics={"n_seeds": len(passes)}, summary=summary)
+    return summary
+
+
+def seed_pass(config: SecureInferenceConfig, profile: str, parent: RunRef | None) -> dict[str, Any]:
+    """The stage's whole work at ``config.seed`` (its models, prompts and shares), recorded as one
+    ``secure-inference`` flow run under ``parent``."""
     run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
     try:
         trained: dict[str, ModelRef] = {}

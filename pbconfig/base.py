@@ -3,9 +3,9 @@ typed fields several stages share."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # a differential-privacy budget epsilon: every config field holding one (or a tuple of them) uses this type
 Epsilon = Annotated[float, Field(gt=0.0, allow_inf_nan=False, description="DP budget epsilon > 0")]
@@ -31,3 +31,36 @@ class ModelShape(FrozenConfig):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         return self
+
+
+class SeedPasses(FrozenConfig):
+    """A stage that runs whole once per seed: ``seeds`` (None: the one ``seed``) runs it once per seed, in place
+    of ``seed`` (:meth:`seed_configs`), so that its comparisons get intervals over seeds."""
+
+    seed: int = Field(0, ge=0)
+    seeds: tuple[int, ...] | None = Field(None, description="None: the one seed; else the stage runs once per seed")
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, values: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if values is None:
+            return None
+        if not values:
+            raise ValueError("seeds must name at least one seed, got []; e.g. [0, 1, 2], or null for the one `seed`")
+        bad = [v for v in values if v < 0]
+        if bad:
+            raise ValueError(f"every seed must be >= 0, got {bad} in seeds={list(values)}; e.g. [0, 1, 2]")
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise ValueError(
+                f"seeds must be distinct, got {list(values)} (repeated: {repeated}); a seed run again is a repeat, "
+                "not a new sample: list each once, e.g. [0, 1, 2]"
+            )
+        return values
+
+    def seed_configs(self) -> tuple[Self, ...]:
+        """What each seed pass runs and records: this config with ``seed`` replaced by each of ``seeds`` (and
+        ``seeds`` null, as a one-seed config), in order; just this config when ``seeds`` is None."""
+        if self.seeds is None:
+            return (self,)
+        return tuple(self.model_copy(update={"seed": s, "seeds": None}) for s in self.seeds)

@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
-from pbconfig.base import FrozenConfig, ModelShape
+from pbconfig.base import FrozenConfig, ModelShape, SeedPasses
 
 SIMethod = Literal[
     "vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge"
@@ -22,14 +22,15 @@ class NetworkSpec(FrozenConfig):
     rtt_ms: float = Field(ge=0.0)
 
 
-class SecureInferenceConfig(FrozenConfig):
+class SecureInferenceConfig(SeedPasses):
     """Stage 4: two-party encrypted GPT-2 generation with CrypTen (MERGE vs vanilla MPC, MPCFormer, THE-X).
 
     A GPT-2 with the real 50,257-token BPE vocabulary and the shape below is trained on the offline dialogue
     corpus (``train_steps``), the MPCFormer/THE-X students are distilled from it (``distill_steps``), MERGE's
     ER model is trained from it (eq. 7, ``er_steps``) and its merge modules distilled (``mm_steps``); then every
     method generates ``gen_len`` tokens after ``prefix_len`` prompt tokens for ``n_prompts`` test prompts under
-    two-party MPC, with per-operation costs and the quality of the decrypted text.
+    two-party MPC, with per-operation costs and the quality of the decrypted text. ``seeds`` (None: the one
+    ``seed``) runs the whole stage once per seed, so that its comparisons get intervals over seeds.
 
     With ``pretrain_steps`` > 0 that GPT-2 is first pretrained on the offline English text of
     ``pretrain_corpora`` (a content-addressed model, trained once per config and text), then fine-tuned.
@@ -81,7 +82,6 @@ class SecureInferenceConfig(FrozenConfig):
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     party_timeout_s: float = Field(900.0, gt=0.0)
     threads_per_party: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _lengths(self) -> SecureInferenceConfig:

@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from pbconfig.base import Delta, Epsilon, FrozenConfig
+from pbconfig.base import Delta, Epsilon, FrozenConfig, SeedPasses
 
 TangentRegime = Literal["full", "bitfit", "layernorm", "fc"]
 TANGENT_REGIMES: tuple[str, ...] = get_args(TangentRegime)
@@ -28,7 +28,7 @@ class TangentDPConfig(FrozenConfig):
     n_train: int | None = Field(None, ge=2, description="first n of the training subset (None: all)")
 
 
-class TangentConfig(FrozenConfig):
+class TangentConfig(SeedPasses):
     """Stage 3: Tangent Transformers (TAFT) on a pretrained ViT: Tables 1-3 and Fig. 1 of the paper.
 
     ``epochs``/``lr``/``batch_size``/``ridge``/``kappa`` are TAFT's (App. A: Adam, RSL with kappa 15);
@@ -61,8 +61,6 @@ class TangentConfig(FrozenConfig):
     fig1_trials: int = Field(5, ge=1)
     forget_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
     dp: TangentDPConfig | None = None
-    seed: int = Field(0, ge=0)
-    seeds: tuple[int, ...] | None = Field(None, description="None: the one seed; else the stage runs once per seed")
     workers: int = Field(2, ge=1, description="tasks trained in parallel")
     threads_per_worker: int = Field(1, ge=1)
     task_runner: TaskRunner = "process"
@@ -91,24 +89,6 @@ class TangentConfig(FrozenConfig):
             raise ValueError(f"forget fractions must lie in (0, 1), got {bad}; e.g. [0.1, 0.25, 0.5]")
         return values
 
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, values: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if values is None:
-            return None
-        if not values:
-            raise ValueError("seeds must name at least one seed, got []; e.g. [0, 1, 2], or null for the one `seed`")
-        bad = [v for v in values if v < 0]
-        if bad:
-            raise ValueError(f"every seed must be >= 0, got {bad} in seeds={list(values)}; e.g. [0, 1, 2]")
-        repeated = sorted({v for v in values if values.count(v) > 1})
-        if repeated:
-            raise ValueError(
-                f"seeds must be distinct, got {list(values)} (repeated: {repeated}); a seed run again is a repeat, "
-                "not a new sample: list each once, e.g. [0, 1, 2]"
-            )
-        return values
-
     @model_validator(mode="after")
     def _fig1_and_runner(self) -> TangentConfig:
         if self.fig1_shards is not None and self.fig1_shards not in self.shards:
@@ -124,13 +104,6 @@ class TangentConfig(FrozenConfig):
         if ms != sorted(set(ms)) or any(not 1 <= m < self.epochs for m in ms):
             raise ValueError(f"lr_milestones must be strictly increasing epochs in [1, {self.epochs}), got {ms}")
         return self
-
-    def seed_configs(self) -> tuple[TangentConfig, ...]:
-        """What each seed pass runs and records: this config with ``seed`` replaced by each of ``seeds`` (and
-        ``seeds`` null, as a one-seed config), in order; just this config when ``seeds`` is None."""
-        if self.seeds is None:
-            return (self,)
-        return tuple(self.model_copy(update={"seed": s, "seeds": None}) for s in self.seeds)
 
     @property
     def fig1_n_shards(self) -> int:

@@ -12,6 +12,7 @@ from core.mpc.crypten_compat import crypten_available
 from core.mpc.methods import run_method_party
 from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, PartyError
 from flows.secure_inference import secure_inference_flow
+from pbconfig.claims import load_claims
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.repository import ResultsRepository
@@ -115,3 +116,54 @@ def test_a_party_that_dies_fails_the_run_cleanly(home: Path, monkeypatch: pytest
     assert status["flow"][0] == "failed" and all(s != "running" for _, s, _ in rows)
     _, costs = ResultsRepository().query("select count(*) from mpc_costs")
     assert costs == [(0,)]  # nothing the failed run measured was written
+
+
+def test_seeds_run_one_pass_each_under_one_flow_run(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flows.secure_inference as fsi
+
+    seen: list[tuple[int, str | None, str]] = []
+
+    def fake_pass(config: SecureInferenceConfig, profile: str, parent: object) -> dict[str, object]:
+        seen.append((config.seed, config.seeds, getattr(parent, "run_id", None)))
+        return {"run_id": f"pass-{config.seed}"}
+
+    monkeypatch.setattr(fsi, "seed_pass", fake_pass)
+    summary = secure_inference_flow(TINY.model_copy(update={"seeds": (3, 1)}), profile="tiny")
+    assert [(seed, seeds) for seed, seeds, _ in seen] == [(3, None), (1, None)]  # in order, each a one-seed config
+    assert {parent for *_, parent in seen} == {summary["run_id"]}  # both under the stage's one flow run
+    assert summary["seeds"] == {"3": {"run_id": "pass-3"}, "1": {"run_id": "pass-1"}}
+    run = ResultsRepository().get_run(summary["run_id"])
+    assert run["status"] == "finished" and run["config"]["seeds"] == [3, 1]
+    with pytest.raises(ValueError, match=r"seeds must be distinct, got \[1, 1\]"):
+        SecureInferenceConfig.model_validate({**TINY.model_dump(), "seeds": [1, 1]})
+
+
+@pytest.mark.slow
+def test_seeds_run_the_stage_once_per_seed_and_the_merge_claims_pair_by_seed(home: Path) -> None:
+    import json
+
+    from flows.registry import plan
+    from pbconfig.benchmark import BenchmarkConfig
+    from storage.claims import evaluate_claims
+    from storage.leaderboard import config_seed
+
+    cfg = TINY.model_copy(
+        update={"methods": ("vanilla", "merge"), "seeds": (0, 1), "scaling_gen_lens": (), "quality_prompts": 2}
+    )
+    summary = secure_inference_flow(cfg, profile="tiny")
+    repo = ResultsRepository()
+    assert repo.get_run(summary["run_id"])["status"] == "finished" and set(summary["seeds"]) == {"0", "1"}
+    _, rows = repo.query(
+        "select id, parent_id, technique, status, config_json from runs where stage = 'secure-inference'"
+    )
+    whole = BenchmarkConfig.model_construct(profile="tiny", secure_inference=cfg)  # plan reads this section only
+    expected = plan("secure-inference", whole)["secure-inference"]
+    assert len(rows) == expected and all(status == "finished" for *_, status, _ in rows)
+    passes = {r[0]: config_seed(json.loads(r[4])) for r in rows if r[2] == "flow" and r[1] == summary["run_id"]}
+    assert sorted(passes.values()) == [0, 1]  # one seed pass each, its config carrying its seed
+    assert all(r[1] in passes for r in rows if r[2] in ("vanilla", "merge"))  # every generation under its pass
+    (speedup,) = evaluate_claims(
+        profile="tiny", claims=[c for c in load_claims() if c.id == "merge-speedup-over-vanilla"]
+    )
+    (ctx,) = speedup.contexts
+    assert (ctx.n_a, ctx.n_b, len(ctx.values)) == (2, 2, 2) and ctx.interval == "paired t over seeds"
