@@ -1,8 +1,24 @@
-"""Runs recorded by hand into the store, for the tests of the read side (leaderboards, claims)."""
+"""Hand-made inputs: runs recorded by hand into the store, for the tests of the read side (leaderboards, claims),
+and small sequential datasets written out item by item."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from core.data.sequential import SequentialDataset
 from storage.recording import record_run
+
+
+def sequential_dataset(items: list[list[int]], n_items: int) -> SequentialDataset:
+    """User ``u``'s chronological items are ``items[u]`` (ids in ``1..n_items``), timestamps in order."""
+    lens = [len(seq) for seq in items]
+    return SequentialDataset(
+        items=np.concatenate([np.asarray(seq) for seq in items]),
+        timestamps=np.arange(sum(lens)),
+        offsets=np.concatenate(([0], np.cumsum(lens))),
+        raw_user_ids=np.arange(len(items)),
+        raw_item_ids=np.arange(n_items),
+    )
 
 
 def record_train_dp(

@@ -14,22 +14,12 @@ from torch import Tensor, nn
 from core.data.sequential import SequentialDataset
 from core.dp import trainer
 from core.dp.trainer import EpochLog, method_config, train_seqrec
+from tests.hand_made import sequential_dataset as dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = {"d_model": 16, "max_len": 8, "batch_size": 8, "lr": 1e-2, "epochs": 2, "dropout": 0.0}
 SHIFT = {"valid": 2, "test": 1}
-
-
-def dataset(items: list[list[int]], n_items: int) -> SequentialDataset:
-    lens = [len(seq) for seq in items]
-    return SequentialDataset(
-        items=np.concatenate([np.asarray(seq) for seq in items]),
-        timestamps=np.arange(sum(lens)),
-        offsets=np.concatenate(([0], np.cumsum(lens))),
-        raw_user_ids=np.arange(len(items)),
-        raw_item_ids=np.arange(n_items),
-    )
 
 
 def repeating_dataset(n_users: int = 40, n_items: int = 12, seed: int = 0) -> SequentialDataset:

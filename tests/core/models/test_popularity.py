@@ -7,22 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from core.data.sequential import SequentialDataset
 from core.errors import ConfigError
 from core.models.popularity import popularity_metrics, popularity_scores
+from tests.hand_made import sequential_dataset as dataset
 
 SHIFT = {"valid": 2, "test": 1}
-
-
-def dataset(items: list[list[int]], n_items: int) -> SequentialDataset:
-    lens = [len(seq) for seq in items]
-    return SequentialDataset(
-        items=np.concatenate([np.asarray(seq) for seq in items]),
-        timestamps=np.arange(sum(lens)),
-        offsets=np.concatenate(([0], np.cumsum(lens))),
-        raw_user_ids=np.arange(len(items)),
-        raw_item_ids=np.arange(n_items),
-    )
 
 
 def by_hand(items: list[list[int]], n_items: int, split: str, masked: bool, k: int = 10) -> tuple[float, float]:
