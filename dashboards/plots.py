@@ -26,7 +26,8 @@ def _figure(title: str, x: str, y: str) -> go.Figure:
 def privacy_utility(frame: pd.DataFrame, metric: str = "ndcg_at_10") -> go.Figure:
     """``metric`` (``ndcg_at_10`` or ``hit_at_10``) against the target epsilon, one line per method and dataset
     through the mean over the runs (seeds) at each epsilon, with their 95% t-interval as error bars (none for a
-    single run); the non-private runs are dashed horizontal references (their mean)."""
+    single run); the non-private runs are dashed horizontal references (their mean), and the most-popular-items
+    ranking of the same users (``popularity_<metric>``, where the runs recorded it) a dotted one: the floor."""
     label = {"ndcg_at_10": "NDCG@10", "hit_at_10": "HIT@10"}.get(metric, metric)
     fig = _figure(
         f"Privacy-utility: test {label} vs epsilon (mean over seeds, 95% interval)", "target epsilon", f"test {label}"
@@ -62,6 +63,12 @@ def privacy_utility(frame: pd.DataFrame, metric: str = "ndcg_at_10") -> go.Figur
             annotation_position="top left",
         )
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"dash": "dash"}, name=name))
+    floor = f"popularity_{metric}"  # the most-popular-items ranking on the same users: the floor to clear
+    if floor in frame:
+        for dataset, value in frame.groupby("dataset", sort=True)[floor].mean().dropna().items():
+            name = f"most popular items ({dataset})" if many else "most popular items"
+            fig.add_hline(y=float(value), line_dash="dot", opacity=0.6, annotation_text=name)
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"dash": "dot"}, name=name))
     return fig
 
 

@@ -70,6 +70,16 @@ def _privacy_utility(fig: Any, frame: pd.DataFrame) -> None:
                 fontsize=6,
                 color="grey",
             )
+        floor = (
+            frame.loc[frame["dataset"] == dataset, "popularity_ndcg_at_10"]
+            if "popularity_ndcg_at_10" in frame
+            else None
+        )
+        if floor is not None and floor.notna().any():  # the most-popular-items ranking of the same users
+            ax.axhline(float(floor.mean()), linestyle=":", linewidth=0.8, color="black")
+            ax.annotate(
+                "most popular items", (0.01, float(floor.mean())), xycoords=("axes fraction", "data"), fontsize=6
+            )
         ax.set(xlabel="epsilon", ylabel="test NDCG@10", title=dataset)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

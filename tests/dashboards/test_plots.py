@@ -32,6 +32,25 @@ def test_privacy_utility_has_a_line_per_method_and_a_non_private_reference() -> 
     assert list(plots.train_time(frame).data[0].y) == [1.0, 2.0]
 
 
+def test_privacy_utility_draws_the_popularity_floor_where_recorded() -> None:
+    frame = pd.DataFrame(
+        {
+            "method": ["transformer", "transformer"],
+            "dataset": ["d"] * 2,
+            "private": [True, True],
+            "epsilon": [8.0, 1.0],
+            "ndcg_at_10": [0.2, 0.1],
+            "popularity_ndcg_at_10": [0.15, 0.15],
+        }
+    )
+    fig = plots.privacy_utility(frame)
+    assert _names(fig) == ["transformer", "most popular items"]
+    (line,) = fig.layout.shapes
+    assert line.y0 == line.y1 == 0.15 and line.line.dash == "dot"
+    with_hit = frame.assign(hit_at_10=[0.3, 0.2])
+    assert len(plots.privacy_utility(with_hit, "hit_at_10").layout.shapes) == 0  # no floor recorded for HIT@10
+
+
 def test_privacy_utility_averages_seeds_with_their_interval() -> None:
     frame = pd.DataFrame(
         {

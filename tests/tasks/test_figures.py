@@ -95,6 +95,9 @@ def test_privacy_utility_plots_the_seed_mean_per_epsilon_and_the_non_private_ref
     # the non-private run: a horizontal reference line at its NDCG
     references = [line for line in ax.get_lines() if line.get_label().startswith("_")]
     assert [list(line.get_ydata()) for line in references] == [[0.40, 0.40]]
+    floored = _figure(_privacy_utility, frame.assign(popularity_ndcg_at_10=0.12)).axes[0]
+    references = [line for line in floored.get_lines() if line.get_label().startswith("_")]
+    assert [list(line.get_ydata()) for line in references] == [[0.40, 0.40], [0.12, 0.12]]  # and the popularity floor
 
 
 def test_stacked_bars_sum_each_category_and_mpc_projection_takes_each_method_once() -> None:
