@@ -13,6 +13,7 @@ from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.secure_inference import (
+    check_prompts,
     collect_models,
     mpc_generation,
     scaling_point,
@@ -51,6 +52,7 @@ def seed_pass(config: SecureInferenceConfig, profile: str, parent: RunRef | None
     ``secure-inference`` flow run under ``parent``."""
     run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
     try:
+        check_prompts(config)  # before any training: a seed whose test split is too small fails in seconds
         trained: dict[str, ModelRef] = {}
         for name in models_needed(config):  # each after its teacher
             teacher = teacher_of(name, config)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from prefect import task
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from core.mpc.accounting import CATEGORIES
 from core.mpc.costmodel import Network, project_all
 from core.mpc.finetune import eval_prompts
@@ -132,6 +132,24 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
             _record_curve(rec, values, name=curve)
         rec.metrics(manifest["metrics"], units={"train_s": "s"})
     return ModelRef(name, key, str(out_dir))
+
+
+@task(name="si-check-prompts")
+def check_prompts(cfg: SecureInferenceConfig) -> int:
+    """Fail in seconds, before any model trains, where the seed's test split holds fewer usable prompts than the
+    config asks for (``collect_models`` would fail only after the training); returns how many it holds."""
+    data, _ = data_of(cfg)
+    usable = sum(1 for p, y in data.test_pairs if len(p) >= cfg.prefix_len and any(t != EOS for t in y))
+    if usable < cfg.n_quality:
+        asked = (
+            f"quality_prompts={cfg.quality_prompts}" if cfg.n_quality > cfg.n_prompts else f"n_prompts={cfg.n_prompts}"
+        )
+        raise DataError(
+            f"seed {cfg.seed}: the test split of {data.corpus!r} has {usable} prompts of >= prefix_len="
+            f"{cfg.prefix_len} tokens, fewer than secure_inference.{asked} asks for; lower it to at most {usable} "
+            "(or lower prefix_len), the same for every seed"
+        )
+    return usable
 
 
 @task(name="si-eval-prompts")

@@ -167,3 +167,17 @@ def test_seeds_run_the_stage_once_per_seed_and_the_merge_claims_pair_by_seed(hom
     )
     (ctx,) = speedup.contexts
     assert (ctx.n_a, ctx.n_b, len(ctx.values)) == (2, 2, 2) and ctx.interval == "paired t over seeds"
+
+
+def test_too_few_test_prompts_fail_before_any_model_trains(home: Path) -> None:
+    from core.errors import DataError
+
+    with pytest.raises(
+        DataError,
+        match=r"seed 0: the test split of .* has \d+ prompts of >= prefix_len=3 tokens, "
+        r"fewer than secure_inference.quality_prompts=10000 asks for; lower it to at most \d+",
+    ):
+        secure_inference_flow(TINY.model_copy(update={"quality_prompts": 10_000}), profile="tiny")
+    _, rows = ResultsRepository().query("select technique, status, error from runs where stage = 'secure-inference'")
+    assert [(t, s) for t, s, _ in rows] == [("flow", "failed")]  # nothing trained, the stage's row failed with why
+    assert "quality_prompts=10000" in rows[0][2]
