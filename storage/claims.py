@@ -586,48 +586,12 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
 
 
-STAGE_FLOWS = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
-
-
-def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
-    """The newest finished flow run of each stage flow (``STAGE_FLOWS``, the benchmark chain last) of ``profile``
-    (under ``root`` when given): ``flow, run_id, stage, started_at, duration_s, git_commit, device, profile``. Flow
-    runs under a flow run of the same flow (the tangent stage's pass per seed) are parts of it, not stage runs."""
-    from sqlalchemy import select
-
-    from storage.models import Run
-
-    columns = ["flow", "run_id", "stage", "started_at", "duration_s", "git_commit", "device", "profile"]
-    f = views._filters({"profile": profile, "root": root})
-    stmt = select(
-        Run.parent_id,
-        Run.flow,
-        Run.id.label("run_id"),
-        Run.stage,
-        Run.started_at,
-        Run.duration_s,
-        Run.git_commit,
-        Run.device,
-        Run.profile,
-    ).where(Run.status == "finished", Run.technique == "flow", Run.flow.in_(STAGE_FLOWS))
-    frame = views._timestamps(views._read(views._engine(db_url), f.apply(stmt), ["parent_id", *columns]), "started_at")
-    # a pass of a stage under that stage's own flow run (tangent's one pass per seed) is part of it, not the stage
-    own = set(zip(frame["flow"], frame["run_id"], strict=True))
-    frame = frame[[(fl, p) not in own for fl, p in zip(frame["flow"], frame["parent_id"], strict=True)]]
-    if frame.empty:
-        return pd.DataFrame(columns=columns)
-    frame = frame.sort_values("started_at", kind="stable").drop_duplicates("flow", keep="last")
-    frame["order"] = frame["flow"].map(STAGE_FLOWS.index)
-    return frame.sort_values("order").drop(columns="order").reset_index(drop=True)[columns]
-
-
 __all__ = [
     "CLAIM_COLUMNS",
     "INCONCLUSIVE",
     "NOT_REPRODUCED",
     "NOT_RUN",
     "REPRODUCED",
-    "STAGE_FLOWS",
     "ClaimResult",
     "ContextResult",
     "claim_rows",
@@ -635,6 +599,5 @@ __all__ = [
     "evaluate_claim",
     "evaluate_claims",
     "fmt",
-    "stage_runs",
     "with_precondition",
 ]

@@ -32,13 +32,12 @@ from storage.claims import (
     NOT_REPRODUCED,
     NOT_RUN,
     REPRODUCED,
-    STAGE_FLOWS,
     ClaimResult,
     bench_profile,
     claims_table,
     evaluate_claims,
-    stage_runs,
 )
+from storage.stage_runs import STAGE_FLOWS, stage_runs
 
 log = logging.getLogger("privbench.report")
 VERDICT_ORDER = (REPRODUCED, NOT_REPRODUCED, "inconclusive", NOT_RUN)

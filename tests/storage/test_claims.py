@@ -162,75 +162,6 @@ def test_identical_methods_are_not_reproduced_not_inconclusive(home: Path) -> No
     assert result.verdict == sc.NOT_REPRODUCED  # a zero-width interval at 0 is no gain
 
 
-FLOOR = {  # the precondition: the private Transformer above the popularity floor
-    "source": "privacy_utility",
-    "where": {"private": True},
-    "value": "ndcg_at_10 / popularity_ndcg_at_10 - 1",
-    "a": {"method": "transformer"},
-    "per": ["epsilon"],
-    "require": {"epsilon": [5, 8]},
-    "unit": "%",
-}
-
-
-def _with_floor(dpformer: list[float], transformer: list[float], floor: float) -> list[sc.ClaimResult]:
-    for eps in (5.0, 8.0):
-        for seed, (a, b) in enumerate(zip(dpformer, transformer, strict=True)):
-            record_train_dp("dpformer", seed, a, a, 1.0, epsilon=eps, popularity=floor)
-            record_train_dp("transformer", seed, b, b, 1.0, epsilon=eps, popularity=floor)
-    pre = _claim(FLOOR, ABOVE).model_copy(update={"id": "floor"})
-    main = _claim(BEATS, ABOVE, precondition="floor")
-    return sc.evaluate_claims(None, claims=[main, pre])  # the precondition may come after the claim
-
-
-def test_a_failed_precondition_makes_not_reproduced_inconclusive(home: Path) -> None:
-    # identical methods (not reproduced on their own), both below the popularity floor of 2 (-50%, -45%, -40%)
-    main, pre = _with_floor([1.0, 1.1, 1.2], [1.0, 1.1, 1.2], floor=2.0)
-    assert pre.verdict == sc.NOT_REPRODUCED and "at or below 0%" in pre.reason
-    assert main.verdict == sc.INCONCLUSIVE
-    assert main.reason.startswith("cannot show here: its precondition `floor` is not reproduced (ε=5: -45.0% [")
-    assert "measured: ε=5: 0% [0%, 0%], n=3 lies entirely at or below 0%" in main.reason
-    assert main.contexts == sc.evaluate_claim(None, _claim(BEATS, ABOVE)).contexts  # the measurement is unchanged
-
-
-def test_a_precondition_that_holds_leaves_the_verdict(home: Path) -> None:
-    main, pre = _with_floor([1.0, 1.1, 1.2], [1.0, 1.1, 1.2], floor=0.5)
-    assert pre.verdict == sc.REPRODUCED
-    assert main.verdict == sc.NOT_REPRODUCED and "precondition" not in main.reason
-
-
-def test_an_effect_seen_below_the_floor_stays_reproduced(home: Path) -> None:
-    main, pre = _with_floor([1.2, 1.3, 1.45], [1.0, 1.1, 1.2], floor=9.0)
-    assert pre.verdict == sc.NOT_REPRODUCED
-    assert main.verdict == sc.REPRODUCED and main.reason == ""
-
-
-def test_an_inconclusive_precondition_is_named(home: Path) -> None:
-    main, pre = _with_floor([1.0], [1.0], floor=0.5)  # one seed: the precondition has no interval
-    assert pre.verdict == sc.INCONCLUSIVE
-    assert main.verdict == sc.INCONCLUSIVE  # one seed: no interval either
-
-
-def test_a_precondition_outside_the_list_comes_from_the_registry(home: Path) -> None:
-    main = next(c for c in load_claims() if c.id == "dpformer-beats-transformer")
-    assert main.precondition == "private-transformer-above-popularity"
-    (result,) = sc.evaluate_claims(None, claims=[main])
-    assert result.verdict == sc.NOT_RUN
-
-
-def test_a_precondition_must_name_another_claim(tmp_path: Path) -> None:
-    text = (Path(__file__).parents[2] / "configs" / "claims" / "dpformer.yaml").read_text()
-    (tmp_path / "dpformer.yaml").write_text(
-        text.replace("precondition: private-transformer-above-popularity", "precondition: no-such-claim", 1)
-    )
-    with pytest.raises(
-        ConfigError,
-        match=r"dpformer.yaml: claim 'dpformer-beats-transformer' has precondition "
-        r"'no-such-claim', which is no other claim of the registry",
-    ):
-        load_claims(tmp_path)
-
-
 @pytest.mark.parametrize(
     ("grid", "why"),
     [
@@ -643,29 +574,3 @@ def test_the_report_lists_the_bench_runs_with_their_device_and_top_level_ratios(
     assert "## Benchmark runs" in text and f"| mpc-generation | `{rec.run_id}` |" in text
     assert "merge_speedup_over_vanilla 2.55 |" in text
     assert "## Benchmark runs" not in render_report(tmp_path / "q.md", profile="quick", figures=False).path.read_text()
-
-
-def test_stage_runs_take_a_stage_not_its_passes(home: Path) -> None:
-    """The tangent stage runs one pass per seed as flow runs under its own flow run: the stage's wall time is the
-    parent's, and a stage run under a benchmark chain still counts."""
-
-    def flow(name: str, parent: Any = None) -> Any:
-        with record_run(
-            flow=name, stage=name, technique="flow", dataset=None, profile="tiny", config={}, parent=parent,
-            track=False,
-        ) as rec:  # fmt: skip
-            return rec
-
-    with record_run(
-        flow="tangent", stage="tangent", technique="flow", dataset=None, profile="tiny", config={}, track=False
-    ) as stage:
-        flow("tangent", stage.ref)
-        flow("tangent", stage.ref)
-    chain = flow("benchmark")
-    stip = flow("stip", chain.ref)
-    runs = sc.stage_runs(profile="tiny")
-    assert dict(zip(runs["flow"], runs["run_id"], strict=True)) == {
-        "tangent": stage.ref.run_id,
-        "stip": stip.ref.run_id,
-        "benchmark": chain.ref.run_id,
-    }
