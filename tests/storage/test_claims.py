@@ -299,6 +299,10 @@ def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path) -> None:
     half = z * math.sqrt((0.05 / z) ** 2 + (0.03 / z) ** 2)  # each side's larger half-width
     assert (ctx.low, ctx.high) == pytest.approx((0.35 - half, 0.35 + half))
     assert ctx.verdict == sc.REPRODUCED
+    from tasks.report import _paper_section
+
+    table = sc.claims_table([sc.evaluate_claim(None, claim)])  # the report names the interval whole
+    assert "Intervals: the runs' own (normal, sides independent)." in _paper_section("p", "P", "f", table)
     _metric_run("private", {"auc": 0.87, "auc_lo": 0.84, "auc_hi": 0.9}, {"seed": 0})  # the newest: straddles 0
     assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
     _metric_run("private", {"auc": 0.2}, {"seed": 0})  # the newest records no interval
