@@ -161,6 +161,7 @@ def _click_tab(page: Page, name: str) -> None:
     page.click(f"[...document.querySelectorAll('[role=tab]')].find(b => b.innerText.trim() === {name!r})")
 
 
+@pytest.mark.system  # the dashboard's and MLflow's real servers in a headless browser (CI runs it)
 def test_dashboard_and_mlflow_compare_render_in_chromium(filled_store: FilledStore, tmp_path: Path) -> None:
     chromium()
     from storage.leaderboard import leaderboard
