@@ -577,7 +577,6 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
                 "verdict": r.verdict,
                 "rule": c.rule.describe(c.stat_label, c.measure.unit),
                 "reason": r.reason,
-                # "; ": an interval's name may hold a comma ("the runs' own (normal, sides independent)")
                 "interval": "; ".join(sorted({x.interval for x in r.contexts if x.verdict != NOT_RUN})),
                 "stage": c.stage,
                 "note": c.note,

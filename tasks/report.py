@@ -184,6 +184,7 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
     if noted:
         lines += ["", "Notes:", ""] + [f"- `{r.claim}`: {_cell(r.note)}" for r in noted]
     names = {"all runs": "every-run bounds (no interval needed)", "none": "one seed (no interval)"}
+    # "; " joins them: a name may hold a comma ("the runs' own (normal, sides independent)")
     intervals = sorted({names.get(i, i) for v in rows["interval"] for i in str(v).split("; ") if i})
     if intervals:
         lines += ["", f"Intervals: {'; '.join(intervals)}."]
