@@ -79,16 +79,23 @@ def prefect_harness() -> Iterator[None]:
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tests.filled_store import FilledStore
+    from tests.filled_store import FilledStore, StageStore
 
 
 @pytest.fixture(scope="session")
-def filled_store(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> FilledStore:
-    """A results store (and MLflow store) filled once per session by real tiny runs of every stage flow and a
-    tiny ``dp-clipping`` bench (see ``tests/filled_store.py``). Returns a ``FilledStore`` with ``home``,
-    ``db_url``, ``tracking_uri`` (and ``env``, ``flow_runs``); the environment is restored after filling, so
-    set ``filled_store.env`` yourself where a test needs privbench pointed at it."""
-    from tests.filled_store import fill_store
+def stage_store(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> StageStore:
+    """The session's results store (and MLflow store), filled one stage at a time on first use by real tiny runs
+    of the stage flows (see ``tests/filled_store.py``): a flow test reads its stage's run with
+    ``stage_store.summary(stage)`` and points privbench at the store with ``stage_store.point_at(monkeypatch)``,
+    so no flow runs twice in a session."""
+    from tests.filled_store import StageStore
 
-    with pytest.MonkeyPatch.context() as mp:
-        return fill_store(tmp_path_factory.mktemp("filled"), mp)
+    return StageStore(tmp_path_factory.mktemp("filled"))
+
+
+@pytest.fixture(scope="session")
+def filled_store(stage_store: StageStore) -> FilledStore:
+    """The session's store with every stage flow and a tiny ``dp-clipping`` bench filled in. A ``FilledStore``
+    with ``home``, ``db_url``, ``tracking_uri`` (and ``env``, ``flow_runs``); the environment is restored after
+    filling, so set ``filled_store.env`` yourself where a test needs privbench pointed at it."""
+    return stage_store.filled()

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from core.attacks.vocab import GPT2_VOCAB
 from core.errors import ConfigError
-from flows.attacks import attacks_flow
 from pbconfig.attacks import AttacksConfig
 from pbconfig.benchmark import BenchmarkConfig, validate
 from pbconfig.data import PrepareConfig
 from pbconfig.settings import get_settings
 from storage.repository import ResultsRepository
 from tests.core.data.test_text import write_mo
+
+if TYPE_CHECKING:
+    from tests.filled_store import StageStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -125,8 +128,12 @@ TINY = AttacksConfig(
 )
 
 
-def test_attacks_flow_records_film_and_utility(home: Path, prepare: PrepareConfig, tmp_path: Path) -> None:
-    summary = attacks_flow(TINY, prepare, profile="tiny")
+def test_attacks_flow_records_film_and_utility(
+    stage_store: StageStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # attacks_flow(TINY, prepare, ...) with the membership audit below added, run once for the session's tests
+    summary = stage_store.summary("attacks")
+    stage_store.point_at(monkeypatch)
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
     _, rows = repo.query(
@@ -194,45 +201,13 @@ def test_attacks_need_their_text_prepared(prepare: PrepareConfig) -> None:
         )
 
 
-def test_attacks_flow_audits_private_and_nonprivate_models(home: Path) -> None:
-    cfg = validate(
-        BenchmarkConfig,
-        {
-            "profile": "tiny",
-            "prepare": {
-                "datasets": [
-                    {
-                        "name": "ml-1m-tiny",
-                        "source": "synthetic",
-                        "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
-                    }
-                ]
-            },
-            "train_dp": {
-                "datasets": [{"name": "ml-1m-tiny"}],
-                "methods": ["transformer"],
-                "epsilons": [8],
-                "epochs": 1,
-                "lrs": [0.005],
-                "batch_sizes": [64],
-                "max_len": 16,
-                "d_model": 16,
-            },
-            "attacks": {
-                "audit": {
-                    "datasets": ["ml-1m-tiny"],
-                    "methods": ["transformer"],
-                    "epsilons": [8],
-                    "shadows": 4,
-                    "epochs": 2,
-                    "unlearning": False,
-                },
-                "workers": 1,
-            },
-        },
-        origin="test",
-    )
-    summary = attacks_flow(cfg.attacks, cfg.prepare, profile="tiny", train_dp=cfg.train_dp)
+def test_attacks_flow_audits_private_and_nonprivate_models(
+    stage_store: StageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the audit of a DP (epsilon 8) and a non-private transformer on synthetic ML-1M at scale 0.05, 4 shadows,
+    # 2 epochs (tests/filled_store.py), run beside FILM in the session's one attacks flow run
+    summary = stage_store.summary("attacks")
+    stage_store.point_at(monkeypatch)
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
     rows = {(r["dp"], r["attack"]): r for r in summary["audit"]}

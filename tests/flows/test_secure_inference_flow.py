@@ -5,6 +5,7 @@ equal to the plaintext twin, quality and network projections, scaling points."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +17,9 @@ from pbconfig.claims import load_claims
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.repository import ResultsRepository
+
+if TYPE_CHECKING:
+    from tests.filled_store import StageStore
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_harness"),
@@ -44,8 +48,9 @@ TINY = SecureInferenceConfig(
 )
 
 
-def test_secure_inference_flow_records_every_method(home: Path) -> None:
-    summary = secure_inference_flow(TINY, profile="tiny")
+def test_secure_inference_flow_records_every_method(stage_store: StageStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = stage_store.summary("secure-inference")  # secure_inference_flow(TINY, profile="tiny"), run once
+    stage_store.point_at(monkeypatch)
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
     _, rows = repo.query("select technique, status from runs where stage = 'secure-inference' order by technique")

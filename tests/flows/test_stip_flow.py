@@ -3,13 +3,15 @@ attack results are recorded (attack_results rows with the recovered fraction).""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from flows.stip import stip_flow
 from pbconfig.stip import StipConfig
 from storage.repository import ResultsRepository
+
+if TYPE_CHECKING:
+    from tests.filled_store import StageStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -25,8 +27,9 @@ TINY = StipConfig(
 )
 
 
-def test_stip_flow_records_protocol_and_attacks(home: Path) -> None:
-    summary = stip_flow(TINY, profile="tiny")
+def test_stip_flow_records_protocol_and_attacks(stage_store: StageStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = stage_store.summary("stip")  # stip_flow(TINY, profile="tiny"), run once for the session's tests
+    stage_store.point_at(monkeypatch)
     repo = ResultsRepository()
     assert repo.get_run(summary["run_id"])["status"] == "finished"
     assert {r["design"] for r in summary["protocol"]} == {"user_embed", "vocab_perm"}

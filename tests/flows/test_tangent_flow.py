@@ -8,7 +8,7 @@ import gzip
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -24,6 +24,9 @@ from storage.leaderboard import config_seed
 from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.prepare_images import prepare_image_dataset, write_prepared_model
+
+if TYPE_CHECKING:
+    from tests.filled_store import StageStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -101,12 +104,10 @@ def prepare_tiny_inputs(folder: Path, home: Path, parent_ref: Any) -> dict[str, 
     return {"images": images.path, "model": str(model_dir)}
 
 
-def test_tangent_flow_records_all_four_result_groups(prepared: dict[str, str]) -> None:
-    cfg = _config()
-    assert cfg.tangent is not None
-    summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
-    )
+def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = stage_store.summary("tangent")  # the tangent flow on _config() and prepare_tiny_inputs, run once
+    prepared = stage_store.inputs["tangent"]
+    stage_store.point_at(monkeypatch)
     repo = ResultsRepository()
     flow_run = repo.get_run(summary["run_id"])
     assert flow_run["status"] == "finished"

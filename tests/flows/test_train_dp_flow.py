@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -11,12 +11,14 @@ from mlflow.tracking import MlflowClient
 from core.dp.noise import NOISE_SOURCES
 from core.dp.trainer import EVAL_PROTOCOL
 from core.models.popularity import popularity_metrics
-from flows.train_dp import train_dp_flow, train_dp_runner
 from pbconfig.benchmark import BenchmarkConfig, validate
 from storage import views
 from storage.repository import ResultsRepository
 from tasks.prepare import load_prepared
 from tasks.train_dp import expand_grid, train_overrides
+
+if TYPE_CHECKING:
+    from tests.filled_store import StageStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -88,10 +90,11 @@ def test_secure_mode_reaches_the_private_runs_only() -> None:
     }
 
 
-def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
-    assert TINY.train_dp is not None
-    flow = train_dp_flow.with_options(task_runner=train_dp_runner(TINY.train_dp))
-    summary = flow(TINY.train_dp, TINY.prepare, profile="tiny")
+def test_train_dp_flow_records_runs_with_ledger_and_curves(
+    stage_store: StageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary = stage_store.summary("train-dp")  # the train-dp flow on TINY, run once for the session's tests
+    stage_store.point_at(monkeypatch)
     assert len(summary["runs"]) == 4
     repo = ResultsRepository()
     _, rows = repo.query(
@@ -107,7 +110,9 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(home: Path) -> None:
         assert 0 < eps <= target == 8.0 and eps > 7.0  # the budget is spent, never exceeded
         assert 0 < delta < 1 / 302 and sigma > 0 and 0 < q < 1 and steps >= 1  # 302 users in the tiny set
         assert 0.0 <= ndcg <= 1.0
-    _, ledger = repo.query("select unit, neighbouring from privacy_ledger")
+    _, ledger = repo.query(
+        "select p.unit, p.neighbouring from privacy_ledger p join runs r on r.id = p.run_id where r.stage = 'train-dp'"
+    )
     assert set(ledger) == {("user", "add/remove")}
     run = repo.get_run(summary["runs"][0]["run_id"])
     curve = [m for m in run["metrics"] if m["name"] == "curve/valid_ndcg_at_10"]
