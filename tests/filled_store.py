@@ -196,7 +196,9 @@ class StageStore:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default for this home: artifacts in home/mlartifacts
 
     def point_at(self, mp: pytest.MonkeyPatch) -> None:
-        """Point privbench and a bare ``MlflowClient()`` at this store for as long as ``mp`` lasts."""
+        """Point privbench at this store for as long as ``mp`` lasts (and MLflow, through
+        ``MLFLOW_TRACKING_URI``; a client a test makes names ``tracking_uri`` itself, since a process-wide
+        ``mlflow.set_tracking_uri`` another test made would win over the environment)."""
         self._home_env(mp)
         mp.setenv("MLFLOW_TRACKING_URI", self.tracking_uri)
 

@@ -132,7 +132,8 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(
     assert frame["popularity_ndcg_at_10"].tolist() == pytest.approx([metrics["popularity.test_ndcg_at_10"]] * 4)
     assert [m["step"] for m in run["metrics"] if m["name"] == "curve/test_ndcg_at_10_masked"] == [1]
     assert summary["runs"][0]["test_ndcg_at_10_masked"] == metrics["test_ndcg_at_10_masked"]
-    mlflow_run = MlflowClient().get_run(run["mlflow_run_id"])
+    client = MlflowClient(tracking_uri=stage_store.tracking_uri)  # not mlflow's process-wide URI another test set
+    mlflow_run = client.get_run(run["mlflow_run_id"])
     assert mlflow_run.data.tags["privbench.protocol"] == EVAL_PROTOCOL
     _, sources = repo.query(  # every run names its noise source, in its config and as a tag
         "select r.mlflow_run_id, r.config_json, p.epsilon from runs r left join privacy_ledger p on p.run_id = r.id "
@@ -142,4 +143,4 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(
     for mlflow_id, config_json, eps in sources:
         expected = NOISE_SOURCES["seeded"] if eps is not None else "none (non-private)"
         assert json.loads(config_json)["noise_source"] == expected
-        assert MlflowClient().get_run(mlflow_id).data.tags["privbench.noise_source"] == expected
+        assert client.get_run(mlflow_id).data.tags["privbench.noise_source"] == expected

@@ -357,11 +357,15 @@ def test_the_libraries_noise_is_off_unless_verbose(verbose: bool) -> None:
 # ------------------------------------------------------------------------------------------------ a real run
 
 
-def test_a_piped_run_prints_one_line_per_run_of_the_store(tmp_path: Path) -> None:
+def test_a_piped_run_prints_one_line_per_run_of_the_store(tmp_path: Path, prefect_harness: None) -> None:
+    from prefect.settings import get_current_settings
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PRIVBENCH_"))}
     env |= {
         "PRIVBENCH_HOME": str(tmp_path / "home"),
         "PREFECT_HOME": str(tmp_path / "prefect"),
+        # the session's Prefect API: the command's own temporary one is test_run_command's
+        "PREFECT_API_URL": str(get_current_settings().api.url),
         "PYTHONPATH": str(ROOT),
         "COLUMNS": "200",
     }

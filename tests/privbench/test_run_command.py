@@ -67,8 +67,12 @@ def test_a_data_error_is_one_clean_message(tmp_path: Path, bad_data_config: Path
     ], text
 
 
-def test_debugging_shows_the_traceback(tmp_path: Path, bad_data_config: Path) -> None:
-    out = run_cli(tmp_path, "run", "prepare", "-c", str(bad_data_config), PRIVBENCH_DEBUG="1")
+def test_debugging_shows_the_traceback(tmp_path: Path, bad_data_config: Path, prefect_harness: None) -> None:
+    from prefect.settings import get_current_settings
+
+    # the session's Prefect API (the test above starts the command's own temporary one, as a user's run does)
+    api = str(get_current_settings().api.url)
+    out = run_cli(tmp_path, "run", "prepare", "-c", str(bad_data_config), PRIVBENCH_DEBUG="1", PREFECT_API_URL=api)
     assert out.returncode == 1
     assert "Traceback (most recent call last)" in out.stderr and "DataError" in out.stderr
 
