@@ -186,6 +186,7 @@ class StageStore:
         self.inputs: dict[str, dict[str, str]] = {}  # what a stage was given (the tangent stage's prepared paths)
         self.fill_s: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
 
     def _home_env(self, mp: pytest.MonkeyPatch) -> None:
         from storage.db import dispose_engines
@@ -196,9 +197,9 @@ class StageStore:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default for this home: artifacts in home/mlartifacts
 
     def point_at(self, mp: pytest.MonkeyPatch) -> None:
-        """Point privbench at this store for as long as ``mp`` lasts (and MLflow, through
-        ``MLFLOW_TRACKING_URI``; a client a test makes names ``tracking_uri`` itself, since a process-wide
-        ``mlflow.set_tracking_uri`` another test made would win over the environment)."""
+        """Point privbench and ``MLFLOW_TRACKING_URI`` at this store for as long as ``mp`` lasts. An
+        ``MlflowClient`` a test makes should still name ``tracking_uri``: a process-wide ``mlflow.set_tracking_uri``
+        made by an earlier test wins over the environment."""
         self._home_env(mp)
         mp.setenv("MLFLOW_TRACKING_URI", self.tracking_uri)
 
@@ -212,6 +213,8 @@ class StageStore:
             self.skipped[stage] = "CrypTen is not installed"
         if stage in self.skipped:
             pytest.skip(self.skipped[stage])
+        if stage in self.failed:  # not run again: its failed rows are in the store and would skew every count
+            pytest.fail(f"filling the {stage} stage failed earlier in this session: {self.failed[stage]}")
         if stage not in self.summaries:
             with pytest.MonkeyPatch.context() as mp:
                 self._home_env(mp)
@@ -219,6 +222,9 @@ class StageStore:
                     start = time.perf_counter()
                     self.summaries[stage] = FILLERS[stage](self, mp)
                     self.fill_s[stage] = round(time.perf_counter() - start, 1)
+                except Exception as exc:
+                    self.failed[stage] = f"{type(exc).__name__}: {exc}"
+                    raise
                 finally:
                     dispose_engines()
         return self.summaries[stage]
