@@ -1,0 +1,160 @@
+"""Which rows of the results store measure a claim (step 1 of ``storage.claims``): the claim's ``measure.source``
+(a ``storage.views`` view, or the scalar metrics and config values of a stage's runs) restricted by the filters and
+by ``where``, with ``value`` evaluated per row; a ``b_source`` adds side b's rows from a peer's own runs."""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pbconfig.claims import Claim, SideSource, dotted_name
+from storage import views
+
+
+def _evaluate(expression: str, frame: pd.DataFrame) -> pd.Series:
+    """The ``value`` expression (validated by ``pbconfig.claims``) on the columns of ``frame``, as floats."""
+
+    def walk(node: ast.AST) -> Any:
+        if isinstance(node, ast.Attribute | ast.Name):
+            return pd.to_numeric(frame[dotted_name(node)], errors="coerce").astype(float)
+        if isinstance(node, ast.Constant):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp):
+            return -walk(node.operand) if isinstance(node.op, ast.USub) else walk(node.operand)
+        assert isinstance(node, ast.BinOp)
+        left, right = walk(node.left), walk(node.right)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if isinstance(node.op, ast.Add):
+                return left + right
+            if isinstance(node.op, ast.Sub):
+                return left - right
+            if isinstance(node.op, ast.Mult):
+                return left * right
+            return left / right
+
+    out = walk(ast.parse(expression, mode="eval").body)
+    return out if isinstance(out, pd.Series) else pd.Series(out, index=frame.index, dtype=float)
+
+
+def _metric_rows(
+    db_url: str | None, stage: str | None, techniques: tuple[str, ...], columns: set[str], **filters: Any
+) -> pd.DataFrame:
+    """Source ``metrics``: the finished runs of ``stage`` (and ``techniques``) with the scalar metrics and config
+    values named in ``columns``."""
+    from storage.models import Run
+
+    engine, f = views._engine(db_url), views._filters(filters)
+    conditions = [Run.stage == stage]
+    if techniques:
+        conditions.append(Run.technique.in_(list(techniques)))
+    base = views._result_runs(engine, f, *conditions)
+    base = base.rename(columns={"technique": "method"})
+    base["technique"] = base["method"]
+    configs = [_flat(views._config(c)) for c in base["config_json"]]
+    for key in sorted({k for c in configs for k in c} & columns):
+        base[key] = [c.get(key) for c in configs]
+    own = set(base.columns)
+    names = sorted(c for c in columns if c not in own)
+    if base.empty:
+        return base.assign(**{n: pd.Series(dtype=float) for n in names})
+    return base.merge(views._metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
+
+
+def _flat(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
+    """A run's config as ``config.<dotted path>`` -> scalar (lists and nulls left out)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, path))
+        elif isinstance(value, str | int | float | bool):
+            out[path] = value
+    return out
+
+
+def _source_rows(
+    db_url: str | None,
+    claim_id: str,
+    source: str,
+    stage: str | None,
+    techniques: tuple[str, ...],
+    columns: set[str],
+    **filters: Any,
+) -> pd.DataFrame:
+    """The rows of one source; raises ValueError naming a column of ``columns`` the source does not have."""
+    if source == "metrics":
+        frame = _metric_rows(db_url, stage, techniques, columns, **filters)
+    else:
+        frame = getattr(views, source)(db_url, **filters)
+    missing = sorted(c for c in columns if c not in frame.columns)
+    if missing:
+        raise ValueError(
+            f"claim {claim_id!r}: source {source!r} has no column(s) {', '.join(missing)}; "
+            f"its columns: {', '.join(map(str, frame.columns))}"
+        )
+    return frame
+
+
+def _peer_rows(
+    db_url: str | None, claim_id: str, peer: SideSource, per: tuple[str, ...], **filters: Any
+) -> pd.DataFrame:
+    """Side b's rows from ``measure.b_source`` (after its ``where``), with ``value``: the filters that select our
+    runs (profile, root, commit) give way to the peer's own ``profile``."""
+    given = {k: v for k, v in filters.items() if k not in ("profile", "root", "commit")}
+    if peer.profile is not None:
+        given["profile"] = peer.profile
+    frame = _source_rows(db_url, claim_id, peer.source, peer.stage, peer.techniques, peer.columns(per), **given)
+    frame = frame[matches(frame, peer.where)].copy()
+    frame["value"] = _evaluate(peer.value, frame) if len(frame) else pd.Series(dtype=float)
+    return frame
+
+
+def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame:
+    """The rows that measure ``claim`` (after ``where``), with a ``value`` column (and a ``side`` column, ``a`` or
+    ``b``, when side b comes from a ``b_source``); raises ValueError naming a column a source does not have."""
+    m = claim.measure
+    frame = _source_rows(db_url, claim.id, m.source, m.stage, m.techniques, m.columns, **filters)
+    frame = frame[matches(frame, m.where)].copy()
+    frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
+    if m.run_interval is not None:
+        for column, expression in zip(("low", "high"), m.run_interval, strict=True):
+            frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
+    if m.value_b is not None and len(frame):
+        in_b = matches(frame, m.b or {}) & ~matches(frame, m.a)
+        frame.loc[in_b, "value"] = _evaluate(m.value_b, frame)[in_b]
+    if m.b_source is not None:
+        keep = list(dict.fromkeys(["run_id", "value", "dataset", *m.per]))
+        peer = _peer_rows(db_url, claim.id, m.b_source, m.per, **filters)
+        parts = [
+            p.reindex(columns=keep).assign(side=side) for p, side in ((frame[matches(frame, m.a)], "a"), (peer, "b"))
+        ]
+        parts = [p for p in parts if len(p)]
+        frame = pd.concat(parts, ignore_index=True) if parts else frame.reindex(columns=[*keep, "side"])
+    return frame[frame["value"].notna()]
+
+
+def matches(frame: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
+    """The rows of ``frame`` whose columns hold one of the values ``selector`` names per column (``None``: null;
+    numbers compared with a relative tolerance of 1e-9)."""
+    keep = pd.Series(True, index=frame.index)
+    for column, wanted in selector.items():
+        allowed = wanted if isinstance(wanted, list) else [wanted]
+        keep &= frame[column].map(lambda v, allowed=allowed: any(_equal(v, w) for w in allowed))
+    return keep
+
+
+def _equal(value: Any, wanted: Any) -> bool:
+    if wanted is None:
+        return value is None or (isinstance(value, float) and math.isnan(value))
+    if isinstance(wanted, bool) or isinstance(value, bool | np.bool_):
+        return bool(value) == bool(wanted) if isinstance(value, bool | np.bool_) else False
+    if isinstance(wanted, int | float):
+        try:
+            return math.isclose(float(value), float(wanted), rel_tol=1e-9, abs_tol=1e-12)
+        except (TypeError, ValueError):
+            return False
+    return str(value) == str(wanted)
