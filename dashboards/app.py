@@ -330,7 +330,15 @@ def attacks(db_url: str, filters: Filters) -> None:
     )
 
 
-VERDICT_ICONS = {"reproduced": "✅", "not reproduced": "❌", "inconclusive": "❔", "not run": "⏸"}
+VERDICT_ICONS = {
+    "reproduced": "✅",
+    "not reproduced": "❌",
+    "inconclusive": "❔",
+    "underpowered": "🔋",
+    "projected": "📈",
+    "not applicable at this scale": "↔",
+    "not run": "⏸",
+}
 
 
 def claims(db_url: str, filters: Filters) -> None:

@@ -29,10 +29,19 @@ that must all be measured for a verdict (``{epsilon: [5, 8, 10]}``); contexts wi
 Rules (``rule.kind``):
 
 * ``above`` / ``below`` with ``bound``: the stat's 95% interval over seeds must lie entirely above (below) the
-  bound for ``reproduced`` (with at least ``min_n`` seeds); entirely on the other side is ``not reproduced``;
-  straddling it, or too few seeds for an interval, is ``inconclusive``;
+  bound for ``reproduced`` (with at least ``min_n`` seeds); entirely on the other side is ``not reproduced`` (at
+  any n); straddling it with n >= ``min_n`` is ``inconclusive``; fewer seeds than ``min_n`` (or one seed and no
+  interval) is ``underpowered``: the rule could not have given ``reproduced`` at that n;
 * ``all_at_most`` / ``all_at_least`` with ``bound``: every run's value must satisfy the bound (deterministic
-  checks such as exactness to a tolerance: no interval needed, one run decides).
+  checks such as exactness to a tolerance: no interval needed, one run decides). ``measure.power`` (stat
+  ``value``) gives, per run, the stat at the strongest result the run's sample size allows (a perfect attack): a
+  run whose power does not reach past the bound could not have failed and is set aside; every run so is
+  ``underpowered``.
+
+``projected: true`` marks a value read from a fit (a length no run measured): the verdict is ``projected``, never
+``reproduced``, and its reason says whether the projection meets the bound and the fit's relative error on a
+measured run it was not fitted on (``validation``). ``applies_at`` (on the claim) names the run config at which the
+bound applies (GPT-2 shape): runs elsewhere are ``not applicable at this scale``.
 
 ``run_interval`` (``[low, high]`` columns, stat ``value`` or ``difference``): a context measured by one run (one
 seed) per side takes the runs' own recorded 95% intervals (a bootstrap or DeLong interval over their test examples)
@@ -42,21 +51,27 @@ overstates the error where they are scored on the same examples). With ``reduce:
 is that of its row with the largest (smallest) value. With two or more seeds the interval over seeds is used.
 ``min_n`` still counts seeds, so such a claim sets ``min_n: 1``.
 
-A claim is ``not run`` when the store has no rows for it; ``reproduced`` when every required context is
-reproduced; ``not reproduced`` when any context is not; ``inconclusive`` otherwise.
+A claim is ``not run`` when the store has no rows for it; ``not reproduced`` when any context is not reproduced;
+else ``inconclusive`` when any context is (or a required one is not run); else ``underpowered`` when any context
+is; else ``reproduced``.
 
 ``precondition`` (optional) names another claim that must hold for this one's comparison to mean anything (DPFormer
 against the Transformer presupposes that the private Transformer has learned more than the most-popular-items
-ranking: Re-Attention reweights attention over the user's history, and a model that ranks by item counts makes no
-use of it). Where the precondition is ``not reproduced``, a ``not reproduced`` verdict of this claim becomes
-``inconclusive`` (the measurement had no power to show the effect) and its reason gives both measurements; a
-``reproduced`` verdict stands (an effect seen anyway is evidence); an ``inconclusive`` or ``not run`` precondition
-is named in the reason of a claim that is not reproduced.
+ranking under the same protocol: Re-Attention reweights attention over the user's history, and a model that ranks
+by item counts makes no use of it). Where the precondition is not ``reproduced``, this claim's ``reproduced`` or
+``not reproduced`` reads ``inconclusive`` (the measurement could not show the effect either way) and its reason
+gives both measurements; its other verdicts stand, the precondition named.
+
+Pre-registration: ``registered`` is the commit that added the claim (its date; no commit until the change is
+committed) and ``history`` every later change of its measure, rule, precondition, scale or data: the old and new
+value, the date and commit, the verdict the old rule gave in the reports of the time, and a reason that cites no
+measured result. ``tests/test_claims_history.py`` checks the history against git.
 """
 
 from __future__ import annotations
 
 import ast
+import datetime as dt
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,7 +94,15 @@ SOURCES = (
     "membership",
     "metrics",
 )
-VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run")
+VERDICTS = (
+    "reproduced",
+    "not reproduced",
+    "inconclusive",
+    "underpowered",
+    "projected",
+    "not applicable at this scale",
+    "not run",
+)
 Scalar = str | int | float | bool | None
 
 
@@ -185,8 +208,15 @@ class Measure(FrozenConfig):
     run_interval: tuple[str, str] | None = None
     # how the stat is shown: as is, a signed percentage (relative), a multiple, accuracy points, a share
     unit: Literal["", "%", "x", "pt", "share"] = ""
+    # every-run rules: per row, the stat the run would give for the strongest result its sample size allows (a
+    # perfect attack); a run whose power does not reach past the bound could not have failed the rule
+    power: str | None = None
+    # the value is read from a fit (a length the runs did not measure): the verdict is "projected", never
+    # "reproduced"; ``validation`` is the fit's relative prediction error on a measured run it was not fitted on
+    projected: bool = False
+    validation: str | None = None
 
-    @field_validator("value", "value_b")
+    @field_validator("value", "value_b", "power", "validation")
     @classmethod
     def _expression(cls, value: str | None) -> str | None:
         if value is not None and not _names(value):
@@ -195,6 +225,10 @@ class Measure(FrozenConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> Measure:
+        if self.validation is not None and not self.projected:
+            raise ValueError("validation (a projection's hold-out error) needs projected: true")
+        if self.power is not None and self.stat != "value":
+            raise ValueError(f"power applies to stat 'value' (one run's own result), got stat {self.stat!r}")
         _check_source(self.source, self.stage, self.techniques, "measure.")
         if self.b is not None and self.b_source is not None:
             raise ValueError("give side b as b (rows of the same source) or as b_source (another source), not both")
@@ -225,6 +259,8 @@ class Measure(FrozenConfig):
         cols = _names(self.value) | _names(self.value_b or "0") | set(self.where) | set(self.a) | set(self.per)
         for bound in self.run_interval or ():
             cols |= _names(bound)
+        for extra in (self.power, self.validation):
+            cols |= _names(extra) if extra else set()
         return cols | set(self.b or {})
 
 
@@ -253,6 +289,43 @@ def _shown(value: float, unit: str) -> str:
     return f"{value:g}"
 
 
+class AppliesAt(FrozenConfig):
+    """The scale at which a claim's bound applies (``applies_at``): runs whose config does not match ``where``
+    (``config.<dotted path>`` of the run's config, as in ``measure.where`` of source ``metrics``) are judged
+    ``not applicable at this scale`` instead of against a bound meant for another shape."""
+
+    where: dict[str, Scalar | list[Scalar]]
+    scale: str  # how the report names it: "GPT-2 124M shape (width 768, 12 layers)"
+
+    @field_validator("where")
+    @classmethod
+    def _config_keys(cls, where: dict[str, Any]) -> dict[str, Any]:
+        bad = sorted(k for k in where if not k.startswith("config."))
+        if not where or bad:
+            raise ValueError(f"applies_at.where names run config values as config.<path>; got {bad or 'nothing'}")
+        return where
+
+
+class Registration(FrozenConfig):
+    """Where a claim's rule was registered: the commit that added it to the registry (None until that change is
+    committed: ``tests/test_claims_history.py`` checks it against git), and its date."""
+
+    commit: str | None = Field(default=None, pattern=r"^[0-9a-f]{7,40}$")
+    date: dt.date
+
+
+class RuleChange(FrozenConfig):
+    """One change of a registered rule (``history``): which fields of the measure, rule or precondition changed,
+    from what to what, when, the verdict the old rule gave in the reports of the time, and a reason that cites no
+    measured result (pre-registration: ``docs/claims.md``)."""
+
+    date: dt.date
+    commit: str | None = Field(default=None, pattern=r"^[0-9a-f]{7,40}$")  # None: the change not yet committed
+    change: dict[str, tuple[Any, Any]]  # dotted field (measure.per, rule.min_n, precondition) -> (old, new)
+    verdict_before: str  # the old rule's verdict in the committed reports of the time ("none": no report had it)
+    reason: str = Field(min_length=20)
+
+
 class Claim(FrozenConfig):
     """One headline claim of one paper."""
 
@@ -268,6 +341,15 @@ class Claim(FrozenConfig):
     # the id of a claim this one presupposes (the private models learn more than item counts): where that claim is
     # not reproduced, this one's comparison cannot show, so "not reproduced" reads "inconclusive" (module docstring)
     precondition: str | None = None
+    applies_at: AppliesAt | None = None
+    registered: Registration
+    history: tuple[RuleChange, ...] = ()
+
+    @model_validator(mode="after")
+    def _power_for_every_run_rules(self) -> Claim:
+        if self.measure.power is not None and self.rule.kind not in ("all_at_most", "all_at_least"):
+            raise ValueError(f"claim {self.id!r}: measure.power applies to every-run rules, not {self.rule.kind!r}")
+        return self
 
     @property
     def stat_label(self) -> str:
@@ -346,10 +428,13 @@ __all__ = [
     "CLAIMS_DIR",
     "SOURCES",
     "VERDICTS",
+    "AppliesAt",
     "Claim",
     "ClaimsFile",
     "Measure",
+    "Registration",
     "Rule",
+    "RuleChange",
     "SideSource",
     "dotted_name",
     "load_claims",

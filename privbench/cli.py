@@ -189,16 +189,35 @@ def report(
     ] = None,
     root: Annotated[str | None, typer.Option("--root", help="only this run and its descendants (one chain)")] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures", help="draw the stage figures")] = True,
+    source: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="render from this export (`privbench results export`, e.g. docs/results/data/<profile>) instead "
+            "of the results store",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The papers' claims judged from the results store: one table per paper (claim, the paper's value, ours with
     a 95% interval, the verdict and its rule), the stage figures and where the numbers come from, as Markdown
-    with the figures in a folder beside it. The registry is configs/claims/*.yaml."""
+    with the figures in a folder beside it. The registry is configs/claims/*.yaml. With --from, the store is an
+    export loaded into a temporary SQLite store: the committed data behind a committed report renders it again."""
+    from contextlib import nullcontext
+
+    from storage.archive import restored
     from tasks.report import render_report
 
+    if source is not None and not source.is_dir():
+        _fail(f"--from {source} is not a folder; give one written by `privbench results export --out DIR`", code=2)
     target = out or Path("docs") / "results" / f"{profile or 'all'}.md"
+
+    def render() -> Any:
+        with restored(source) if source is not None else nullcontext(None) as db_url:
+            return render_report(target, profile=profile, root=root, figures=figures, db_url=db_url)
+
     try:
-        result = _store_call(lambda: render_report(target, profile=profile, root=root, figures=figures))
+        result = _store_call(render)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc), code=2)
     table = result.table

@@ -15,7 +15,14 @@ from core.redact import redact_url
 if TYPE_CHECKING:
     import pandas as pd
 
-VERDICT_COLOURS = {"reproduced": "green", "not reproduced": "red", "inconclusive": "yellow"}
+VERDICT_COLOURS = {
+    "reproduced": "green",
+    "not reproduced": "red",
+    "inconclusive": "yellow",
+    "underpowered": "yellow",
+    "projected": "cyan",
+    "not applicable at this scale": "dim",
+}
 
 
 def literal(text: str) -> Text:

@@ -1,6 +1,7 @@
-"""``privbench results``: query the results store (list, show, query, export), end stale runs (reap) and record
-benchmark results measured on another machine (import-bench); and the helpers every command shares (the error
-console, :func:`_fail`, the store calls). Everything shown is shown literally and redacted (``privbench.display``)."""
+"""``privbench results``: query the results store (list, show, query), write it to files and load them back
+(export, restore), end stale runs (reap) and record benchmark results measured on another machine (import-bench);
+and the helpers every command shares (the error console, :func:`_fail`, the store calls). Everything shown is shown
+literally and redacted (``privbench.display``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,19 +30,34 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
 
 @results_app.command("import-bench")
 def results_import_bench(
-    files: Annotated[list[Path], typer.Argument(help="JSON files printed by `privbench bench ... --no-record --json`")],
+    files: Annotated[
+        list[Path],
+        typer.Argument(
+            help="JSON files printed by `privbench bench ... --no-record --json`, or folders of them (every *.json)"
+        ),
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Record benchmark results measured elsewhere (`privbench bench --no-record --json`, e.g. on a GPU worker that
-    cannot reach the store) as bench runs, with the measuring machine's commit, host, device and times."""
+    cannot reach the store) as bench runs, with the measuring machine's commit, host, device and times. A folder
+    (``docs/results/data/<profile>/bench/``) gives its ``*.json`` files in name order; every file is read before
+    any is recorded, and a result already in the store is refused."""
     from privbench.bench.harness import import_benchmark_result
 
-    results = []
-    for path in files:
+    paths: list[Path] = []
+    for given in files:
+        found = sorted(given.glob("*.json")) if given.is_dir() else [given]
+        if not found:
+            _fail(f"{given} holds no *.json file; give files printed by `privbench bench NAME --no-record --json`", 2)
+        paths += found
+    read: list[tuple[Path, Any]] = []
+    for path in paths:
         try:
-            data = json.loads(path.read_text())
+            read.append((path, json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as exc:
             _fail(f"cannot read {path}: {exc}; give a file printed by `privbench bench NAME --no-record --json`", 2)
+    results = []
+    for path, data in read:
         try:
             recorded = import_benchmark_result(data)
         except ConfigError as exc:
@@ -156,23 +172,60 @@ def results_query(
 
 @results_app.command("export")
 def results_export(
-    fmt: Annotated[str, typer.Option("--format", "-f", help="csv or parquet")] = "csv",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="csv (gzip-compressed) or parquet")] = "csv",
     out: Annotated[Path, typer.Option("--out", "-o", help="output folder")] = Path("privbench-export"),
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            "--profile",
+            "-p",
+            help="only what the report of this profile reads (its runs, the bench and peer runs its claims read, "
+            "the paper profile's stage runs); default: the whole store",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Write every table of the store to ``OUT/<table>.<format>``."""
+    """Write every table of the store to ``OUT/<table>.csv.gz`` (or ``.parquet``) with ``OUT/manifest.json`` (schema
+    revision, profiles, commits, row counts, checksums): all a report needs, deterministic (the same store gives
+    the same bytes). ``privbench results restore OUT`` loads it into an empty store; ``privbench report --from
+    OUT`` renders a report from it."""
+    from storage.archive import export_store
+
     if fmt not in ("csv", "parquet"):
         _fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
-    repo = _repo()
     try:
-        written = _store_call(lambda: repo.export(out, fmt))  # type: ignore[arg-type]
+        done = _store_call(lambda: export_store(out, fmt, profile=profile))  # type: ignore[arg-type]
     except OSError as exc:
         where = exc.filename if exc.filename is not None else out
         _fail(
             f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
             "create and write to (e.g. --out ./privbench-export)"
         )
-    for path in written:
-        err.print(f"wrote {_shown(path)}")
+    if as_json:
+        print(json.dumps(done.manifest, indent=2))
+    rows = ", ".join(f"{n} {t['rows']}" for n, t in done.manifest["tables"].items())
+    size = sum(p.stat().st_size for p in done.files)
+    err.print(_literal(f"wrote {len(done.files)} files ({size / 1024:.0f} KiB) to {out}: {rows}"))
+
+
+@results_app.command("restore")
+def results_restore(
+    src: Annotated[Path, typer.Argument(help="a folder written by `privbench results export`")],
+    db: Annotated[
+        str | None, typer.Option("--db", help="the empty store to load it into (default: PRIVBENCH_DB_URL)")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Load an export (``privbench results export``) into an empty results store, all or nothing: the store
+    behind a committed report (``docs/results/data/<profile>/``) becomes one to query, browse or report on."""
+    from storage.archive import restore_store
+
+    if not src.is_dir():
+        _fail(f"{src} is not a folder; give the folder `privbench results export --out DIR` wrote", code=2)
+    counts = _store_call(lambda: restore_store(src, db))
+    if as_json:
+        print(json.dumps(counts, indent=2))
+    err.print(_literal(f"restored {src}: " + ", ".join(f"{n} {t}" for t, n in counts.items())))
 
 
 @results_app.command("reap")

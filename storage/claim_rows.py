@@ -54,7 +54,7 @@ def _metric_rows(
     base = views._result_runs(engine, f, *conditions)
     base = base.rename(columns={"technique": "method"})
     base["technique"] = base["method"]
-    configs = [_flat(views._config(c)) for c in base["config_json"]]
+    configs = [flat_config(views._config(c)) for c in base["config_json"]]
     for key in sorted({k for c in configs for k in c} & columns):
         base[key] = [c.get(key) for c in configs]
     own = set(base.columns)
@@ -64,13 +64,13 @@ def _metric_rows(
     return base.merge(views._metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
 
 
-def _flat(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
+def flat_config(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
     """A run's config as ``config.<dotted path>`` -> scalar (lists and nulls left out)."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         path = f"{prefix}.{key}"
         if isinstance(value, dict):
-            out.update(_flat(value, path))
+            out.update(flat_config(value, path))
         elif isinstance(value, str | int | float | bool):
             out[path] = value
     return out
@@ -122,6 +122,9 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
     frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
     if m.run_interval is not None:
         for column, expression in zip(("low", "high"), m.run_interval, strict=True):
+            frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
+    for column, expression in (("power", m.power), ("validation", m.validation)):
+        if expression is not None:
             frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
     if m.value_b is not None and len(frame):
         in_b = matches(frame, m.b or {}) & ~matches(frame, m.a)

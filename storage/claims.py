@@ -7,14 +7,18 @@
    gives one number per row; a ``measure.b_source`` gives side b's rows from its own source (a peer's runs: the
    filters' profile, root and commit do not apply to it, its own ``profile`` does);
 2. rows go to side ``a`` or ``b`` and to a context (the ``per`` columns); the rows of one run reduce to one
-   number per (side, context) (``reduce``); one run per (side, context, seed) counts, the newest (a seed run
-   again is a repeat, not a new sample; seeds as in ``storage.leaderboard``: the run's config seed, else its
-   nearest ancestor's);
+   number per (side, context) (``reduce``); every recorded run counts, except that where one (side, context, seed)
+   was measured at several git commits the older commits' runs are superseded (counted, and named in the reason);
+   runs of one seed at one commit are repeats: their mean is the seed's value for an interval, and each is judged
+   by an every-run rule (seeds as in ``storage.leaderboard``: the run's config seed, else its nearest ancestor's);
+   a claim with ``applies_at`` keeps only the runs at that scale (none: ``not applicable at this scale``);
 3. per context, the stat and its two-sided 95% interval: ``value``: Student t over seeds; a comparison of two
    sides run with the same seeds: the per-seed stat (paired), t over seeds; otherwise (unpaired) Welch's t for
    the difference and the delta method on the ratio of means for ``relative``/``ratio`` (always so against a
    ``b_source``: its seeds are another implementation's). One seed: no interval;
-4. the rule decides each context and the contexts decide the claim (``pbconfig.claims``); every verdict but
+4. the rule decides each context and the contexts decide the claim (``pbconfig.claims``): ``underpowered`` where
+   the rule could not have reached a verdict at the n that ran (fewer seeds than ``min_n``; every run's ``power``
+   short of the bound); a ``projected`` measure gives ``projected`` whatever the fit says; every verdict but
    ``reproduced`` carries a one-line reason drawn from the measured numbers.
 """
 
@@ -28,13 +32,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
+from sqlalchemy import select
 
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Measure, Rule, load_claims
-from storage.claim_rows import claim_rows, matches
+from storage.claim_rows import claim_rows, flat_config, matches
 from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
+UNDERPOWERED, PROJECTED, NOT_APPLICABLE = "underpowered", "projected", "not applicable at this scale"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class ClaimResult:
     run_ids: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     rows: int = 0
+    superseded: int = 0  # runs set aside because a newer commit measured the same (context, side, seed)
 
     @property
     def n(self) -> int:
@@ -86,14 +93,17 @@ class ClaimResult:
             if self.claim.measure.b_source is not None and all(math.isfinite(m) for m in c.means):
                 shown += f" (ours {fmt(c.means[0])}, peer {fmt(c.means[1])})"  # both numbers, not just the ratio
             parts.append(f"{c.context + ': ' if c.context else ''}{shown} ({label}={n})")
-        return "; ".join(parts) if parts else "-"
+        shown = "; ".join(parts) if parts else "-"
+        return f"projected: {shown}" if self.claim.measure.projected and parts else shown
 
 
 @dataclass
 class _Sides:
-    a: dict[Any, float] = field(default_factory=dict)  # replicate -> value
+    a: dict[Any, float] = field(default_factory=dict)  # replicate -> value (the mean of its runs)
     b: dict[Any, float] = field(default_factory=dict)
     runs: set[str] = field(default_factory=set)
+    # every run, for the every-run rules: side -> [(replicate, run id, value, power)]
+    each: dict[str, list[tuple[Any, str, float, float]]] = field(default_factory=dict)
     # (side, replicate) -> a run's own 95% interval (run_interval)
     intervals: dict[tuple[str, Any], tuple[float, float]] = field(default_factory=dict)
     order: tuple[Any, ...] = ()  # the context's sort key (numbers in numeric order)
@@ -134,8 +144,12 @@ def _context_name(measure: Measure, values: Sequence[Any]) -> str:
     return ", ".join(_part(c, v) for c, v in zip(measure.per, values, strict=True))
 
 
-def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict[str, _Sides]:
-    """Per context: side -> {replicate: value}, the newest run per replicate, rows of a run reduced."""
+def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> tuple[dict[str, _Sides], int]:
+    """Per context: side -> {replicate: value} (and every run, ``_Sides.each``), the rows of a run reduced; with
+    the number of runs superseded. Every recorded run counts, except that where one (context, side, seed) was
+    measured at several commits only the newest commit's runs count (the code changed: its newer measurement
+    replaces the older); runs of one seed at one commit are repeats of one sample: their mean is the seed's value
+    for an interval, and each is judged by an every-run rule."""
     frame = frame.copy()
     if measure.b_source is None:  # else claim_rows has set each row's side
         frame["side"] = np.where(matches(frame, measure.a), "a", "")
@@ -150,24 +164,41 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> dict
     extra = {c: (c, "first") for c in ("low", "high") if c in frame}  # a run's own interval (run_interval)
     if extra and measure.reduce in ("max", "min"):  # the interval of the row the reduction keeps
         frame = frame.sort_values("value", ascending=measure.reduce == "min", kind="stable")
-    reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False).agg(
-        value=("value", measure.reduce), started_at=("started_at", "max"), order=("order", "first"), **extra
+    if "power" in frame:  # the strongest result a run could have given: its most extreme row
+        extra["power"] = ("power", "max" if measure.reduce != "min" else "min")
+    if "git_commit" not in frame:
+        frame["git_commit"] = None
+    reduced = frame.groupby(["context", "side", "run_id"], as_index=False, sort=False, dropna=False).agg(
+        value=("value", measure.reduce),
+        started_at=("started_at", "max"),
+        order=("order", "first"),
+        git_commit=("git_commit", "first"),
+        **extra,
     )
     reduced["replicate"] = [
         f"seed:{int(seeds[r])}" if seeds.get(r) is not None and not pd.isna(seeds.get(r)) else f"run:{r}"
         for r in reduced["run_id"]
     ]
-    reduced = reduced.sort_values("started_at", kind="stable").drop_duplicates(
-        ["context", "side", "replicate"], keep="last"
-    )
+    reduced["git_commit"] = reduced["git_commit"].fillna("")
+    reduced = reduced.sort_values("started_at", kind="stable")
+    newest = reduced.groupby(["context", "side", "replicate"])["git_commit"].transform("last")
+    superseded = int((reduced["git_commit"] != newest).sum())
+    reduced = reduced[reduced["git_commit"] == newest]
     out: dict[str, _Sides] = {}
     for row in reduced.itertuples(index=False):
         sides = out.setdefault(row.context, _Sides(order=row.order))
-        getattr(sides, row.side)[row.replicate] = float(row.value)
+        power = float(row.power) if "power" in reduced and pd.notna(row.power) else math.nan
+        sides.each.setdefault(row.side, []).append((row.replicate, row.run_id, float(row.value), power))
         sides.runs.add(row.run_id)
-        if extra:
+        if extra.keys() & {"low", "high"}:
             sides.intervals[(row.side, row.replicate)] = (float(row.low), float(row.high))
-    return dict(sorted(out.items(), key=lambda item: item[1].order))
+    for sides in out.values():
+        for side, entries in sides.each.items():
+            per_replicate: dict[Any, list[float]] = {}
+            for replicate, _, value, _ in entries:
+                per_replicate.setdefault(replicate, []).append(value)
+            setattr(sides, side, {k: float(np.mean(v)) for k, v in per_replicate.items()})
+    return dict(sorted(out.items(), key=lambda item: item[1].order)), superseded
 
 
 def _stat(kind: str, a: float, b: float) -> float:
@@ -185,7 +216,13 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
         if ci.n == 1 and measure.run_interval is not None:  # one run: its own interval over examples, if recorded
             low, high = sides.intervals.get(("a", next(iter(sides.a))), (math.nan, math.nan))
             if math.isfinite(low) and math.isfinite(high):
-                return ci.mean, low, high, "the run's own (bootstrap over examples)", tuple(sides.a.values())
+                return (
+                    ci.mean,
+                    low,
+                    high,
+                    "the run's own (recorded over its examples or rounds)",
+                    tuple(sides.a.values()),
+                )
         return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
     common = sorted(set(sides.a) & set(sides.b) - {k for k in sides.a if k.startswith("run:")})
     paired = measure.b_source is None  # a peer's seed 0 has nothing in common with ours
@@ -239,37 +276,82 @@ def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
     return replace(result, means=(float(np.mean(list(sides.a.values()))), float(np.mean(list(sides.b.values())))))
 
 
+def _every_run(measure: Measure, sides: _Sides) -> list[tuple[float, float]]:
+    """(stat, power) of every run (stat ``value``) or of every pair of runs of one seed (two sides; every pair of
+    runs where the sides share no seed, a peer's against ours)."""
+    a, b = sides.each.get("a", []), sides.each.get("b", [])
+    if measure.stat == "value":
+        return [(value, power) for _, _, value, power in a]
+    common = {r for r, *_ in a} & {r for r, *_ in b} - {r for r, *_ in a if str(r).startswith("run:")}
+    return [
+        (_stat(measure.stat, va, vb), math.nan)
+        for ra, _, va, _ in a
+        for rb, _, vb, _ in b
+        if not common or (ra == rb and ra in common)
+    ]
+
+
+def _verdict_every_run(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
+    """``all_at_most`` / ``all_at_least``: every run must meet the bound. A run whose ``power`` (the stat at the
+    strongest result its sample size allows) does not reach past the bound could not have failed: it is set aside,
+    and where every run is so the context is ``underpowered``."""
+    n_a, n_b = len(sides.a), len(sides.b)
+    unit, bound = measure.unit, fmt(rule.bound, measure.unit)
+    at_most = rule.kind == "all_at_most"
+    runs = _every_run(measure, sides)
+    could_fail = [(v, p) for v, p in runs if math.isnan(p) or (p > rule.bound if at_most else p < rule.bound)]
+    values = tuple(v for v, _ in runs)
+    if not could_fail:
+        strongest = max(p for _, p in runs) if at_most else min(p for _, p in runs)
+        reason = (
+            f"no run could have failed: at its sample size the strongest result a run could give is "
+            f"{fmt(strongest, unit)}, not past the bound {bound} ({len(runs)} run{'s' if len(runs) != 1 else ''}); "
+            "measure more examples, or where the bound is smaller"
+        )
+        worst = max(values) if at_most else min(values)
+        return ContextResult("", UNDERPOWERED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
+    judged = [v for v, _ in could_fail]
+    worst = max(judged) if at_most else min(judged)
+    ok = worst <= rule.bound if at_most else worst >= rule.bound
+    aside = len(runs) - len(could_fail)
+    note = f" ({aside} run{'s' if aside != 1 else ''} that could not have failed set aside)" if aside else ""
+    if ok:
+        return ContextResult("", REPRODUCED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, note.strip(" ()"))
+    reason = f"worst run {fmt(worst, unit)} against the bound {bound}{note}"
+    return ContextResult("", NOT_REPRODUCED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
+
+
 def _verdict(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
+    if rule.kind in ("all_at_most", "all_at_least"):
+        return _verdict_every_run(rule, measure, sides)
     estimate, low, high, interval, values = _estimate(measure, sides)
     n_a, n_b = len(sides.a), len(sides.b)
     unit = measure.unit
     bound = fmt(rule.bound, unit)
-    if rule.kind in ("all_at_most", "all_at_least"):
-        worst = max(values) if rule.kind == "all_at_most" else min(values)
-        ok = worst <= rule.bound if rule.kind == "all_at_most" else worst >= rule.bound
-        verdict = REPRODUCED if ok else NOT_REPRODUCED
-        reason = "" if ok else f"worst run {fmt(worst, unit)} against the bound {bound}"
-        return ContextResult("", verdict, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
     n = n_a if measure.stat == "value" else min(n_a, n_b)
     above = rule.kind == "above"
     shown = f"{fmt(estimate, unit)}"
+    more = f"the rule needs n >= {rule.min_n}: run {rule.min_n - n} more seed{'s' if rule.min_n - n != 1 else ''}"
     if not (math.isfinite(low) and math.isfinite(high)):
         if math.isfinite(estimate) and n >= 2 and not math.isfinite(low):
             reason = f"{shown}: no interval could be computed"
-        else:
-            reason = (
-                f"{shown} from {n} seed{'s' if n != 1 else ''}: no interval (needs >= 2; the rule wants {rule.min_n})"
-            )
-        return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+            return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+        if n >= rule.min_n and measure.run_interval is not None:  # one run, but it recorded no interval of its own
+            reason = f"{shown} from {n} run: it recorded no interval of its own ({', '.join(measure.run_interval)})"
+            return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
+        reason = f"{shown} from {n} seed{'s' if n != 1 else ''}: no interval (needs >= 2); {more}"
+        verdict = UNDERPOWERED if n < rule.min_n or n < 2 else INCONCLUSIVE
+        return ContextResult("", verdict, estimate, low, high, n_a, n_b, interval, values, reason)
     interval_text = f"{shown} [{fmt(low, unit)}, {fmt(high, unit)}], n={n}"
-    if (above and low > rule.bound) or (not above and high < rule.bound):
-        if n >= rule.min_n:
-            return ContextResult("", REPRODUCED, estimate, low, high, n_a, n_b, interval, values)
-        reason = f"{interval_text} clears {bound} but the rule wants n >= {rule.min_n}"
-        return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
     if (above and high <= rule.bound) or (not above and low >= rule.bound):
         reason = f"{interval_text} lies entirely {'at or below' if above else 'at or above'} {bound}"
         return ContextResult("", NOT_REPRODUCED, estimate, low, high, n_a, n_b, interval, values, reason)
+    clears = (above and low > rule.bound) or (not above and high < rule.bound)
+    if n < rule.min_n:  # "reproduced" is out of reach at this n, whatever the runs show
+        reason = f"{interval_text} {'clears' if clears else 'straddles'} {bound}, but {more}"
+        return ContextResult("", UNDERPOWERED, estimate, low, high, n_a, n_b, interval, values, reason)
+    if clears:
+        return ContextResult("", REPRODUCED, estimate, low, high, n_a, n_b, interval, values)
     reason = f"{interval_text} straddles {bound}"
     return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
 
@@ -296,10 +378,17 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
     meta = _run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
-    rows = rows.drop(columns=[c for c in ("started_at",) if c in rows]).merge(
-        meta[["run_id", "started_at"]], on="run_id", how="left"
+    rows = rows.drop(columns=[c for c in ("started_at", "git_commit") if c in rows]).merge(
+        meta[["run_id", "started_at", "git_commit"]], on="run_id", how="left"
     )
-    per_context = _sides(rows, m, seeds)
+    run_ids = tuple(sorted(rows["run_id"].unique()))
+    datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
+    if claim.applies_at is not None:
+        rows, elsewhere = _at_scale(db_url, claim, rows)
+        if rows.empty:
+            reason = f"ran at {elsewhere}; the rule's bound applies at {claim.applies_at.scale}"
+            return ClaimResult(claim, NOT_APPLICABLE, (), reason, run_ids, datasets, 0)
+    per_context, superseded = _sides(rows, m, seeds)
     contexts: list[ContextResult] = []
     for name, sides in per_context.items():
         if sides.a and (m.stat == "value" or sides.b):  # a context without both sides is not a comparison
@@ -309,13 +398,81 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
             part = _part(column, value)
             if not any(part in c.context.split(", ") for c in contexts):
                 contexts.append(ContextResult(part, NOT_RUN, math.nan, math.nan, math.nan, 0, 0, "none", (), "not run"))
-    run_ids = tuple(sorted(rows["run_id"].unique()))
-    datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
     verdict, reason = _combine(contexts, claim.rule.min_n)
     half = sorted(name or "-" for name, sides in per_context.items() if m.stat != "value" and not (sides.a and sides.b))
     if verdict == NOT_RUN and half:
         reason = f"only one side measured ({', '.join(half)}): {_how(claim, filters.get('profile'))}"
-    return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows))
+    if m.projected and verdict not in (NOT_RUN,):
+        verdict, reason = PROJECTED, _projection(claim, verdict, rows)
+    if superseded:
+        note = f"{superseded} run{'s' if superseded != 1 else ''} of an older commit superseded by the newest commit's"
+        reason = f"{reason}; {note}" if reason else note
+    return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded)
+
+
+def _at_scale(db_url: str | None, claim: Claim, rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows of runs at the scale where the claim's bound applies (``applies_at``: the run's config, or its
+    nearest ancestor's, matches ``where``), and how the other runs' scale reads ("config.n_embd=128")."""
+    assert claim.applies_at is not None
+    wanted = claim.applies_at.where
+    configs = run_configs(db_url, rows["run_id"].drop_duplicates().tolist())
+    flat = pd.DataFrame(
+        [{"run_id": r, **{k: c.get(k) for k in wanted}} for r, c in configs.items()], columns=["run_id", *wanted]
+    )
+    keep = set(flat.loc[matches(flat, wanted), "run_id"])
+    other = flat[~flat["run_id"].isin(keep)]
+    elsewhere = "; ".join(
+        sorted(
+            {
+                ", ".join(f"{k.removeprefix('config.')}={v}" for k, v in zip(wanted, vals, strict=True))
+                for vals in other[list(wanted)].itertuples(index=False)
+            }
+        )
+    )
+    return rows[rows["run_id"].isin(keep)], elsewhere or "another scale"
+
+
+def run_configs(db_url: str | None, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per run: its config flattened as ``config.<dotted path>``, a value it lacks taken from its nearest
+    ancestor's config (a method's child run holds only what differs from its stage run)."""
+    from storage import views
+    from storage.models import Run
+
+    engine = views._engine(db_url)
+    known: dict[str, tuple[str | None, dict[str, Any]]] = {}
+    pending = list(dict.fromkeys(run_ids))
+    for _ in range(8):  # flow > task > sub-task: a few levels at most
+        todo = [r for r in pending if r and r not in known]
+        if not todo:
+            break
+        found = views._read(
+            engine, select(Run.id, Run.parent_id, Run.config_json).where(Run.id.in_(todo)), ["id", "parent_id", "c"]
+        )
+        for run, parent, config in zip(found["id"], found["parent_id"], found["c"], strict=True):
+            known[run] = (parent, flat_config(views._config(config)))
+        pending = [p for p, _ in (known[r] for r in todo if r in known) if p]
+    out: dict[str, dict[str, Any]] = {}
+    for run in run_ids:
+        merged: dict[str, Any] = {}
+        node: str | None = run
+        while node in known:
+            parent, config = known[node]
+            merged = {**config, **merged}
+            node = parent
+        out[run] = merged
+    return out
+
+
+def _projection(claim: Claim, verdict: str, rows: pd.DataFrame) -> str:
+    """The reason of a ``projected`` verdict: what the fit says against the bound, and how far the fit missed a
+    measured run it was not fitted on (``validation``)."""
+    says = {REPRODUCED: "meets", NOT_REPRODUCED: "misses"}.get(verdict, "straddles")
+    text = f"read from a fit, not measured: the projection {says} the bound {fmt(claim.rule.bound, claim.measure.unit)}"
+    errors = rows["validation"].dropna() if "validation" in rows else pd.Series(dtype=float)
+    if errors.empty:
+        return f"{text}; the fit was not validated on a held-out measured run"
+    worst = float(errors.abs().max())
+    return f"{text}; its prediction error on a held-out measured run: {100 * worst:.1f}% (worst of {len(errors)})"
 
 
 def _how(claim: Claim, profile: str | None) -> str:
@@ -335,26 +492,31 @@ def _how(claim: Claim, profile: str | None) -> str:
 
 
 def _combine(contexts: Sequence[ContextResult], min_n: int) -> tuple[str, str]:
+    """The claim's verdict from its contexts': any context ``not reproduced`` decides; then any ``inconclusive``
+    (or a required context not run); then any ``underpowered``; else ``reproduced``."""
     measured = [c for c in contexts if c.verdict != NOT_RUN]
     if not measured:
         return NOT_RUN, "; ".join(f"{c.context}: {c.reason}" for c in contexts) or "nothing measured"
 
     def line(cs: Sequence[ContextResult]) -> str:
-        return "; ".join(f"{c.context + ': ' if c.context else ''}{c.reason}" for c in cs)
+        return "; ".join(f"{c.context + ': ' if c.context else ''}{c.reason}" for c in cs if c.reason)
 
     failed = [c for c in contexts if c.verdict == NOT_REPRODUCED]
     if failed:
         return NOT_REPRODUCED, line(failed)
     open_ = [c for c in contexts if c.verdict in (INCONCLUSIVE, NOT_RUN)]
-    single = [c for c in open_ if c.interval == "none" and c.verdict == INCONCLUSIVE]
-    if open_ and len(single) == len(open_) and len(open_) > 1:
-        return INCONCLUSIVE, (
-            f"one seed in each of the {len(open_)} contexts: no interval, so no verdict (the rule wants n >= "
+    if open_:
+        return INCONCLUSIVE, line([*open_, *(c for c in contexts if c.verdict == UNDERPOWERED)])
+    weak = [c for c in contexts if c.verdict == UNDERPOWERED]
+    single = [c for c in weak if c.interval == "none"]
+    if weak and len(single) == len(weak) and len(weak) > 1:
+        return UNDERPOWERED, (
+            f"one seed in each of the {len(weak)} contexts: no interval, so no verdict (the rule needs n >= "
             f"{min_n}); run more seeds"
         )
-    if open_:
-        return INCONCLUSIVE, line(open_)
-    return REPRODUCED, ""
+    if weak:
+        return UNDERPOWERED, line(weak)
+    return REPRODUCED, line(contexts)
 
 
 def evaluate_claims(
@@ -381,15 +543,16 @@ def evaluate_claims(
 
 
 def with_precondition(result: ClaimResult, pre: ClaimResult) -> ClaimResult:
-    """``result`` read beside its precondition's ``pre`` (rule in ``pbconfig.claims``): a ``not reproduced`` claim
-    whose precondition is not reproduced either is ``inconclusive``, the measurement having no power to show it."""
-    if result.verdict != NOT_REPRODUCED or pre.verdict == REPRODUCED:
+    """``result`` read beside its precondition's ``pre`` (rule in ``pbconfig.claims``): a claim whose precondition
+    is not ``reproduced`` cannot show its comparison either way, so its ``reproduced`` or ``not reproduced`` reads
+    ``inconclusive``, with both measurements in the reason (the other verdicts stand, the precondition named)."""
+    if pre.verdict == REPRODUCED or result.verdict == NOT_RUN:
         return result
-    measured = f"measured: {result.reason}" if result.reason else ""
-    if pre.verdict == NOT_REPRODUCED:
-        reason = f"cannot show here: its precondition `{pre.claim.id}` is not reproduced ({pre.reason}); {measured}"
-        return replace(result, verdict=INCONCLUSIVE, reason=reason.rstrip("; "))
-    return replace(result, reason=f"{result.reason}; its precondition `{pre.claim.id}` is {pre.verdict}")
+    about = f"its precondition `{pre.claim.id}` is {pre.verdict}" + (f" ({pre.reason})" if pre.reason else "")
+    if result.verdict in (REPRODUCED, NOT_REPRODUCED):
+        measured = f"measured {result.verdict}" + (f": {result.reason}" if result.reason else "")
+        return replace(result, verdict=INCONCLUSIVE, reason=f"cannot show here: {about}; {measured}")
+    return replace(result, reason=f"{result.reason}; {about}" if result.reason else about)
 
 
 CLAIM_COLUMNS = [
@@ -445,9 +608,12 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
 __all__ = [
     "CLAIM_COLUMNS",
     "INCONCLUSIVE",
+    "NOT_APPLICABLE",
     "NOT_REPRODUCED",
     "NOT_RUN",
+    "PROJECTED",
     "REPRODUCED",
+    "UNDERPOWERED",
     "ClaimResult",
     "ContextResult",
     "claim_rows",
@@ -455,5 +621,6 @@ __all__ = [
     "evaluate_claim",
     "evaluate_claims",
     "fmt",
+    "run_configs",
     "with_precondition",
 ]

@@ -82,6 +82,25 @@ def dispose_engines() -> None:
         _read_only.clear()
 
 
+def dispose_engine(url: str) -> None:
+    """Close this process's engine of ``url`` (a temporary store about to be deleted); others stay open."""
+    url = normalize_url(url)
+    with _lock:
+        engine = _engines.pop((os.getpid(), url), None)
+        _read_only.pop((os.getpid(), url), None)
+    if engine is not None:
+        engine.dispose()
+
+
+def schema_revisions(url: str) -> tuple[list[str], list[str]]:
+    """(the store's alembic revisions, every revision this code knows, oldest first); the store migrated first."""
+    engine = get_engine(url)
+    script = ScriptDirectory.from_config(_alembic_config())
+    known = [r.revision for r in reversed(list(script.walk_revisions()))]
+    with engine.connect() as conn:
+        return sorted(MigrationContext.configure(conn).get_current_heads()), known
+
+
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """One transaction: commit on success, roll back on any exception (including KeyboardInterrupt)."""

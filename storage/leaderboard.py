@@ -281,9 +281,17 @@ def config_seed(config: dict[str, Any]) -> int | None:
 
 
 def _run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
-    """Per run: started_at, MLflow ids, config (parsed) and seed (its own, else the nearest ancestor's)."""
+    """Per run: started_at, git commit, MLflow ids, config (parsed) and seed (its own, else the nearest ancestor's)."""
     engine = views._engine(db_url)
-    columns = ["run_id", "parent_id", "started_at", "mlflow_run_id", "mlflow_experiment_id", "config_json"]
+    columns = [
+        "run_id",
+        "parent_id",
+        "started_at",
+        "git_commit",
+        "mlflow_run_id",
+        "mlflow_experiment_id",
+        "config_json",
+    ]
     parts = [
         views._read(
             engine,
@@ -291,6 +299,7 @@ def _run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
                 Run.id.label("run_id"),
                 Run.parent_id,
                 Run.started_at,
+                Run.git_commit,
                 Run.mlflow_run_id,
                 Run.mlflow_experiment_id,
                 Run.config_json,

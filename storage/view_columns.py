@@ -139,6 +139,7 @@ MEMBERSHIP_COLUMNS = [
     "empirical_epsilon",
     "empirical_epsilon_lo",
     "empirical_epsilon_hi",
+    "certifiable_epsilon_max",
     "accountant_epsilon",
     "mlflow_run_id",
     "started_at",

@@ -449,7 +449,9 @@ _EPS = re.compile(r"eps=([0-9.eE+-]+)")
 
 def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Membership-inference audits (``MEMBERSHIP_COLUMNS``), with the AUC's 95% interval over the audited users
-    (``auc_lo``, ``auc_hi``: DeLong). ``audit`` is ``dp`` for the DP-trained
+    (``auc_lo``, ``auc_hi``: DeLong) and the audit's power ``certifiable_epsilon_max`` (the largest
+    ``empirical_epsilon_lo`` the audit could report at its sample sizes, a perfect attack's; a run where it does
+    not exceed ``accountant_epsilon`` cannot show the guarantee broken). ``audit`` is ``dp`` for the DP-trained
     recommenders (``method`` and target ``epsilon``; NaN and ``private`` False for non-private targets) and
     ``unlearning`` for TAFT's forgetting audit (``setting`` says before/after and which users)."""
     engine, f = _engine(db_url), _filters(filters)
@@ -466,6 +468,10 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     extra = [_config(e) for e in frame["extra_json"]]
     for bound in ("auc_lo", "auc_hi"):  # DeLong's 95% interval over the audited users (NaN before it was recorded)
         frame[bound] = pd.Series([e.get(bound, math.nan) for e in extra], index=frame.index, dtype=float)
+    # the audit's power: the largest empirical_epsilon_lo it could certify at its size (NaN before it was recorded)
+    frame["certifiable_epsilon_max"] = pd.Series(
+        [e.get("certifiable_epsilon_max", math.nan) for e in extra], index=frame.index, dtype=float
+    )
     return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

@@ -107,12 +107,19 @@ def attacks_summary(
                             "tpr_at_1pct_fpr",
                             "empirical_epsilon",
                             "empirical_epsilon_ci",
+                            "certifiable_epsilon_max",
                         )
                     },
                 }
             )
             key = f"audit.{t['dataset']}.{t['method']}.{label.replace('=', '')}.{name}"
-            metrics.update({f"{key}.auc": r["auc"], f"{key}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0]})
+            metrics.update(
+                {
+                    f"{key}.auc": r["auc"],
+                    f"{key}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0],
+                    f"{key}.certifiable_epsilon_max": r["certifiable_epsilon_max"],
+                }
+            )
     forget_rows = []
     if unlearning is not None:
         for setting, r in unlearning["settings"].items():
@@ -198,8 +205,11 @@ def audit_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "### Membership-inference audit (member unit: a user's sequence)",
         "",
-        "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] | accountant eps |",
-        "|---|---|---|---|---:|---:|---:|---|---:|",
+        (
+            "| dataset | model | DP | attack | AUC | TPR@0.1%FPR | TPR@1%FPR | empirical eps [95% CI] "
+            "| accountant eps | certifiable eps max |"
+        ),
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         lo, hi = r["empirical_epsilon_ci"]
@@ -207,7 +217,7 @@ def audit_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['dataset']} | {r['method']} | {r['dp']} | {r['attack']} | {r['auc']:.3f} | "
             f"{r['tpr_at_0.1pct_fpr']:.3f} | {r['tpr_at_1pct_fpr']:.3f} | {r['empirical_epsilon']:.2f} "
-            f"[{lo:.2f}, {hi:.2f}] | {acc} |"
+            f"[{lo:.2f}, {hi:.2f}] | {acc} | {r['certifiable_epsilon_max']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,12 +1,14 @@
 """Attack-stage tasks, part 2: the membership-inference audit of the private-training stage's sequential
 recommenders (one recorded run per target: technique ``mia-<method>``, tag ``privbench.result_group`` =
 ``audit``), with a row in ``attack_results`` per attack holding ``auc``, ``tpr_at_0.1pct_fpr``,
-``tpr_at_1pct_fpr``, ``empirical_epsilon`` with its Clopper-Pearson interval and the ``accountant_epsilon``,
+``tpr_at_1pct_fpr``, ``empirical_epsilon`` with its Clopper-Pearson interval, the ``accountant_epsilon`` and
+the largest lower bound the audit could certify at its size (``certifiable_epsilon_max``, in ``extra_json``),
 the target's privacy ledger, and ``roc.json`` (the ROC curves)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ from prefect import task
 
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
 from core.attacks.membership import split_halves
+from core.data.sequential import SequentialDataset
 from core.dp.trainer import TrainResult, method_config, train_seqrec
 from pbconfig.attacks import AuditConfig
 from pbconfig.tangent import TangentConfig
@@ -34,6 +37,62 @@ def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None]]:
     return [(d, m, e) for d in cfg.datasets for m, e in points]
 
 
+@dataclass(frozen=True)
+class SeqrecAudit:
+    """One audited (dataset, method, epsilon): the target's training outcome, each attack's result
+    (``core.attacks.audit.audit``), the ``delta`` of the bound, the shadow count and the training time."""
+
+    target: TrainResult
+    results: dict[str, dict]
+    delta: float
+    n_users: int
+    train_s: float
+
+
+def audit_point(
+    data: SequentialDataset, method: str, epsilon: float | None, cfg: AuditConfig, overrides: dict[str, Any]
+) -> SeqrecAudit:
+    """Train the target (a random half of the users, recorded) and ``cfg.shadows`` shadow models (each user in
+    half of them) of ``method`` at ``epsilon`` on ``data`` with the training ``overrides``
+    (``train_overrides``), and audit the target with ``cfg.attacks`` (the task's logic, without recording)."""
+    n = data.n_users
+    target_in = split_halves(n, 2, seed=cfg.seed)[0]  # a random half of the users, recorded
+    shadow_in = split_halves(n, cfg.shadows, seed=cfg.seed + 1)  # (k, n): each user in half of them
+
+    def fit(mask: np.ndarray, seed: int) -> TrainResult:
+        users = np.flatnonzero(mask)
+        return train_seqrec(subset_users(data, users), method_config(method, **(overrides | {"seed": seed})))
+
+    t0 = time.perf_counter()
+    target = fit(target_in, cfg.seed)
+    stats = seqrec_user_stats(target.model, data, max_len=overrides["max_len"])
+    shadows = np.stack(
+        [
+            seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
+            for i, m in enumerate(shadow_in)
+        ]
+    )  # (k, n)
+    train_s = time.perf_counter() - t0
+    ledger = target.ledger
+    label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
+    delta = cfg.delta or (ledger.delta if ledger is not None else 1.0 / n)
+    results = audit(
+        AuditTarget(
+            name=f"{method}:{label}",
+            stats=stats,
+            members=target_in,
+            accountant_epsilon=ledger.epsilon if ledger is not None else None,
+            delta=delta,
+        ),
+        attacks=cfg.attacks,
+        shadow_stats=shadows,
+        shadow_in=shadow_in,
+        delta=delta,
+        alpha=cfg.alpha,
+    )
+    return SeqrecAudit(target=target, results=results, delta=delta, n_users=n, train_s=train_s)
+
+
 @task(name="mia-audit", **RESUMABLE)
 def audit_seqrec(
     dataset: str,
@@ -45,7 +104,8 @@ def audit_seqrec(
     parent: RunRef,
     threads: int = 1,
 ) -> dict[str, Any]:
-    """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target."""
+    """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target
+    (``audit_point``); record one attack row per attack with the audit's power, ``certifiable_epsilon_max``."""
     torch.set_num_threads(threads)
     spec = next(d for d in train.datasets if d.name == dataset)
     point = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
@@ -67,41 +127,8 @@ def audit_seqrec(
     ) as rec:
         rec.tag("privbench.result_group", "audit")
         rec.tag("privbench.dp", label)
-        data = load_prepared(path)
-        n = data.n_users
-        target_in = split_halves(n, 2, seed=cfg.seed)[0]  # a random half of the users, recorded
-        shadow_in = split_halves(n, cfg.shadows, seed=cfg.seed + 1)  # (k, n): each user in half of them
-
-        def fit(mask: np.ndarray, seed: int) -> TrainResult:
-            users = np.flatnonzero(mask)
-            return train_seqrec(subset_users(data, users), method_config(method, **(overrides | {"seed": seed})))
-
-        t0 = time.perf_counter()
-        target = fit(target_in, cfg.seed)
-        stats = seqrec_user_stats(target.model, data, max_len=overrides["max_len"])
-        shadows = np.stack(
-            [
-                seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
-                for i, m in enumerate(shadow_in)
-            ]
-        )  # (k, n)
-        train_s = time.perf_counter() - t0
-        ledger = target.ledger
-        delta = cfg.delta or (ledger.delta if ledger is not None else 1.0 / n)
-        results = audit(
-            AuditTarget(
-                name=f"{method}:{label}",
-                stats=stats,
-                members=target_in,
-                accountant_epsilon=ledger.epsilon if ledger is not None else None,
-                delta=delta,
-            ),
-            attacks=cfg.attacks,
-            shadow_stats=shadows,
-            shadow_in=shadow_in,
-            delta=delta,
-            alpha=cfg.alpha,
-        )
+        done = audit_point(load_prepared(path), method, epsilon, cfg, overrides)
+        target, results, delta, ledger = done.target, done.results, done.delta, done.target.ledger
         if ledger is not None:
             rec.privacy(
                 epsilon=ledger.epsilon,
@@ -130,7 +157,15 @@ def audit_seqrec(
                 extra={
                     **{
                         k: r[k]
-                        for k in ("delta", "alpha", "n_members", "n_nonmembers", "threshold_tpr", "threshold_fpr")
+                        for k in (
+                            "delta",
+                            "alpha",
+                            "n_members",
+                            "n_nonmembers",
+                            "threshold_tpr",
+                            "threshold_fpr",
+                            "certifiable_epsilon_max",
+                        )
                     },
                     "auc_lo": r["auc_ci"][0],
                     "auc_hi": r["auc_ci"][1],
@@ -145,14 +180,15 @@ def audit_seqrec(
                     f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
                     f"{name}.empirical_epsilon": r["empirical_epsilon"],
                     f"{name}.empirical_epsilon_lo": lo,
+                    f"{name}.certifiable_epsilon_max": r["certifiable_epsilon_max"],
                 }
             )
         rec.metrics(
             {
                 "target_test_ndcg_at_10": target.test_ndcg10,
-                "n_users": n,
+                "n_users": done.n_users,
                 "shadows": cfg.shadows,
-                "train_s": train_s,
+                "train_s": done.train_s,
                 "delta": delta,
             },
             units={"train_s": "s"},
@@ -243,7 +279,7 @@ def audit_unlearning(
         forgotten_test = two_sample_test(after_train[gone], test_after)
         for setting, r in results.items():
             lo, hi = r["empirical_epsilon_ci"]
-            extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers")}
+            extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "certifiable_epsilon_max")}
             extra |= {"auc_lo": r["auc_ci"][0], "auc_hi": r["auc_ci"][1]}
             if setting.startswith("after: forgotten"):
                 extra |= {"two_sample": forgotten_test}

@@ -29,9 +29,13 @@ from prefect import task
 from pbconfig.claims import load_papers
 from storage.bench_runs import bench_runs
 from storage.claims import (
+    INCONCLUSIVE,
+    NOT_APPLICABLE,
     NOT_REPRODUCED,
     NOT_RUN,
+    PROJECTED,
     REPRODUCED,
+    UNDERPOWERED,
     ClaimResult,
     bench_profile,
     claims_table,
@@ -40,7 +44,7 @@ from storage.claims import (
 from storage.stage_runs import STAGE_FLOWS, stage_runs
 
 log = logging.getLogger("privbench.report")
-VERDICT_ORDER = (REPRODUCED, NOT_REPRODUCED, "inconclusive", NOT_RUN)
+VERDICT_ORDER = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, UNDERPOWERED, PROJECTED, NOT_APPLICABLE, NOT_RUN)
 STAGE_TITLES = {
     "prepare": "prepare (datasets)",
     "train-dp": "train-dp (DPFormer)",
@@ -174,11 +178,11 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
             )
             + " |"
         )
-    notes = [r for r in rows.itertuples(index=False) if r.verdict != REPRODUCED and r.reason]
+    notes = [r for r in rows.itertuples(index=False) if r.reason]
     if notes:
         lines.append("")
         for r in notes:
-            why = "why not" if r.verdict == NOT_REPRODUCED else "why " + r.verdict
+            why = {NOT_REPRODUCED: "why not", REPRODUCED: "reproduced, with"}.get(r.verdict, "why " + r.verdict)
             lines.append(f"- `{r.claim}` ({why}): {_cell(r.reason)}")
     noted = [r for r in rows.itertuples(index=False) if r.note]
     if noted:
@@ -189,6 +193,53 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
     if intervals:
         lines += ["", f"Intervals: {'; '.join(intervals)}."]
     return [*lines, ""]
+
+
+def _history_section(results: list[ClaimResult]) -> list[str]:
+    """Pre-registration: the commit that registered each claim's rule, and every change to a rule since (the old
+    and new value, the verdict the old rule gave in the reports of the time, the reason)."""
+    lines = [
+        "## Rule history",
+        "",
+        (
+            "Each rule is registered in `configs/claims/` before its runs; a change to a registered rule's measure, "
+            "bound, n, data, precondition or scale is recorded with the verdict the old rule gave and a reason that "
+            "cites no result (`docs/claims.md`). Registered:"
+        ),
+        "",
+    ]
+    by_commit: dict[str, list[str]] = {}
+    for r in results:
+        reg = r.claim.registered
+        by_commit.setdefault(f"`{reg.commit}` ({reg.date})" if reg.commit else f"this change ({reg.date})", []).append(
+            f"`{r.claim.id}`"
+        )
+    lines += [f"- {when}: {', '.join(ids)}" for when, ids in by_commit.items()]
+    changed = [(r.claim, h) for r in results for h in r.claim.history]
+    if not changed:
+        return [*lines, "", "No registered rule has changed.", ""]
+    lines += [
+        "",
+        "| claim | date | commit | change (old -> new) | the old rule's verdict | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for claim, h in changed:
+        what = "; ".join(f"{k}: {_shown(old)} -> {_shown(new)}" for k, (old, new) in h.change.items())
+        commit = f"`{h.commit}`" if h.commit else "this change"
+        lines.append(
+            f"| `{claim.id}` | {h.date} | {commit} | {_cell(what)} | {_cell(h.verdict_before)} | {_cell(h.reason)} |"
+        )
+    return [*lines, ""]
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return f"`{value}`" if isinstance(value, str) and " " not in value else str(value)
 
 
 def _figures(stages: pd.DataFrame, folder: Path, db_url: str | None) -> list[Path]:
@@ -246,6 +297,13 @@ def render_report(
         "",
         "Verdicts: " + ", ".join(f"{counts[v]} {v}" for v in VERDICT_ORDER) + f" (of {len(table)} claims).",
         "",
+        (
+            "`underpowered`: at the n that ran the rule could not have reached one of its verdicts (the reason says "
+            "the n it needs); `projected`: read from a fit, not a measurement, never counted as reproduced (the "
+            "reason gives the fit's error on a held-out measured run); `not applicable at this scale`: the bound is "
+            "for another scale than the one that ran. The classes: `docs/claims.md`."
+        ),
+        "",
         *_provenance(profile, stages),
     ]
     if profile != "paper" and stage_runs(db_url, profile="paper").empty:
@@ -263,6 +321,7 @@ def render_report(
             lines += _paper_section(paper, spec.title, spec.file, rows)
     # the benchmarks have only the quick and paper profiles: a reference report shows (and judges) the paper ones
     lines += _bench_section(bench_runs(db_url, profile=bench_profile(profile) if profile else None, root=root))
+    lines += _history_section(results)
     if written:
         lines += ["## Figures", ""]
         for path in written:
@@ -285,7 +344,7 @@ def claims_report(parent: Any, profile: str | None) -> dict[str, Any]:
         log.warning("could not render the claims report: %s: %s", type(exc).__name__, exc)
         shutil.rmtree(folder, ignore_errors=True)
         return {"folder": None, "metrics": {}, "counts": {}}
-    scores = {REPRODUCED: 1.0, NOT_REPRODUCED: 0.0, "inconclusive": 0.5}
+    scores = {REPRODUCED: 1.0, NOT_REPRODUCED: 0.0, INCONCLUSIVE: 0.5}
     metrics = {f"claims.{v.replace(' ', '_')}": float(n) for v, n in done.counts.items()}
     metrics |= {f"claims.{r.claim.id}": scores[r.verdict] for r in done.results if r.verdict in scores}
     return {"folder": folder, "metrics": metrics, "counts": done.counts}

@@ -93,6 +93,9 @@ def audit(
     ``empirical_epsilon_ci[0]`` is a valid lower bound on the true epsilon with probability 1 - alpha and can
     only exceed the accountant's epsilon if the accounting (or the training) is wrong. ``empirical_epsilon``
     is the point estimate from add-half rates at that threshold (finite even where no non-member passes it).
+    ``certifiable_epsilon_max`` is the largest lower bound this estimator could report at these sample sizes,
+    ``delta`` and ``alpha`` (a perfect attack, ``membership.certifiable_epsilon_max``): where it does not exceed
+    the accountant's epsilon the audit cannot catch a broken guarantee, whatever the attack.
 
     Raises:
         ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
@@ -121,6 +124,8 @@ def audit(
             f"shadow statistics cover {np.asarray(shadow_stats).shape[-1]} examples but the target has "
             f"{stats.size}; compute both on the same examples, in the same order"
         )
+    n_members, n_nonmembers = int(members.sum()), int((~members).sum())
+    power = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha, split=True)
     out: dict[str, dict] = {}
     for name in attacks:
         fn = M.get_attack(name)
@@ -143,13 +148,14 @@ def audit(
             "tpr_at_1pct_fpr": float(curve["tpr_at_1pct_fpr"]),
             "empirical_epsilon": _point_epsilon(eps, delta),
             "empirical_epsilon_ci": [float(eps["epsilon_lo"]), float(eps["epsilon_hi"])],
+            "certifiable_epsilon_max": power,
             "threshold_tpr": float(eps["tpr"]),
             "threshold_fpr": float(eps["fpr"]),
             "accountant_epsilon": target.accountant_epsilon,
             "delta": delta,
             "alpha": alpha,
-            "n_members": int(members.sum()),
-            "n_nonmembers": int((~members).sum()),
+            "n_members": n_members,
+            "n_nonmembers": n_nonmembers,
             "roc": {"fpr": _thin(curve["fpr"]), "tpr": _thin(curve["tpr"])},
         }
     return out

@@ -23,7 +23,8 @@ Metrics: ``roc`` (ROC AUC, TPR at 0.1% and 1% FPR), ``auc_interval`` (DeLong's i
 examples), ``clopper_pearson``, ``empirical_epsilon`` and
 ``empirical_epsilon_lower_bound`` (the (eps, delta)-DP audit of Jagielski et al. 2020 / Nasr et al. 2021: any
 threshold test on an (eps, delta)-DP mechanism has TPR <= e^eps FPR + delta and 1 - FPR <= e^eps (1 - TPR) +
-delta), and ``two_sample_test`` (are unlearned samples distributed like non-members?).
+delta), ``certifiable_epsilon_max`` (the largest lower bound that audit can report at its sample sizes: the
+power of the audit), and ``two_sample_test`` (are unlearned samples distributed like non-members?).
 
 Shapes: ``n`` examples, ``k`` shadow models; ``shadow_stats`` and ``shadow_in`` are ``(k, n)``.
 Anchor (Carlini et al. Table/Fig. 1): LiRA with 16 shadows, non-private CIFAR-10: AUC 0.668, TPR 1.7% at 0.1% FPR.
@@ -406,7 +407,10 @@ def empirical_epsilon_lower_bound(
     ``split=False`` picks t on the same data it bounds, which makes ``epsilon_lo`` optimistic (a max over many
     1 - alpha statements). ``split=True`` (statistically valid) picks t on a random half of each group
     (``seed``) and reports the bound on the other half; ``n_members`` / ``n_nonmembers`` are then the
-    evaluation halves.
+    evaluation halves. The threshold then sits midway between the chosen score and the next lower one of the
+    selection half (same counts there), so that an attack separating the groups perfectly also separates the
+    evaluation half, instead of losing the members that score just below the selection half's lowest one:
+    such an attack reports ``certifiable_epsilon_max``.
     """
     sm, sn = _member_split(scores_members, scores_nonmembers)
     delta, alpha = _check_prob(delta, "delta"), _check_prob(alpha, "alpha")
@@ -419,8 +423,9 @@ def empirical_epsilon_lower_bound(
         pm, pn = rng.permutation(sm.size), rng.permutation(sn.size)
         sel_m, sel_n = np.sort(sm[pm[: sm.size // 2]]), np.sort(sn[pn[: sn.size // 2]])
         ev_m, ev_n = np.sort(sm[pm[sm.size // 2 :]]), np.sort(sn[pn[sn.size // 2 :]])
-        chosen = _eps_at(sel_m, sel_n, _candidate_thresholds(sel_m, sel_n, max_thresholds), delta, alpha)
-        thr = _candidate_thresholds(sel_m, sel_n, max_thresholds)[_best(chosen)]
+        cand = _candidate_thresholds(sel_m, sel_n, max_thresholds)
+        j = _best(_eps_at(sel_m, sel_n, cand, delta, alpha))
+        thr = cand[j] if j == 0 else (cand[j - 1] + cand[j]) / 2  # the gap's middle: same counts on this half
         res, i = _eps_at(ev_m, ev_n, np.array([thr]), delta, alpha), 0
     else:
         ev_m, ev_n = np.sort(sm), np.sort(sn)
@@ -441,6 +446,41 @@ def empirical_epsilon_lower_bound(
         "n_members": int(ev_m.size),
         "n_nonmembers": int(ev_n.size),
     }
+
+
+def evaluation_sizes(n_members: int, n_nonmembers: int, *, split: bool) -> tuple[int, int]:
+    """The member and non-member counts ``empirical_epsilon_lower_bound`` bounds on: all of them, or with
+    ``split`` the evaluation halves (``n - n // 2`` of each group; the threshold is chosen on the rest)."""
+    for v, name in ((n_members, "n_members"), (n_nonmembers, "n_nonmembers")):
+        if not (isinstance(v, (int, np.integer)) and v >= (2 if split else 1)):
+            raise DataError(
+                f"{name} must be an int >= {2 if split else 1}{' (split=True)' if split else ''}, got {name}={v!r}"
+            )
+    if not split:
+        return int(n_members), int(n_nonmembers)
+    return int(n_members - n_members // 2), int(n_nonmembers - n_nonmembers // 2)
+
+
+def certifiable_epsilon_max(
+    n_members: int, n_nonmembers: int, *, delta: float, alpha: float = 0.05, split: bool = True
+) -> float:
+    """The largest ``epsilon_lo`` that ``empirical_epsilon_lower_bound`` (same ``delta``, ``alpha``, ``split``)
+    can report for ``n_members`` members and ``n_nonmembers`` non-members: that of a perfect attack, every
+    evaluated member above the threshold and no non-member (eps_lo grows with TPR_lo and falls with FPR_hi,
+    and both Clopper-Pearson bounds grow with the count). An audit at these sizes cannot find an accountant's
+    epsilon violated unless this value exceeds it, whatever the attack: it is the power of the audit.
+
+    Closed form, with m members and n non-members evaluated (``evaluation_sizes``): TPR_lo = (alpha/2)^(1/m)
+    and FPR_hi = 1 - (alpha/2)^(1/n) (Clopper-Pearson at m of m and 0 of n), then
+    ``empirical_epsilon(TPR_lo, FPR_hi, delta)``. For large m = n and small delta this is about
+    log(n / log(2 / alpha)), i.e. log(n / 3.7) at alpha = 0.05.
+    """
+    m, n = evaluation_sizes(n_members, n_nonmembers, split=split)
+    delta, alpha = _check_prob(delta, "delta"), _check_prob(alpha, "alpha")
+    log_half_alpha = math.log(alpha / 2)
+    tpr_lo = math.exp(log_half_alpha / m)
+    fpr_hi = -math.expm1(log_half_alpha / n)
+    return float(_eps_arrays(np.float64(tpr_lo), np.float64(fpr_hi), delta))
 
 
 def two_sample_test(scores_a: ArrayLike, scores_b: ArrayLike) -> dict[str, float]:

@@ -26,6 +26,10 @@ step by what it does, ``s = a bytes + b rounds + c`` (``a, b, c >= 0``, fitted o
 of an encrypted op is proportional to the ring elements it opens and the round trips it waits for, so the
 projected seconds follow the bytes and rounds fits. Beyond the measured lengths every figure is a projection,
 to be labelled as one.
+
+A fit's residual on the runs it was fitted to says nothing about how it extrapolates. :func:`split_longest` and
+:func:`predict_held_out` check that: fit on every measured run but the longest, predict the longest (its steps
+i >= 1 and decoding from the fit, after its own measured head) and compare with what was measured.
 """
 
 from __future__ import annotations
@@ -39,7 +43,20 @@ import torch
 
 from core.errors import ConfigError
 
-__all__ = ["LengthFit", "MeasuredGeneration", "RateFit", "fit_length", "fit_seconds", "nnls_small", "project"]
+__all__ = [
+    "HeldOut",
+    "LengthFit",
+    "MeasuredGeneration",
+    "RateFit",
+    "fit_length",
+    "fit_seconds",
+    "nnls_small",
+    "predict_held_out",
+    "project",
+    "rel_err",
+    "split_longest",
+    "tail",
+]
 
 
 @dataclass(frozen=True)
@@ -206,6 +223,15 @@ def fit_seconds(
     )  # fmt: skip
 
 
+def tail(fit: LengthFit | RateFit, prefix_len: int, gen_len: int) -> float:
+    """What ``fit`` says follows the head of a generation of ``gen_len`` new tokens after a ``prefix_len``-token
+    prompt: the steps i = 1 .. G - 1 and the decoding, ``sum_{i=1..G-1} f(P + i) + decode(G)``."""
+    if prefix_len < 1 or gen_len < 1:
+        raise ConfigError(f"prefix_len and gen_len must be >= 1, got {prefix_len} and {gen_len}")
+    steps = sum(fit.step_cost(prefix_len + i) for i in range(1, gen_len))
+    return steps + fit.decode[0] + fit.decode[1] * gen_len
+
+
 def project(fit: LengthFit | RateFit, head: float, prefix_len: int, total_len: int) -> float:
     """Projected cost of generating up to ``total_len`` tokens in all after a ``prefix_len``-token prompt whose
     measured ``head`` (prefix phase + step 0) is given: ``head + sum_{i=1..G-1} f(P + i) + decode(G)``,
@@ -213,5 +239,64 @@ def project(fit: LengthFit | RateFit, head: float, prefix_len: int, total_len: i
     gen = total_len - prefix_len
     if gen < 1:
         raise ConfigError(f"total_len={total_len} must exceed prefix_len={prefix_len} (at least one new token)")
-    steps = sum(fit.step_cost(prefix_len + i) for i in range(1, gen))
-    return head + steps + fit.decode[0] + fit.decode[1] * gen
+    return head + tail(fit, prefix_len, gen)
+
+
+def rel_err(predicted: float, measured: float) -> float:
+    """``|predicted - measured| / |measured|`` (the absolute difference where ``measured`` is 0)."""
+    return abs(predicted - measured) / max(abs(measured), 1e-300)
+
+
+def split_longest(
+    runs: Sequence[MeasuredGeneration],
+) -> tuple[tuple[MeasuredGeneration, ...], MeasuredGeneration]:
+    """The hold-out split of measured ``runs``: every run but the longest (in total length ``prefix_len +
+    gen_len``), to fit on, and the longest, to predict. Needs 2 or more runs of distinct total lengths."""
+    totals = [r.prefix_len + r.gen_len for r in runs]
+    if len(runs) < 2 or len(set(totals)) != len(totals):
+        raise ConfigError(
+            f"a hold-out check needs 2 or more runs of distinct total lengths, got total lengths {totals}; "
+            "measure another run at a different length"
+        )
+    longest = totals.index(max(totals))
+    return tuple(r for j, r in enumerate(runs) if j != longest), runs[longest]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A fit's prediction of a measured run it was not fitted on. ``total``: the run's measured head (prefix phase
+    + step 0, which a projection also takes from a measured run) plus the fit's steps i >= 1 and decoding;
+    ``tail``: those steps and the decoding alone, the part the fit extrapolates."""
+
+    predicted: float
+    measured: float
+    tail_predicted: float
+    tail_measured: float
+
+    @property
+    def rel_err(self) -> float:
+        return rel_err(self.predicted, self.measured)
+
+    @property
+    def tail_rel_err(self) -> float:
+        return rel_err(self.tail_predicted, self.tail_measured)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "rel_err": self.rel_err,
+            "tail_predicted": self.tail_predicted,
+            "tail_measured": self.tail_measured,
+            "tail_rel_err": self.tail_rel_err,
+        }
+
+
+def predict_held_out(fit: LengthFit | RateFit, run: MeasuredGeneration, measured_total: float | None = None) -> HeldOut:
+    """``fit``'s prediction of the measured ``run`` (one it was not fitted on: :func:`split_longest`).
+    ``measured_total``: the run's total where it is not the sum of its phases (the slower party's total against
+    each phase's slower party); the head kept is then that total less the measured steps i >= 1 and decoding."""
+    predicted_tail = tail(fit, run.prefix_len, run.gen_len)
+    measured_tail = sum(run.steps[1:]) + run.decode
+    total = run.total if measured_total is None else float(measured_total)
+    return HeldOut(total - measured_tail + predicted_tail, total, predicted_tail, measured_tail)

@@ -3,7 +3,7 @@
 Setting (paper profile): the ML-1M-shaped SASRec of App. E.2, 3,416 items, sequence length 200,
 batch 256, d = 64, 2 blocks, 1 head, dropout 0.2, random item ids (uniform over 1..M, seeded) with
 up to L/4 positions of left padding per sequence. The quick profile shrinks length and batch (L=50,
-batch 64) and the repeats so that it runs in about a minute on 2 cores.
+batch 64) and the steps per process so that it runs in a few minutes on 2 cores.
 
 Methods (``METHODS``):
 
@@ -46,7 +46,13 @@ process in turn, the order rotated by r (``harness.interleave``). ``step_s`` / `
 medians over rounds; each ratio is computed **per round** (numerator and denominator measured back to
 back under the same background load) and the median over rounds is reported, which is more robust to
 load drifting during the run than a ratio of medians. Raw per-round samples are in ``samples`` and
-``ratio_samples``.
+``ratio_samples``. Every time ratio also has ``ratio_intervals.<ratio>``: ``rounds``, and ``lo`` / ``hi``, the
+distribution-free 95% interval of the median of its per-round ratios (order statistics, the sign-test interval of
+:mod:`core.order_stats`; ``coverage`` its exact coverage), which is what a timing verdict judges. Both profiles run
+``ROUNDS`` = 6 rounds, the fewest for which that interval exists ([min, max] of the 6 ratios, coverage 1 - 2/64).
+Memory ratios have no interval: a method's peak memory is deterministic on a device (one number per run).
+The setting names the device that ran the steps (``device``: cpu or cuda; ``device_name``: the GPU's name or
+the CPU model), recorded in the run's config (``config.setting.device_name``).
 
 Peak memory (``peak_mem_mb``) is the growth over the state after setup (model, optimizer, clipper,
 batch built; before the first step), i.e. what training adds: activations, gradients, per-sample
@@ -76,11 +82,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from core.errors import ConfigError
+from core.order_stats import MedianInterval
 from privbench.bench.dp_exactness import norm_exactness
 from privbench.bench.harness import (
     BenchmarkError,
     Progress,
     bench_threads,
+    cpu_model,
     interleave,
     register,
     run_in_fresh_process,
@@ -88,8 +96,13 @@ from privbench.bench.harness import (
 
 NAME = "dp-clipping"
 WORKER_TARGET = "privbench.bench.dp_clipping_worker:measure_step"
+DEVICE_NAME_TARGET = "privbench.bench.dp_clipping_worker:device_name"
 CPU_DEFAULT_CAP_MB = 8192.0
 BISECT_TOLERANCE = 0.05
+
+# rounds of every profile and setting: the fewest with a distribution-free 95% interval of the median of the
+# per-round ratios (core.order_stats: with 6 rounds [min, max] holds the median with probability 1 - 2/64)
+ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ class Setting:
     n_layers: int = 2
     n_heads: int = 1
     dropout: float = 0.2
-    repeats: int = 3  # rounds; each round runs every method once, each in a fresh process
+    repeats: int = ROUNDS  # rounds; each round runs every method once, each in a fresh process
     warmup: int = 2  # steps before timing, per process
     steps: int = 3  # timed steps per process (their median is the process' step time)
     seed: int = 0
@@ -117,19 +130,19 @@ class Setting:
 
 
 PROFILES: dict[str, Setting] = {
-    "quick": Setting(seq_len=50, batch=64, repeats=3, warmup=1, steps=3, timeout_s=300.0),
-    "paper": Setting(repeats=3, warmup=2, steps=3, timeout_s=900.0, max_batch_mem_mb=None),
+    "quick": Setting(seq_len=50, batch=64, repeats=ROUNDS, warmup=1, steps=3, timeout_s=300.0),
+    "paper": Setting(repeats=ROUNDS, warmup=2, steps=3, timeout_s=900.0, max_batch_mem_mb=None),
 }
 
 LARGE_VOCAB_METHODS = ("nonprivate", "phantom", "opacus_hooks", "ghost_tied")
 LARGE_VOCAB_CAP_MB = 4096.0
 LARGE_VOCAB: dict[str, Setting] = {
     "quick": Setting(
-        name="large_vocab", items=4096, seq_len=32, batch=2, repeats=2, warmup=1, steps=2, timeout_s=300.0,
+        name="large_vocab", items=4096, seq_len=32, batch=2, repeats=ROUNDS, warmup=1, steps=2, timeout_s=300.0,
         methods=LARGE_VOCAB_METHODS,
     ),
     "paper": Setting(
-        name="large_vocab", items=50257, seq_len=128, batch=1, repeats=3, warmup=1, steps=2, timeout_s=900.0,
+        name="large_vocab", items=50257, seq_len=128, batch=1, repeats=ROUNDS, warmup=1, steps=2, timeout_s=900.0,
         methods=LARGE_VOCAB_METHODS, max_batch_mem_mb=LARGE_VOCAB_CAP_MB, max_batch_start=8,
     ),
 }  # fmt: skip
@@ -189,6 +202,18 @@ def bench_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@functools.cache
+def bench_device_name() -> str:
+    """What runs the steps: the GPU's name (``NVIDIA H200``) on ``cuda``, else the CPU model; recorded as the
+    setting's ``device_name``, so that a claim can judge each device's runs apart (``config.setting.device_name``).
+    The GPU is named by a fresh worker process, so that this process opens no CUDA context (it would hold device
+    memory through the max-batch search)."""
+    if bench_device() != "cuda":
+        return cpu_model()
+    out = run_in_fresh_process(DEVICE_NAME_TARGET, {"device": "cuda"}, label="the GPU's name", timeout=300.0)
+    return str(out["device_name"])
+
+
 def resolve_setting(profile: str, options: Mapping[str, Any]) -> Setting:
     """The profile's setting with the CLI options applied (``max_batch_mem_mb``)."""
     if profile not in PROFILES:
@@ -213,6 +238,7 @@ def _setting_json(setting: Setting, device: str, threads: int) -> dict[str, Any]
     out["worker_env"] = _worker_env(setting, device)
     out.update(
         device=device,
+        device_name=bench_device_name(),
         threads=threads,
         methods={name: asdict(METHODS[name]) for name in setting.methods},
         noise_multiplier=1.0,
@@ -360,24 +386,36 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
         if "layers_s" in first:
             methods[name]["layers_s"] = _median_dict([r[name]["layers_s"] for r in runs.rounds])
     ratios_spec = {key: spec for key, spec in RATIOS.items() if spec[0] in names and spec[1] in names}
+    intervals = {key: runs.ratio_interval(*spec) for key, spec in ratios_spec.items() if spec[2] == "step_s"}
     result: dict[str, Any] = {
         "setting": _setting_json(setting, device, threads),
         "methods": methods,
         "ratios": {key: runs.ratio(*spec) for key, spec in ratios_spec.items()},
+        "ratio_intervals": {key: _interval_json(iv) for key, iv in intervals.items() if iv is not None},
         "ratio_samples": {key: runs.ratio_samples(*spec) for key, spec in ratios_spec.items()},
         "order": runs.order,
         "notes": (
             "step_s and peak_mem_mb: medians over rounds (one fresh process per method and round); "
             "ratios: median over rounds of the per-round ratio (methods of a round run back to back, "
-            "order rotated each round); peak_mem_mb: growth over the state after model/data setup; "
-            "phases_s / layers_s: seconds per step (median over rounds) of the step's phases and of the "
-            "book-keeping clippers' output-grad backward, norms and weighted sums"
+            "order rotated each round); ratio_intervals (time ratios): the distribution-free 95% interval of that "
+            "median from the order statistics of the per-round ratios (sign test; lo/hi absent below 6 rounds), "
+            "rounds: the rounds it is over, coverage: its exact coverage; peak_mem_mb: growth over the state after "
+            "model/data setup; phases_s / layers_s: seconds per step (median over rounds) of the step's phases and "
+            "of the book-keeping clippers' output-grad backward, norms and weighted sums"
         ),
     }
     if setting.max_batch_mem_mb != 0:
         result.update(_max_batch_search(setting, device, threads, progress))
         result["ratios"].update(_max_batch_ratios(result["max_batch"]))
     return result
+
+
+def _interval_json(interval: MedianInterval) -> dict[str, Any]:
+    """``{"rounds", "lo", "hi", "coverage"}`` of a per-round ratio's median (lo/hi/coverage only where they exist)."""
+    out: dict[str, Any] = {"rounds": interval.n}
+    if interval.lo is not None:
+        out.update(lo=interval.lo, hi=interval.hi, coverage=interval.coverage)
+    return out
 
 
 def _median_dict(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -107,6 +107,13 @@ def indexed_device(device: str) -> Any:
     return dev
 
 
+def device_name(*, device: str) -> dict[str, Any]:
+    """Worker side: ``{"device_name"}``, the name of the GPU that ``device`` (``cuda``, ``cuda:N``) is."""
+    import torch
+
+    return {"device_name": torch.cuda.get_device_name(indexed_device(device))}
+
+
 def measure_step(
     *,
     method: str,

@@ -14,7 +14,8 @@ Absolute times are noisy on shared machines, so benchmarks measure the things th
 side: :func:`interleave` runs ``A B C A B C ...`` (order rotated each round by default) and keeps every
 sample per round, so that a ratio can be taken per round (both terms measured back to back, under the
 same background load) and then the median across rounds (:meth:`Interleaved.ratio`); that is more robust
-to load drifting over the run than a ratio of two medians.
+to load drifting over the run than a ratio of two medians. :meth:`Interleaved.ratio_interval` adds that median's
+distribution-free 95% interval from the order statistics of the per-round ratios (6 rounds or more).
 
 Measurements that need a clean process (peak memory, first-step allocations) run through
 :func:`run_in_fresh_process`: ``sys.executable -m privbench.bench._worker '<json spec>'``, result JSON
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from core.errors import ConfigError, PrivbenchError
+from core.order_stats import CONFIDENCE, MedianInterval, median_interval
 
 PROFILES = ("quick", "paper")
 WORKER_MODULE = "privbench.bench._worker"
@@ -150,7 +152,8 @@ def bench_threads() -> int:
     return available_cpus()
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of the processor."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith(("model name", "hardware", "processor\t: ")) and ":" in line:
@@ -189,7 +192,7 @@ def machine_info(*, threads: int | None = None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_available": available_cpus(),
         "memory_total_mb": _memory_total_mb(),
@@ -239,6 +242,15 @@ class Interleaved:
         """Median over rounds of the per-round ratio ``num / den`` (None if no round has den > 0)."""
         values = [v for v in self.ratio_samples(num, den, key) if math.isfinite(v)]
         return statistics.median(values) if values else None
+
+    def ratio_interval(
+        self, num: str, den: str, key: str | None = None, confidence: float = CONFIDENCE
+    ) -> MedianInterval | None:
+        """The median over rounds of the per-round ratio ``num / den`` with its distribution-free ``confidence``
+        interval (:func:`core.order_stats.median_interval`: order statistics of the rounds' ratios, the sign-test
+        interval; absent below 6 rounds at 95%); None if no round has den > 0."""
+        values = [v for v in self.ratio_samples(num, den, key) if math.isfinite(v)]
+        return median_interval(values, confidence) if values else None
 
     def summary(self, key: str | None = None) -> dict[str, Any]:
         """``{"order", "medians", "samples"}`` (JSON-able)."""
@@ -378,10 +390,13 @@ def metric_name(path: str) -> str:
 
 
 def metric_unit(path: str) -> str | None:
-    """Unit from naming conventions: ``*_s`` seconds, ``*_mb`` MB, ``ratios.*`` ratio, ..."""
+    """Unit from naming conventions: ``*_s`` seconds, ``*_mb`` MB, ``ratios.*`` ratio, ``ratio_intervals.*`` ratio
+    (``lo``, ``hi``), rounds or share (``coverage``), ..."""
     leaf = path.rsplit(".", 1)[-1]
     if path.startswith("ratios."):
         return "ratio"
+    if path.startswith("ratio_intervals.") or ".ratio_intervals." in path:
+        return {"lo": "ratio", "hi": "ratio", "rounds": "rounds", "coverage": "share"}.get(leaf)
     if leaf.endswith("_s"):
         return "s"
     if leaf.endswith("_mb"):

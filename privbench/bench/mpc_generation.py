@@ -5,23 +5,28 @@ Setting: a GPT-2 with the real 50,257-token vocabulary and random weights of the
 and rounds do not depend on the weight values; the merge modules' constant attention is averaged over random
 ids), ``gen_len`` tokens after a ``prefix_len``-token prompt for a batch of ``batch_size`` prompts (1), both
 parties as local processes on this machine (CPU, or CUDA when ``PRIVBENCH_BENCH_DEVICE=cuda``). Quick: 2 layers
-of width 64, prefix 6, 6 tokens (minutes on 2 cores). Paper (alias ``paper-shape``): the GPT-2 124M shape
-(12 layers, 768, 12 heads) for seven methods, measured at 6 tokens after a prompt of 8 (length 14) and 3 after
-40 (length 43), each step's cost fitted against the length (:mod:`core.mpc.length_fit`) and projected to the
-paper's lengths 128 and 512 (``fits``, ``lengths.L<total>``; 14 minutes on 2 cores).
+of width 64, 6 tokens after a prompt of 6 (length 12), then 2 after 16 and 2 after 24 (lengths 18 and 26; a few
+minutes on 2 cores). Paper (alias ``paper-shape``): the GPT-2 124M shape (12 layers, 768, 12 heads) for seven
+methods, measured at 6 tokens after a prompt of 8 (length 14), 3 after 20 (23) and 3 after 40 (43). With three or
+more measured lengths each step's cost is fitted against the length (:mod:`core.mpc.length_fit`) and projected to
+the paper's lengths 128 and 512 (``fits``, ``lengths.L<total>`` with ``kind: projected``); the same fit without
+the longest measured run predicts that run (``validation``), and the measured runs' ratios stand on their own
+(``measured``, ``measured_growth``; about 18 minutes on 2 cores).
 
 JSON: ``methods.<name>.{total_s, comm_bytes, rounds, ops.<category>.{s, bytes, rounds}}`` for ``vanilla``,
 ``vanilla_kv``, ``mpcformer_2relu``, ``mpcformer_2quad``, ``thex``, ``merge_er``, ``merge_mm``, ``merge``
 (slower party: max over the two), ``ratios.merge_speedup_over_vanilla``,
 ``ratios.merge_comm_fraction_of_vanilla``, ``ratios.merge_speedup_over_vanilla_kv`` and per-method speedups,
 ``targets`` (paper: >= 7.75x and <= 38% of vanilla's bytes; quick: >= 5x), and network projections
-(``projection.<lan|wan>``, from the busiest party's bytes sent: half of the logged sent + received bytes).
+(``projection.<lan|wan>``, from the busiest party's bytes sent: half of the logged sent + received bytes), all
+from the first measured run (``prefix_len``, ``gen_len``); :func:`_lengths` for what further runs add.
 
 The shape can be changed without a new profile: ``--set secure_inference.KEY=VALUE`` (repeatable, the same
 syntax and validation as ``privbench run --set``) overrides any field of :class:`Setting` (``n_layer``,
 ``n_embd``, ``n_head``, ``prefix_len``, ``gen_len``, ``batch_size``, ``vocab``, ``repeats``, ``seed``,
-``timeout_s``, ``methods`` as ``a,b``, the targets); the JSON's ``setting`` and the recorded run config hold
-the shape actually run, and ``setting.overrides`` the items given.
+``timeout_s``, ``methods`` as ``a,b``, ``more_runs`` as ``20+3,40+3``, ``project_lengths`` as ``128,512``, the
+targets); the JSON's ``setting`` and the recorded run config hold the shape actually run, and
+``setting.overrides`` the items given.
 """
 
 from __future__ import annotations
@@ -62,8 +67,7 @@ class Setting(FrozenConfig):
     target_comm_fraction: float | None = Field(None, gt=0.0)
     seed: int = Field(0, ge=0)
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
-    long_prefix_len: int | None = Field(None, ge=1)  # a second measured run (prompt, new tokens) that anchors
-    long_gen_len: int | None = Field(None, ge=1)  # the length fit at a longer sequence
+    more_runs: tuple[tuple[int, int], ...] = ()  # further measured runs (prompt, new tokens) at other lengths
     project_lengths: tuple[int, ...] = ()  # total lengths (prompt + new tokens) the fitted costs are projected to
 
     @field_validator("methods", "project_lengths", mode="before")
@@ -77,34 +81,66 @@ class Setting(FrozenConfig):
             return (value,)
         return value
 
+    @field_validator("more_runs", mode="before")
+    @classmethod
+    def _runs_text(cls, value: Any) -> Any:
+        if value is None:  # --set secure_inference.more_runs=
+            return ()
+        if isinstance(value, str):  # --set secure_inference.more_runs=20+3,40+3 (prompt + new tokens)
+            out = []
+            for item in (t.strip() for t in value.split(",") if t.strip()):
+                prompt, plus, new = item.partition("+")
+                if not plus or not prompt.strip().isdigit() or not new.strip().isdigit():
+                    raise ValueError(f"run {item!r} must read PROMPT+NEW (e.g. 20+3: 3 tokens after a 20-token prompt)")
+                out.append((int(prompt), int(new)))
+            return tuple(out)
+        return value
+
     @model_validator(mode="after")
     def _shape(self) -> Setting:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
-        if (self.long_prefix_len is None) != (self.long_gen_len is None):
-            raise ValueError("set both long_prefix_len and long_gen_len (the second measured run) or neither")
+        bad = [f"{p}+{g}" for p, g in self.more_runs if p < 1 or g < 1]
+        if bad:
+            raise ValueError(f"more_runs {bad}: prompt and new tokens must be >= 1")
+        runs = self.runs()
+        totals = [p + g for p, g in runs]
+        if len(set(totals)) != len(totals):
+            raise ValueError(
+                f"measured runs (prompt, new tokens) {runs} repeat a total length {totals}: each run measures "
+                "another length, change one in more_runs"
+            )
+        if len(runs) >= 3:  # the longest is held out: the others alone must be enough to fit
+            fit_runs = [r for r in runs if sum(r) != max(totals)]
+            if len(_step_lengths(fit_runs)) < 4:
+                raise ValueError(
+                    f"the hold-out fit (every run but the longest, {fit_runs}) needs steps at 4 or more sequence "
+                    f"lengths, got {_step_lengths(fit_runs)}: raise gen_len to 5 or more, or add a run to more_runs"
+                )
         if self.project_lengths:
+            if len(runs) < 3:
+                raise ValueError(
+                    f"project_lengths needs 3 or more measured runs (the longest is held out to check the fit), got "
+                    f"{runs}: set more_runs, e.g. more_runs=20+3,40+3, or project_lengths= to project nothing"
+                )
             too_short = [n for n in self.project_lengths if n <= self.prefix_len]
             if too_short:
                 raise ValueError(f"project_lengths {too_short} must exceed prefix_len={self.prefix_len}")
-            fit_lengths = {self.prefix_len + i for i in range(1, self.gen_len)}
-            if self.long_prefix_len is not None and self.long_gen_len is not None:
-                fit_lengths |= {self.long_prefix_len + i for i in range(1, self.long_gen_len)}
-            if len(fit_lengths) < 4:
-                raise ValueError(
-                    f"project_lengths needs steps at 4 or more sequence lengths to fit, got {sorted(fit_lengths)}: "
-                    "raise gen_len to 5 or more, or set long_prefix_len and long_gen_len"
-                )
+            both = sorted(set(self.project_lengths) & set(totals))
+            if both:
+                raise ValueError(f"project_lengths {both} are measured lengths {totals}: leave them out")
         return self
 
     def runs(self) -> list[tuple[int, int]]:
-        """The measured (prompt length, new tokens) pairs: the main run, then the long one if set."""
-        out = [(self.prefix_len, self.gen_len)]
-        if self.long_prefix_len is not None and self.long_gen_len is not None:
-            out.append((self.long_prefix_len, self.long_gen_len))
-        return out
+        """The measured (prompt length, new tokens) pairs: the main run, then ``more_runs``."""
+        return [(self.prefix_len, self.gen_len), *self.more_runs]
+
+
+def _step_lengths(runs: list[tuple[int, int]]) -> list[int]:
+    """The sequence lengths of the steps i >= 1 of ``runs``, the points the length fit sees."""
+    return sorted({p + i for p, g in runs for i in range(1, g)})
 
 
 class _Overridable(FrozenConfig):
@@ -115,16 +151,24 @@ class _Overridable(FrozenConfig):
 
 PAPER_METHODS = ("vanilla", "vanilla_kv", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge")
 PROFILES: dict[str, Setting] = {
-    "quick": Setting(n_layer=2, n_embd=64, n_head=2, prefix_len=6, gen_len=6),
-    # GPT-2 124M's shape, measured at lengths 14 and 43 (steps at 9-13, 41-42), projected to 128 and 512
+    # measured at lengths 12, 18 and 26 (steps at 7-11, 17, 25), the longest held out, projected to 128 and 512
+    "quick": Setting(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        prefix_len=6,
+        gen_len=6,
+        more_runs=((16, 2), (24, 2)),
+        project_lengths=(128, 512),
+    ),
+    # GPT-2 124M's shape, measured at lengths 14, 23 and 43 (steps at 9-13, 21-22, 41-42), projected to 128 and 512
     "paper": Setting(
         n_layer=12,
         n_embd=768,
         n_head=12,
         prefix_len=8,
         gen_len=6,
-        long_prefix_len=40,
-        long_gen_len=3,
+        more_runs=((20, 3), (40, 3)),
         project_lengths=(128, 512),
         repeats=1,
         timeout_s=7200.0,
@@ -240,7 +284,7 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
         "ratios": ratios,
         "targets": targets,
     }
-    if setting.project_lengths:
+    if len(measured) >= 2:
         out.update(_lengths(setting, measured))
     return out
 
@@ -321,44 +365,115 @@ def _targets(ratios: Mapping[str, float], setting: Setting, *, lan: Mapping[str,
     return targets
 
 
-def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """``fits.<method>.<s|s_poly|bytes|rounds>`` (:mod:`core.mpc.length_fit`: seconds priced by bytes and rounds,
-    ``s_poly`` the seconds' own polynomial) and ``lengths.L<total length>``: each measured run's and each projected
-    length's methods (total_s, total_s_poly, comm_bytes, rounds, per_token_s, lan_s, wan_s), ratios (loopback and
-    ``lan`` / ``wan`` projections) and targets, with ``projected`` saying which is which."""
-    from core.mpc.costmodel import NETWORKS, project_all
-    from core.mpc.length_fit import MeasuredGeneration, fit_length, fit_seconds, project
+def _generations(setting: Setting, measured: list[dict[str, dict[str, Any]]], m: str) -> dict[str, list[Any]]:
+    """Method ``m``'s measured runs as :class:`core.mpc.length_fit.MeasuredGeneration` per unit."""
+    from core.mpc.length_fit import MeasuredGeneration
+
+    gens: dict[str, list[MeasuredGeneration]] = {}
+    for u in UNITS:
+        gens[u] = []
+        for (p, g), res in zip(setting.runs(), measured, strict=True):
+            ph, steps = res[m]["phases"], tuple(res[m]["steps"][u])
+            gens[u].append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
+    return gens
+
+
+def _fit(gens: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """The length fits of one method's runs: ``s`` (seconds priced by bytes and rounds), ``s_poly`` (the seconds'
+    own polynomial), ``bytes`` and ``rounds``."""
+    from core.mpc.length_fit import fit_length, fit_seconds
+
+    rate = fit_seconds(gens["s"], gens["bytes"], gens["rounds"])  # fits bytes and rounds on the way
+    return {"s": rate, "s_poly": fit_length(gens["s"]), "bytes": rate.bytes_fit, "rounds": rate.rounds_fit}
+
+
+_TOTALS = {"s": "total_s", "s_poly": "total_s_poly", "bytes": "comm_bytes", "rounds": "rounds"}
+_VALIDATED = {"s": "time", "s_poly": "time_poly", "bytes": "bytes", "rounds": "rounds"}
+
+
+def _validation(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The hold-out check of the length fit: fitted on every measured run but the longest, each method's
+    seconds, bytes and rounds at the longest predicted (its steps i >= 1 and decoding from the fit, after its own
+    measured head) and compared with the measurement, and so the ratios there."""
+    from core.mpc.length_fit import predict_held_out, rel_err, split_longest
 
     runs = setting.runs()
+    held = max(range(len(runs)), key=lambda j: sum(runs[j]))
+    out: dict[str, Any] = {
+        "held_out_length": sum(runs[held]),
+        "held_out_prefix_len": runs[held][0],
+        "held_out_gen_len": runs[held][1],
+        "fit_lengths": sorted(sum(r) for j, r in enumerate(runs) if j != held),
+        "longest_fit_length": max(sum(r) for j, r in enumerate(runs) if j != held),
+    }
+    predicted: dict[str, dict[str, float]] = {}
+    for m in setting.methods:
+        gens = _generations(setting, measured, m)
+        split = {u: split_longest(gens[u]) for u in UNITS}
+        models = _fit({u: list(split[u][0]) for u in UNITS})
+        row: dict[str, float] = {}
+        predicted[m] = {}
+        for u, f in models.items():
+            unit = u.removesuffix("_poly")
+            total = measured[held][m][_TOTALS[unit]]
+            h = predict_held_out(f, split[unit][1], measured_total=total)
+            name = _VALIDATED[u]
+            suffix = "_s" if unit == "s" else ""
+            row[f"{name}_predicted{suffix}"], row[f"{name}_measured{suffix}"] = h.predicted, h.measured
+            row[f"{name}_rel_err"], row[f"{name}_tail_rel_err"] = h.rel_err, h.tail_rel_err
+            predicted[m][_TOTALS[u]] = h.predicted
+        out[m] = row
+    ratios_p, ratios_m = _ratios(predicted), _ratios(measured[held])
+    out["ratios"] = {
+        k: {"predicted": ratios_p[k], "measured": ratios_m[k], "rel_err": rel_err(ratios_p[k], ratios_m[k])}
+        for k in ratios_p
+    }
+    out["max_time_rel_err"] = max(out[m]["time_rel_err"] for m in setting.methods)
+    out["max_bytes_rel_err"] = max(out[m]["bytes_rel_err"] for m in setting.methods)
+    return out
+
+
+def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """What two or more measured runs at different lengths give: ``lengths.L<total length>`` for each measured run
+    (``kind: measured``, ``projected: 0``) and, with three or more, each projected length (``kind: projected``,
+    ``projected: 1``), with the methods (total_s, comm_bytes, rounds, per_token_s, lan_s, wan_s; projections also
+    total_s_poly, measured runs fit_rel_err), ratios (loopback and ``lan`` / ``wan``) and targets;
+    ``measured.<L<total>|shortest|longest>`` the measured runs' ratios alone and ``measured_growth`` the longest
+    measured run's ratios over the shortest's. With three or more runs also ``fits.<method>.<s|s_poly|bytes|rounds>``
+    (:mod:`core.mpc.length_fit` on every measured run: the projections' fits) and ``validation`` (the same fit on
+    every run but the longest, predicting the longest: :func:`_validation`)."""
+    from core.mpc.costmodel import NETWORKS, project_all
+    from core.mpc.length_fit import project
+
+    runs = setting.runs()
+    fitted = len(runs) >= 3
     fits: dict[str, dict[str, Any]] = {}
     rows: dict[int, dict[str, Any]] = {}
-    keys = {"s": "total_s", "s_poly": "total_s_poly", "bytes": "comm_bytes", "rounds": "rounds"}
-    for m in setting.methods:
-        gens: dict[str, list[MeasuredGeneration]] = {}
-        for u in UNITS:
-            gens[u] = []
-            for (p, g), res in zip(runs, measured, strict=True):
-                ph, steps = res[m]["phases"], tuple(res[m]["steps"][u])
-                gens[u].append(MeasuredGeneration(p, g, ph["prefix"][u], steps, ph["decode"][u]))
-        rate = fit_seconds(gens["s"], gens["bytes"], gens["rounds"])  # fits bytes and rounds on the way
-        models = {"s": rate, "s_poly": fit_length(gens["s"]), "bytes": rate.bytes_fit, "rounds": rate.rounds_fit}
+    for (p, g), res in zip(runs, measured, strict=True):
+        rows[p + g] = {"kind": "measured", "projected": 0, "prefix_len": p, "gen_len": g, "methods": {}}
+        for m in setting.methods:
+            r = res[m]
+            rows[p + g]["methods"][m] = {"total_s": r["total_s"], "comm_bytes": r["comm_bytes"], "rounds": r["rounds"]}
+    for m in setting.methods if fitted else ():
+        gens = _generations(setting, measured, m)
+        models = _fit(gens)
         heads = {u: [g.head for g in gens[u.removesuffix("_poly")]] for u in models}
         fits[m] = {u: f.as_dict() for u, f in models.items()}
-        for j, ((p, g), res) in enumerate(zip(runs, measured, strict=True)):
-            row = rows.setdefault(p + g, {"prefix_len": p, "gen_len": g, "projected": False, "methods": {}})
-            r = res[m]
-            row["methods"][m] = {"total_s": r["total_s"], "comm_bytes": r["comm_bytes"], "rounds": r["rounds"]}
-            row["methods"][m]["fit_rel_err"] = {  # each fit against this measured run's own totals
-                u: abs(project(f, heads[u][j], p, p + g) - r[keys[u]]) / max(r[keys[u]], 1e-300)
+        for j, (p, g) in enumerate(runs):
+            v = rows[p + g]["methods"][m]
+            v["fit_rel_err"] = {  # each fit against this measured run's own totals
+                u: abs(project(f, heads[u][j], p, p + g) - v[_TOTALS[u]]) / max(v[_TOTALS[u]], 1e-300)
                 for u, f in models.items()
                 if u != "s_poly"
             }
         p0 = runs[0][0]
         for total in setting.project_lengths:
-            row = rows.setdefault(total, {"prefix_len": p0, "gen_len": total - p0, "projected": True, "methods": {}})
-            row["methods"][m] = {keys[u]: project(f, heads[u][0], p0, total) for u, f in models.items()}
+            row = rows.setdefault(
+                total, {"kind": "projected", "projected": 1, "prefix_len": p0, "gen_len": total - p0, "methods": {}}
+            )
+            row["methods"][m] = {_TOTALS[u]: project(f, heads[u][0], p0, total) for u, f in models.items()}
     for row in rows.values():
-        for m, v in row["methods"].items():
+        for v in row["methods"].values():
             v["per_token_s"] = v["total_s"] / row["gen_len"]
             nets = project_all(v["total_s"], {0: {"bytes": v["comm_bytes"], "rounds": v["rounds"]}}, NETWORKS)
             for net, proj in nets.items():
@@ -372,4 +487,17 @@ def _lengths(setting: Setting, measured: list[dict[str, dict[str, Any]]]) -> dic
             row["ratios"].update({f"poly.{k}": x for k, x in poly.items() if "speedup" in k})
         lan = {k.removeprefix("lan."): x for k, x in row["ratios"].items() if k.startswith("lan.")}
         row["targets"] = _targets(row["ratios"], setting, lan=lan)
-    return {"fits": fits, "lengths": {f"L{n}": {"total_len": n, **rows[n]} for n in sorted(rows)}}
+    out: dict[str, Any] = {"lengths": {f"L{n}": {"total_len": n, **rows[n]} for n in sorted(rows)}}
+    totals = sorted(p + g for p, g in runs)
+    only = {f"L{n}": {"total_len": n, **{k: rows[n][k] for k in ("prefix_len", "gen_len", "ratios")}} for n in totals}
+    out["measured"] = {**only, "shortest": only[f"L{totals[0]}"], "longest": only[f"L{totals[-1]}"]}
+    first, last = only[f"L{totals[0]}"]["ratios"], only[f"L{totals[-1]}"]["ratios"]
+    out["measured_growth"] = {
+        "from_length": totals[0],
+        "to_length": totals[-1],
+        **{k: last[k] / first[k] for k in first if k in last and first[k] > 0},
+    }
+    if fitted:
+        out["fits"] = fits
+        out["validation"] = _validation(setting, measured)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -101,6 +102,20 @@ def test_ratio_is_the_median_of_per_round_ratios() -> None:
     assert runs.ratio_samples("num", "den", "t") == [2.0, 2.0, 3.0]
     assert runs.ratio("num", "den", "t") == 2.0
     assert runs.median("num", "t") / runs.median("den", "t") == 3.0
+    few = runs.ratio_interval("num", "den", "t")  # 3 rounds: a median, but no 95% interval
+    assert (few.median, few.n, few.lo, few.hi) == (2.0, 3, None, None)
+
+
+def test_ratio_interval_is_the_order_statistic_interval_of_the_per_round_ratios() -> None:
+    # 6 rounds: [min, max] of the per-round ratios (coverage 1 - 2/64), not of the per-method samples
+    den = [1.0, 10.0, 4.0, 2.0, 8.0, 5.0]
+    ratios = [1.2, 1.0, 1.5, 1.1, 1.3, 0.9]
+    values = iter([{"t": x} for d, r in zip(den, ratios, strict=True) for x in (d, d * r)])
+    runs = interleave({"den": lambda: next(values), "num": lambda: next(values)}, 6, rotate=False)
+    interval = runs.ratio_interval("num", "den", "t")
+    assert interval.n == 6 and interval.median == pytest.approx(runs.ratio("num", "den", "t"))
+    assert (interval.lo, interval.hi) == (pytest.approx(0.9), pytest.approx(1.5))
+    assert interval.coverage == 1 - 2 / 64
 
 
 def test_worker_timeout_names_what_it_measured() -> None:
@@ -177,6 +192,37 @@ def test_metric_names_and_units() -> None:
     assert metric_name("max_batch.x@y") == "max_batch.x_y"
     names = ("methods.p.step_s", "methods.p.peak_mem_mb", "ratios.x", "max_batch.p")
     assert [metric_unit(n) for n in names] == ["s", "MB", "ratio", "sequences"]
+    intervals = ("ratio_intervals.x.lo", "ratio_intervals.x.rounds", "settings.s.ratio_intervals.x.hi")
+    assert [metric_unit(n) for n in intervals] == ["ratio", "rounds", "ratio"]
+
+
+def test_setting_intervals_cover_every_time_ratio_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run_setting`` with scripted workers: each time ratio gets the interval of its per-round ratios."""
+    step = {"nonprivate": 1.0, "phantom": 1.2, "opacus_hooks": 2.0, "opacus_ghost_untied": 1.5}
+    calls = {name: 0 for name in step}
+
+    def fake_worker(target: str, kwargs: dict, **_: object) -> dict:
+        method = kwargs["method"]
+        calls[method] += 1
+        load = calls[method]  # round r is r times slower for every method: the ratios stay put but for phantom
+        jitter = 1.0 + 0.1 * (calls[method] - 3) if method == "phantom" else 1.0
+        return {
+            "step_s": step[method] * load * jitter, "peak_mem_mb": 100.0, "n_params": 1, "d_model": 16,
+            "mem_source": "scripted", "step_samples_s": [step[method] * load * jitter], "phases_s": {},
+        }  # fmt: skip
+
+    monkeypatch.setattr(dp_clipping, "run_in_fresh_process", fake_worker)
+    setting = replace(TINY, repeats=dp_clipping.ROUNDS)
+    out = dp_clipping._run_setting(setting, "cpu", 1, _Quiet())
+    assert set(out["ratio_intervals"]) == {k for k in RATIOS if k.endswith("_time")}  # memory: deterministic
+    phantom = [1.2 * (1.0 + 0.1 * (r - 2)) for r in range(6)]  # per-round phantom / nonprivate
+    interval = out["ratio_intervals"]["phantom_over_nonprivate_time"]
+    assert interval["rounds"] == 6 and interval["coverage"] == 1 - 2 / 64
+    assert (interval["lo"], interval["hi"]) == (pytest.approx(min(phantom)), pytest.approx(max(phantom)))
+    assert out["ratios"]["phantom_over_nonprivate_time"] == pytest.approx(statistics.median(phantom))
+    hooks = out["ratio_intervals"]["opacus_hooks_over_phantom_time"]
+    assert hooks["lo"] <= out["ratios"]["opacus_hooks_over_phantom_time"] <= hooks["hi"]
+    assert out["setting"]["device_name"] == dp_clipping.bench_device_name() != ""
 
 
 def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny: dp_clipping.Setting) -> None:
@@ -227,6 +273,22 @@ def test_cli_bench_prints_the_contract_json_and_stores_the_run(home: Path, tiny:
     assert metrics["methods.phantom.step_s"]["unit"] == "s"
     assert metrics["ratios.phantom_over_nonprivate_mem"]["unit"] == "ratio"
     assert not any(name.startswith("setting.") for name in metrics)
+    # one round: the interval of a time ratio says how many rounds it had, and is absent (needs 6)
+    assert out["ratio_intervals"]["phantom_over_nonprivate_time"] == {"rounds": 1}
+    assert metrics["ratio_intervals.phantom_over_nonprivate_time.rounds"]["value"] == 1.0
+    assert metrics["settings.large_vocab.ratio_intervals.ghost_tied_over_phantom_time.rounds"]["unit"] == "rounds"
+
+    # the device, per run, as the claims' metrics source and the clipping_bench view see it
+    from storage.claim_rows import _metric_rows
+    from storage.views import clipping_bench
+
+    assert out["setting"]["device_name"] == out["machine"]["cpu_model"]  # no GPU here
+    wanted = {"config.setting.device_name", "device", "ratio_intervals.phantom_over_nonprivate_time.rounds"}
+    rows = _metric_rows(None, "bench", ("dp-clipping",), wanted)
+    assert rows["config.setting.device_name"].tolist() == [out["machine"]["cpu_model"]]
+    assert rows["device"].tolist()[0].startswith("cpu: ")
+    assert rows["ratio_intervals.phantom_over_nonprivate_time.rounds"].tolist() == [1.0]
+    assert set(clipping_bench(None)["device"]) == set(rows["device"])
 
 
 def test_max_batch_ratios_and_the_baseline_refused_before_its_gram_matrices() -> None:
@@ -253,6 +315,35 @@ def test_a_bare_cuda_device_gets_its_index(monkeypatch: pytest.MonkeyPatch) -> N
     assert indexed_device("cuda") == torch.device("cuda", 3)
     assert indexed_device("cuda:1") == torch.device("cuda", 1)
     assert indexed_device("cpu") == torch.device("cpu")
+
+
+def test_the_gpu_is_named_by_a_worker_so_the_bench_process_opens_no_cuda_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[str, dict]] = []
+
+    def fake_worker(target: str, kwargs: dict, **_: object) -> dict:
+        asked.append((target, kwargs))
+        return {"device_name": "NVIDIA H200"}
+
+    monkeypatch.setattr(dp_clipping, "bench_device", lambda: "cuda")
+    monkeypatch.setattr(dp_clipping, "run_in_fresh_process", fake_worker)
+    dp_clipping.bench_device_name.cache_clear()
+    try:
+        assert dp_clipping.bench_device_name() == "NVIDIA H200"
+        assert dp_clipping._setting_json(TINY, "cuda", 1)["device_name"] == "NVIDIA H200"
+    finally:
+        dp_clipping.bench_device_name.cache_clear()
+    assert asked == [(dp_clipping.DEVICE_NAME_TARGET, {"device": "cuda"})]  # once: cached
+
+
+@pytest.mark.gpu
+def test_the_gpu_name_worker_names_the_gpu() -> None:
+    import torch
+
+    from privbench.bench.dp_clipping_worker import device_name
+
+    assert device_name(device="cuda") == {"device_name": torch.cuda.get_device_name(0)}
 
 
 @pytest.mark.gpu

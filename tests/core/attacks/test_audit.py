@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
-from core.attacks.membership import split_halves
+from core.attacks.membership import certifiable_epsilon_max, split_halves
 from core.data.sequential import SequentialDataset
 from core.errors import ConfigError, DataError
 from core.models.loss import sequence_loss
@@ -83,6 +83,10 @@ def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
     lo, hi = out["lira_online"]["empirical_epsilon_ci"]
     assert 0 < lo <= out["lira_online"]["empirical_epsilon"] <= hi
     assert len(out["lira_online"]["roc"]["fpr"]) <= 200
+    n_in = int(members.sum())  # the audit's power: a perfect attack's bound at these sizes, the same for each attack
+    power = certifiable_epsilon_max(n_in, n - n_in, delta=1e-3, alpha=0.05)
+    assert out["loss"]["certifiable_epsilon_max"] == out["lira_online"]["certifiable_epsilon_max"] == power
+    assert lo < power
 
 
 def test_audit_refuses_unrecorded_membership_and_mismatched_data() -> None:

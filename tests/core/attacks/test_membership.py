@@ -15,9 +15,11 @@ from scipy.stats import norm
 from core.attacks.membership import (
     ATTACKS,
     auc_interval,
+    certifiable_epsilon_max,
     clopper_pearson,
     empirical_epsilon,
     empirical_epsilon_lower_bound,
+    evaluation_sizes,
     get_attack,
     lira_offline,
     lira_online,
@@ -270,6 +272,73 @@ def test_epsilon_audit_bad_input():
         empirical_epsilon_lower_bound(ok, ok, delta=1e-3, alpha=0.0)
     with pytest.raises(DataError, match="empty"):
         roc(ok, [])
+
+
+def _slow_best_epsilon_lo(m: int, n: int, delta: float, alpha: float) -> float:
+    """The largest eps_lo over every count a threshold test can have on m members and n non-members, one
+    Clopper-Pearson interval and one empirical_epsilon at a time."""
+    best = 0.0
+    for tp in range(m + 1):
+        tpr_lo = clopper_pearson(tp, m, alpha)[0]
+        for fp in range(n + 1):
+            best = max(best, empirical_epsilon(tpr_lo, clopper_pearson(fp, n, alpha)[1], delta))
+    return best
+
+
+@pytest.mark.parametrize(
+    ("n_members", "n_nonmembers", "delta", "alpha"),
+    [(14, 18, 1e-5, 0.05), (81, 61, 1e-3, 0.05), (40, 40, 0.05, 0.1), (9, 120, 1e-4, 0.01)],
+)
+def test_certifiable_epsilon_max_is_the_best_that_any_counts_reach(n_members, n_nonmembers, delta, alpha):
+    m, n = evaluation_sizes(n_members, n_nonmembers, split=True)
+    assert (m, n) == (n_members - n_members // 2, n_nonmembers - n_nonmembers // 2)
+    power = certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha)
+    assert power == pytest.approx(_slow_best_epsilon_lo(m, n, delta, alpha), rel=1e-9)
+    unsplit = certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha, split=False)
+    assert unsplit == pytest.approx(_slow_best_epsilon_lo(n_members, n_nonmembers, delta, alpha), rel=1e-9)
+    assert unsplit > power  # twice the evaluated examples certify more
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_certifiable_epsilon_max_is_what_a_perfect_attack_reports(seed):
+    rng = np.random.default_rng(seed)
+    n_members, n_nonmembers, delta = 237, 190, 1e-4
+    members = rng.uniform(2, 3, n_members)  # every member scores above every non-member
+    nonmembers = rng.uniform(0, 1, n_nonmembers)
+    for split in (True, False):
+        audit = empirical_epsilon_lower_bound(members, nonmembers, delta=delta, split=split, seed=seed)
+        assert audit["tpr"] == 1.0 and audit["fpr"] == 0.0
+        assert audit["epsilon_lo"] == pytest.approx(
+            certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, split=split), rel=1e-12
+        )
+    imperfect = np.r_[members[:-5], rng.uniform(0, 1, 5)]  # a few members below the threshold
+    assert empirical_epsilon_lower_bound(imperfect, nonmembers, delta=delta, split=True)["epsilon_lo"] < (
+        certifiable_epsilon_max(n_members, n_nonmembers, delta=delta)
+    )
+
+
+def test_certifiable_epsilon_max_closed_form_and_growth():
+    # 10 of 10 members and 0 of 10 non-members at alpha 0.05: TPR_lo = 0.025^(1/10), FPR_hi = 1 - 0.025^(1/10)
+    q = 0.025 ** (1 / 10)
+    assert certifiable_epsilon_max(10, 10, delta=1e-5, split=False) == pytest.approx(math.log((q - 1e-5) / (1 - q)))
+    assert certifiable_epsilon_max(19, 20, delta=1e-5) == pytest.approx(math.log((q - 1e-5) / (1 - q)))  # 10 + 10
+    # a half of ml-100k's 943 users as members, the other half as non-members, halved again by the split
+    assert certifiable_epsilon_max(471, 472, delta=1 / 4710) == pytest.approx(4.15, abs=0.01)
+    for n in (1_000, 100_000):  # about log(n / log(2 / alpha)) evaluated per side
+        assert certifiable_epsilon_max(2 * n, 2 * n, delta=1e-9) == pytest.approx(math.log(n / math.log(40)), abs=0.01)
+    powers = [certifiable_epsilon_max(n, n, delta=1e-6) for n in (4, 10, 100, 1000)]
+    assert powers == sorted(powers) and powers[0] < 1.0 < powers[-1]
+
+
+def test_certifiable_epsilon_max_bad_input():
+    with pytest.raises(DataError, match="n_members"):
+        certifiable_epsilon_max(1, 10, delta=1e-3)  # one member cannot be split into two halves
+    with pytest.raises(DataError, match="n_nonmembers"):
+        certifiable_epsilon_max(10, 0, delta=1e-3, split=False)
+    with pytest.raises(ConfigError, match="delta"):
+        certifiable_epsilon_max(10, 10, delta=0.0)
+    with pytest.raises(ConfigError, match="alpha"):
+        certifiable_epsilon_max(10, 10, delta=1e-3, alpha=1.0)
 
 
 def test_two_sample_test_detects_shift_only():

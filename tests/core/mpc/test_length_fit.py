@@ -1,4 +1,5 @@
-"""The length fit of encrypted generation costs against exact polynomial costs and scipy's NNLS."""
+"""The length fit of encrypted generation costs against exact polynomial costs and scipy's NNLS, and its hold-out
+check: exact where the model holds, a large reported error where it does not."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from core.mpc.length_fit import MeasuredGeneration, fit_length, fit_seconds, nnls_small, project
+from core.mpc.length_fit import (
+    MeasuredGeneration,
+    fit_length,
+    fit_seconds,
+    nnls_small,
+    predict_held_out,
+    project,
+    rel_err,
+    split_longest,
+)
 
 
 def _f(c: tuple[float, ...], n: int) -> float:
@@ -105,3 +115,72 @@ def test_seconds_priced_by_bytes_and_rounds_project_like_the_work() -> None:
         assert project(fit, head, 8, total) == pytest.approx(want, rel=1e-6)
     with pytest.raises(ConfigError, match="same runs"):
         fit_seconds(runs["s"][:1], runs["bytes"], runs["rounds"])
+
+
+RUNS = ((8, 6), (20, 3), (40, 3))  # the paper profile's: lengths 14, 23 and 43
+
+
+def test_split_longest_holds_out_the_longest_run_wherever_it_is() -> None:
+    runs = [_run(p, g, (1.0, 0.1, 0.0), (0.0, 1.0)) for p, g in ((40, 3), (8, 6), (20, 3))]
+    fit_runs, held = split_longest(runs)
+    assert held is runs[0] and fit_runs == (runs[1], runs[2])
+    with pytest.raises(ConfigError, match="distinct total lengths, got total lengths \\[14, 14\\]"):
+        split_longest([runs[1], _run(11, 3, (1.0, 0.0, 0.0), (0.0, 1.0))])
+    with pytest.raises(ConfigError, match="2 or more runs"):
+        split_longest(runs[:1])
+
+
+@pytest.mark.parametrize("c", [(5e8, 3e6, 2e3), (300.0, 0.0, 0.0, 40.0), (1.5, 0.02, 0.0)])
+def test_held_out_run_is_predicted_exactly_where_the_model_holds(c) -> None:
+    """Steps that are the fit's own model, fitted without the longest run: it is predicted to float tolerance,
+    both its total (its head measured) and its steps i >= 1 with the decoding."""
+    d = (4e5, 2e4)
+    fit_runs, held = split_longest([_run(p, g, c, d) for p, g in RUNS])
+    fit = fit_length(fit_runs)
+    assert fit.n_range == (9, 22)  # the longest run's steps (41, 42) are not seen
+    got = predict_held_out(fit, held)
+    assert got.measured == held.total and got.tail_measured == pytest.approx(sum(held.steps[1:]) + held.decode)
+    assert got.rel_err < 1e-9 and got.tail_rel_err < 1e-9
+    assert got.predicted == pytest.approx(_brute_total(40, 43, c, d), rel=1e-9)
+    assert got.as_dict()["rel_err"] == got.rel_err
+
+
+def test_held_out_error_is_large_where_the_model_is_wrong() -> None:
+    """Cubic steps against the at most quadratic model: close on the lengths fitted (6% residual), 39% off at
+    the held-out length, which the residual alone would not show."""
+    c = (5000.0, 0.0, 0.0)
+    cubic = [
+        MeasuredGeneration(p, g, 1.0, (7.0, *(c[0] + (p + i) ** 3 for i in range(1, g))), 2.0 * g) for p, g in RUNS
+    ]
+    fit_runs, held = split_longest(cubic)
+    fit = fit_length(fit_runs)
+    got = predict_held_out(fit, held)
+    assert fit.max_rel_residual < 0.1 and got.tail_rel_err > 0.3
+    assert got.predicted < got.measured  # a quadratic falls behind a cubic
+    assert got.rel_err == pytest.approx(abs(got.predicted - got.measured) / got.measured)
+
+
+def test_seconds_quadratic_in_bytes_are_caught_by_the_hold_out() -> None:
+    """The rate model prices seconds linearly in bytes; seconds that grow with the square of the bytes are
+    predicted at the held-out length far off, against the exact prediction of seconds linear in them."""
+    cb, cr = (1e6, 2e4, 300.0), (100.0, 0.0, 0.0, 10.0)
+    bytes_ = [_run(p, g, cb, (0.0, 1.0)) for p, g in RUNS]
+    rounds = [_run(p, g, cr, (0.0, 1.0)) for p, g in RUNS]
+    for price, exact in ((lambda b, r: 3e-9 * b + 2e-3 * r + 0.5, True), (lambda b, r: (b / 1e6) ** 2, False)):
+        seconds = [
+            MeasuredGeneration(b.prefix_len, b.gen_len, 1.0, tuple(map(price, b.steps, r.steps)), 0.2 * b.gen_len)
+            for b, r in zip(bytes_, rounds, strict=True)
+        ]
+        split = [split_longest(x) for x in (seconds, bytes_, rounds)]
+        fit = fit_seconds(*(fit_runs for fit_runs, _ in split))
+        got = predict_held_out(fit, split[0][1])
+        assert (got.rel_err < 1e-6) if exact else (got.tail_rel_err > 0.3), (exact, got)
+
+
+def test_held_out_measured_total_replaces_the_phase_sum() -> None:
+    c, d = (2.0, 0.1, 0.0), (1.0, 0.5)
+    fit_runs, held = split_longest([_run(p, g, c, d) for p, g in RUNS])
+    fit = fit_length(fit_runs)
+    got = predict_held_out(fit, held, measured_total=held.total + 5.0)  # the slower party's total, 5 over
+    assert got.measured == held.total + 5.0 and got.predicted == pytest.approx(held.total + 5.0, rel=1e-9)
+    assert rel_err(2.0, 4.0) == 0.5 and rel_err(0.0, 0.0) == 0.0

@@ -1,0 +1,137 @@
+"""The DP membership audit can fail: a DP step with its noise switched off (the accountant still reporting the
+configured epsilon) is caught, its empirical_epsilon_lo above the accountant's epsilon and within the audit's
+power (certifiable_epsilon_max), while the same audit of the intact DP step stays below it. The audit runs
+through its real code path on a tiny recommender that can memorise its users: the task's logic
+(``audit_point``) and, for the recorded rows, the task itself (``audit_seqrec.fn``) and the membership view."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from core.data.sequential import SequentialDataset
+from core.dp import trainer
+from pbconfig.attacks import AuditConfig
+from pbconfig.train_dp import TrainDPConfig
+from storage import views
+from storage.recording import record_run
+from tasks.audit import audit_point, audit_seqrec
+from tasks.prepare import MANIFEST, PREP_VERSION
+from tasks.train_dp import GridPoint, train_overrides
+
+EPSILON = 1.0
+AUDIT = AuditConfig(
+    datasets=("tiny",),
+    methods=("transformer",),
+    epsilons=(EPSILON,),
+    nonprivate=False,
+    shadows=1,
+    attacks=("loss",),
+    unlearning=False,
+)
+TRAIN = TrainDPConfig(
+    datasets=({"name": "tiny", "dropout": 0.0},),
+    methods=("transformer",),
+    epsilons=(EPSILON,),
+    nonprivate=False,
+    peers=(),
+    epochs=30,
+    lrs=(0.01,),
+    batch_sizes=(32,),
+    weight_decay=0.0,
+    warmup_frac=0.1,
+    max_len=16,
+    d_model=32,
+    n_layers=1,
+    eval_every=30,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """One intra-op thread, as the audit's workers run (``threads_per_worker``); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny(n_users: int = 200, n_items: int = 300, seed: int = 0) -> SequentialDataset:
+    """Users with random sequences of 12-16 items: nothing to generalise, everything to memorise."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(12, 17, size=n_users)
+    items = rng.integers(1, n_items + 1, size=int(lens.sum()))
+    return SequentialDataset(
+        items=items,
+        timestamps=np.arange(items.size),
+        offsets=np.concatenate([[0], np.cumsum(lens)]),
+        raw_user_ids=np.arange(n_users),
+        raw_item_ids=np.arange(n_items),
+        source="tiny random sequences",
+    )
+
+
+def _overrides() -> dict[str, Any]:
+    point = GridPoint("tiny", "", 0.0, "transformer", EPSILON, AUDIT.seed, TRAIN.lrs[0], TRAIN.batch_sizes[0])
+    return train_overrides(point, TRAIN)
+
+
+def _noise_off(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Break the DP step: the trainer's noise multiplier is forced to 0 where the noise is added, while the
+    calibration and the accountant keep the configured one. Returns the multipliers the accountant was told."""
+    told: list[float] = []
+    privatize = trainer.privatize_grads_
+
+    def broken(params: Any, *, noise_multiplier: float, **kw: Any) -> None:
+        told.append(noise_multiplier)
+        privatize(params, noise_multiplier=0.0, **kw)
+
+    monkeypatch.setattr(trainer, "privatize_grads_", broken)
+    return told
+
+
+def _claim_margins(results: dict[str, dict]) -> tuple[list[float], list[float]]:
+    """Per attack row: empirical_epsilon_lo - accountant_epsilon (the claim's value, every run <= 0) and
+    certifiable_epsilon_max - accountant_epsilon (its power, > 0 where the row can fail)."""
+    values = [r["empirical_epsilon_ci"][0] - r["accountant_epsilon"] for r in results.values()]
+    power = [r["certifiable_epsilon_max"] - r["accountant_epsilon"] for r in results.values()]
+    return values, power
+
+
+def test_a_dp_step_without_noise_fails_the_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    told = _noise_off(monkeypatch)
+    done = audit_point(_tiny(), "transformer", EPSILON, AUDIT, _overrides())
+    ledger = done.target.ledger
+    assert ledger is not None and EPSILON * 0.9 < ledger.epsilon <= EPSILON  # the accountant reports the budget
+    assert told[0] == done.target.noise_multiplier > 1.0  # ... for noise that was never added (target first)
+    values, power = _claim_margins(done.results)
+    assert min(power) > 1.0  # 50 evaluated users per side certify up to ~2.6 > 1
+    assert max(values) > 0.0  # the rule "every run's empirical_epsilon_lo - accountant_epsilon <= 0" fails
+    loss = done.results["loss"]
+    assert loss["auc"] > 0.95 and loss["accountant_epsilon"] < loss["empirical_epsilon_ci"][0]
+    assert loss["empirical_epsilon_ci"][0] <= loss["certifiable_epsilon_max"] + 1e-9  # never above the power
+
+
+def test_the_intact_dp_step_holds_the_claim(home: Path, tmp_path: Path) -> None:
+    data = _tiny()
+    path = tmp_path / "tiny"
+    data.save(path)
+    (path / MANIFEST).write_text(json.dumps({"prep_version": PREP_VERSION, "content_hash": data.content_hash()}))
+    with record_run(flow="attacks", stage="attacks", technique="flow", config={}, track=False) as parent:
+        pass
+    out = audit_seqrec.fn("tiny", "transformer", EPSILON, AUDIT, TRAIN, str(path), parent.ref)
+    values, power = _claim_margins(out["attacks"])
+    assert min(power) > 1.0 and max(values) <= 0.0  # powered, and no spurious violation
+    frame = views.membership()
+    assert list(frame["attack"]) == ["loss"]
+    assert (frame["audit"] == "dp").all() and frame["private"].all() and (frame["epsilon"] == EPSILON).all()
+    np.testing.assert_allclose(
+        frame["certifiable_epsilon_max"], [out["attacks"][a]["certifiable_epsilon_max"] for a in frame["attack"]]
+    )
+    assert (frame["empirical_epsilon_lo"] - frame["accountant_epsilon"] <= 0).all()
+    assert (frame["certifiable_epsilon_max"] - frame["accountant_epsilon"] > 0).all()
