@@ -111,9 +111,9 @@ def _tangent_runs(cfg: BenchmarkConfig) -> int:
     t = _section(cfg, "tangent")
     dp = len(t.dp.regimes) * 2 * len(t.dp.epsilons) if t.dp else 0  # tangent and non-linear, per epsilon
     # flow + feature cache + Table 1 (taft, nlft, fc) + shards (taft and nlft) + Table 2 (3 per shard count)
-    # + Fig. 1 (subtraction curve, retraining, one per forgotten fraction) + Table 3; with seeds, that once per
-    # seed under one run of the flow
-    one = 1 + 1 + 3 + sum(2 * n for n in t.shards) + 3 * len(t.shards) + 2 + len(t.forget_fractions) + dp
+    # + Fig. 1 (subtraction curve, retraining, one per forgotten fraction, the forget request's 5 methods) + Table 3;
+    # with seeds, that once per seed under one run of the flow
+    one = 1 + 1 + 3 + sum(2 * n for n in t.shards) + 3 * len(t.shards) + 2 + len(t.forget_fractions) + 5 + dp
     return one if t.seeds is None else 1 + len(t.seeds) * one
 
 

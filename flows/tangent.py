@@ -1,6 +1,7 @@
 """Stage 3 flow: Tangent Transformers (TAFT) on a pretrained ViT: Table 1 (TAFT-k vs NLFT-k vs FC), Table 2
 (TAFT composition vs Model Soup and SISA per shard count), Fig. 1 (forgetting by subtraction and by shard
-retraining) and Table 3 (DP fine-tuning regimes), shard models trained in parallel by the task runner."""
+retraining; one forget request served by TAFT, SISA and full retraining) and Table 3 (DP fine-tuning regimes),
+shard models trained in parallel by the task runner."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tasks.tangent import (
     forget_by_subtraction_curve,
     forget_fraction,
     forget_one_by_retraining,
+    forget_request_costs,
     parent_workdir,
     train_dp_regime,
     train_full,
@@ -87,6 +89,7 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
         n1 = config.fig1_n_shards
         fig1a = forget_by_subtraction_curve.submit(n1, config, inputs, run)
         fig1c = forget_one_by_retraining.submit(n1, config, inputs, run)
+        fig1r = forget_request_costs.submit(n1, config, inputs, run)
         fig1f = forget_fraction.map(
             unmapped(n1), list(config.forget_fractions), unmapped(config), unmapped(inputs), unmapped(run)
         )
@@ -94,7 +97,12 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
             config,
             table1=table1.result(),
             table2=table2.result(),
-            fig1={"subtraction": fig1a.result(), "retrain_one": fig1c.result(), "fractions": fig1f.result()},
+            fig1={
+                "subtraction": fig1a.result(),
+                "retrain_one": fig1c.result(),
+                "fractions": fig1f.result(),
+                "request": fig1r.result(),
+            },
             table3=table3.result(),
         )
     finally:

@@ -35,8 +35,11 @@ class TangentConfig(SeedPasses):
     ``nlft_lr`` and ``fc_lr`` the non-linear baselines' (cross-entropy). ``shards`` are the shard
     counts of Table 2; ``fig1_shards`` (one of them) is the composition whose shards Fig. 1 removes,
     over ``fig1_trials`` random removal orders; ``forget_fractions`` are the shares of the training set
-    forgotten by shard retraining in Fig. 1(c). ``seeds`` (None: the one ``seed``) runs the whole stage once per
-    seed, in place of ``seed`` (:meth:`seed_configs`), so that its comparisons get intervals over seeds.
+    forgotten by shard retraining in Fig. 1(c). One forget request of ``forget_request_examples`` images held by
+    ``forget_request_shards`` of those shards is served by TAFT, SISA and full retraining, each measured for its
+    forgetting cost, accuracy and inference cost after forgetting. ``seeds`` (None: the one ``seed``) runs the
+    whole stage once per seed, in place of ``seed`` (:meth:`seed_configs`), so that its comparisons get intervals
+    over seeds.
     """
 
     dataset: str
@@ -60,6 +63,8 @@ class TangentConfig(SeedPasses):
     fig1_shards: int | None = Field(None, ge=2, description="None: the largest of shards")
     fig1_trials: int = Field(5, ge=1)
     forget_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    forget_request_examples: int = Field(1, ge=1, description="training images one forget request names")
+    forget_request_shards: int = Field(1, ge=1, description="how many of the fig1_shards shards hold them")
     dp: TangentDPConfig | None = None
     workers: int = Field(2, ge=1, description="tasks trained in parallel")
     threads_per_worker: int = Field(1, ge=1)
@@ -99,6 +104,12 @@ class TangentConfig(SeedPasses):
         if self.dask_address is not None and self.task_runner != "dask":
             raise ValueError(
                 f"dask_address={self.dask_address!r} needs task_runner='dask', got task_runner={self.task_runner!r}"
+            )
+        n, r = self.fig1_n_shards, self.forget_request_shards
+        if not r <= self.forget_request_examples or not r < n:
+            raise ValueError(
+                f"forget_request_shards={r} must be at most forget_request_examples="
+                f"{self.forget_request_examples} and below the {n} shards of Fig. 1 (one shard must stay)"
             )
         ms = list(self.lr_milestones)
         if ms != sorted(set(ms)) or any(not 1 <= m < self.epochs for m in ms):

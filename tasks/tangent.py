@@ -12,8 +12,10 @@ Result groups (tag ``privbench.result_group``), the paper's analogues:
 * ``table2``: per shard count N, TAFT composed by averaging deltas (``taft-composed``, eq. 13) vs Model Soup
   (``model-soup``) and the SISA output ensemble (``sisa``), from shard models (``taft-shard``, ``nlft-shard``);
 * ``fig1``: accuracy vs shards removed by subtraction against SISA (``forget-subtraction``), one forget
-  request by shard retraining vs full retraining (``forget-retrain``), and forgetting a fraction of the data
-  by shard retraining (``forget-fraction``);
+  request by shard retraining vs full retraining (``forget-retrain``), forgetting a fraction of the data
+  by shard retraining (``forget-fraction``), and one forget request served by TAFT, SISA and full retraining
+  with its forgetting and inference costs (``forget-taft``, ``forget-taft-subtract``, ``forget-sisa``,
+  ``forget-sisa-drop``, ``forget-full-retrain``);
 * ``table3``: DP fine-tuning of tangent vs original parameters per regime and epsilon (``dp-<regime>``).
 
 What each task computes is a procedure of :mod:`core.tangent.experiments`; a task loads its inputs, runs it and
@@ -39,8 +41,11 @@ from torch import Tensor, nn
 from core.errors import ConfigError, DataError
 from core.registry import lookup
 from core.tangent import experiments as X
+from core.tangent import unlearning as U
 from core.tangent.baselines import NonlinearSuffix, train_fc, train_nonlinear
+from core.tangent.compose import compose
 from core.tangent.model import TangentModel
+from core.tangent.shards import ShardIndex
 from core.tangent.train import TangentTrainConfig, train_tangent
 from pbconfig.settings import get_settings
 from pbconfig.tangent import TangentConfig
@@ -462,6 +467,119 @@ def forget_fraction(
         )
         rec.metrics(result, units={"retrain_s": "s"})
     return {"n_shards": n_shards, "fraction": fraction, **result}
+
+
+# method -> (TAFT or SISA or the paragon, retrain the affected shards); the only list of the request's methods
+FORGET_METHODS: dict[str, tuple[str, bool]] = {
+    "forget-taft": ("taft", True),
+    "forget-taft-subtract": ("taft", False),
+    "forget-sisa": ("sisa", True),
+    "forget-sisa-drop": ("sisa", False),
+    "forget-full-retrain": ("full", True),
+}
+
+
+@task(name="tangent-forget-request", **RESUMABLE)
+def forget_request_costs(n_shards: int, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
+    """Sec. 3.3 / 4.4: one forget request (``cfg.forget_request_examples`` images in ``cfg.forget_request_shards``
+    of the ``n_shards`` shards) served by each of :data:`FORGET_METHODS`, one run each, one after the other in
+    this task: TAFT (subtract the affected shards' deltas, then retrain them and add back, or not), SISA (retrain
+    the affected shard models, or drop them from the ensemble) and full retraining of TAFT; each run records the
+    forgetting cost (``forget_s``, ``forget_steps``, ``forget_sample_gradients``), ``accuracy_after_forget`` and
+    the inference cost after forgetting (``inference_forwards`` and ``inference_s_per_batch`` per test batch of
+    ``eval_batch_size``, and ``inference_over_plain_forward``: that time over one plain forward of the pretrained
+    non-linear suffix on the same batches, timed just before each pass). Inference reads the cached prefix,
+    common to every method."""
+    _set_threads(cfg)
+    f = _features(inputs.features_path)
+    h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
+    index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
+    request = U.forget_request(index, cfg.forget_request_examples, cfg.forget_request_shards, cfg.seed)
+    deltas, suffixes = _load_deltas(inputs, n_shards), _load_suffixes(inputs, cfg, n_shards)
+    plain = nonlinear_model(inputs, cfg)  # one plain forward of the pretrained suffix: the unit of inference cost
+    composed = tangent_model(inputs, cfg)
+    composed.set_delta(compose(deltas))
+    before = {
+        "taft": X.accuracy(X.logits_of(composed, h, bs), y),
+        "sisa": X.accuracy(U.measure_inference(suffixes, h, batch_size=bs, repeats=1)[0], y),
+    }
+    out: dict[str, Any] = {"n_shards": n_shards, "examples": list(request.examples), "shards": list(request.shards)}
+    for method, (kind, retrain) in FORGET_METHODS.items():
+        tcfg = train_config(cfg, "nlft" if kind == "sisa" else "taft")
+        config = {
+            "n_shards": n_shards,
+            "request_examples": len(request.examples),
+            "request_shards": len(request.shards),
+            "retrain": retrain,
+            "k": cfg.k,
+            "eval_batch_size": bs,
+            **_cfg_json(tcfg),
+        }
+        with task_record(
+            parent=parent,
+            technique=method,
+            config=config,
+            dataset=cfg.dataset,
+            run_name=f"{method}: {len(request.examples)} images in {len(request.shards)} of {n_shards} shards",
+        ) as rec:
+            rec.tag("privbench.result_group", "fig1")
+            members, cost, extra = _serve_request(kind, retrain, request, index, deltas, suffixes, tcfg, cfg, inputs)
+            if kind in before:
+                extra["accuracy_before_forget"] = before[kind]
+            logits, infer = U.measure_inference(members, h, batch_size=bs, reference=plain)
+            result = {
+                "forget_s": cost.seconds,
+                "forget_cpu_s": cost.cpu_seconds,
+                "forget_steps": cost.steps,
+                "forget_sample_gradients": cost.sample_gradients,
+                "models_retrained": cost.models_trained,
+                "accuracy_after_forget": X.accuracy(logits, y),
+                "inference_forwards": infer.forwards,
+                "inference_s_per_batch": infer.seconds_per_batch,
+                "inference_over_plain_forward": infer.over_reference,
+                "n_forgotten": len(request.examples),
+                **extra,
+            }
+            rec.metrics(result, units={"forget_s": "s", "forget_cpu_s": "s", "inference_s_per_batch": "s"})
+        out[method] = result
+    return out
+
+
+def _serve_request(
+    kind: str,
+    retrain: bool,
+    request: U.ForgetRequest,
+    index: ShardIndex,
+    deltas: list[dict[str, Tensor]],
+    suffixes: list[NonlinearSuffix],
+    tcfg: TangentTrainConfig,
+    cfg: TangentConfig,
+    inputs: TangentInputs,
+) -> tuple[list[nn.Module], U.ForgetCost, dict[str, float]]:
+    """One method of :data:`FORGET_METHODS` on the request: the models that answer queries afterwards (one
+    composed tangent model, SISA's ensemble members, or the retrained model), its cost, and method-specific
+    metrics (TAFT: ``components_after_forget`` and ``forget_max_abs_err``, the largest difference between the
+    forgotten composition and the remaining components composed from scratch)."""
+    f = _features(inputs.features_path)
+    new_model = functools.partial(tangent_model, inputs, cfg)
+    if kind == "taft":
+        delta, parts, cost = U.forget_taft(
+            new_model, deltas, index, request, f["train_h"], f["train_y"], tcfg, retrain=retrain
+        )
+        model = new_model()
+        model.set_delta(delta)
+        direct = compose(parts)
+        err = max(float((delta[n] - direct[n]).abs().max()) for n in direct)
+        return [model], cost, {"components_after_forget": len(parts), "forget_max_abs_err": err}
+    if kind == "sisa":
+        head = nonlinear_model(inputs, cfg).head
+        backbone = _backbone(inputs.model_path)
+        members, cost = U.forget_sisa(
+            backbone, head, suffixes, index, request, f["train_h"], f["train_y"], tcfg, k=cfg.k, retrain=retrain
+        )
+        return list(members), cost, {"components_after_forget": len(members)}
+    model, cost = U.full_retrain(new_model, f["train_h"], f["train_y"], request, tcfg)
+    return [model], cost, {"components_after_forget": 1}
 
 
 # ----------------------------------------------------------------------------------------------- Table 3

@@ -37,6 +37,9 @@ def tangent_summary(
     )
     for fr in fig1["fractions"]:
         metrics[f"fig1.forget_{fr['fraction']:g}.accuracy_after"] = fr["accuracy_after"]
+    request = fig1.get("request")
+    for method, row in _request_rows(request).items():
+        metrics.update({f"fig1.{method}.{m}": row[m] for m in REQUEST_METRICS})
     for regime, kinds in t3.items():
         for kind, row in kinds.items():
             metrics.update({f"table3.{regime}.{kind}.eps{e}.test_accuracy": v for e, v in row.items()})
@@ -54,11 +57,23 @@ def tangent_summary(
             "unlearning_max_abs_err": sub["unlearning_max_abs_err"],
             "retrain_one": one,
             "fractions": fig1["fractions"],
+            "request": request,
         },
         "details": {"table1": table1, "table2": table2, "table3": table3},
-        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3),
+        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3, request),
         "metrics": metrics,
     }
+
+
+# the forget request's metrics that go to the flow run (``fig1.<method>.<metric>``) and the report
+REQUEST_METRICS = ("forget_s", "forget_steps", "accuracy_after_forget", "inference_forwards", "inference_s_per_batch")
+
+
+def _request_rows(request: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The per-method rows of :func:`tasks.tangent.forget_request_costs`'s result (none without one)."""
+    if request is None:
+        return {}
+    return {m: r for m, r in request.items() if m.startswith("forget-")}
 
 
 def markdown_report(
@@ -69,6 +84,7 @@ def markdown_report(
     one: dict[str, Any],
     fractions: list[dict[str, Any]],
     t3: dict[str, Any],
+    request: dict[str, Any] | None = None,
 ) -> str:
     """Tables 1-3 and Fig. 1 as Markdown (accuracies in %), for the run's ``summary.json`` and the README."""
     pct = lambda v: f"{100 * v:.1f}"
@@ -109,6 +125,22 @@ def markdown_report(
         f"{pct(fr['accuracy_after'])}."
         for fr in fractions
     ]
+    rows = _request_rows(request)
+    if request is not None and rows:
+        head = f"{len(request['examples'])} images in {len(request['shards'])} of {request['n_shards']} shards"
+        lines += [
+            "",
+            f"One forget request ({head}): cost, accuracy and inference cost after forgetting",
+            "",
+            "| method | forget s | training steps | accuracy after | forwards / batch | s / batch | x plain forward |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {m} | {r['forget_s']:.3f} | {r['forget_steps']} | {pct(r['accuracy_after_forget'])} | "
+            f"{r['inference_forwards']:g} | {r['inference_s_per_batch']:.4f} | "
+            f"{r['inference_over_plain_forward']:.1f} |"
+            for m, r in rows.items()
+        ]
     if t3:
         eps = sorted({e for kinds in t3.values() for row in kinds.values() for e in row}, key=float)
         lines += [

@@ -130,6 +130,11 @@ def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, mo
         "forget-subtraction": 1,
         "forget-retrain": 1,
         "forget-fraction": 1,
+        "forget-taft": 1,
+        "forget-taft-subtract": 1,
+        "forget-sisa": 1,
+        "forget-sisa-drop": 1,
+        "forget-full-retrain": 1,
         "dp-full": 2,
         "dp-fc": 2,
         "flow": 1,
@@ -144,6 +149,25 @@ def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, mo
     assert all(r["taft"]["composition_max_abs_err"] < 1e-10 for r in summary["details"]["table2"])  # eq. 13, float64
     assert all(r["taft"]["composition_max_abs_err_float32"] < 1e-4 for r in summary["details"]["table2"])
     assert "Table 3" in summary["markdown"] and "| 2 |" in summary["markdown"]
+    request = fig1["request"]  # one image of one of the 3 shards, served five ways
+    assert len(request["examples"]) == 1 and len(request["shards"]) == 1 and "| forget-sisa |" in summary["markdown"]
+    forwards = {m: request[m]["inference_forwards"] for m in request if m.startswith("forget-")}
+    assert forwards == {
+        "forget-taft": 1,
+        "forget-taft-subtract": 1,
+        "forget-sisa": 3,
+        "forget-sisa-drop": 2,
+        "forget-full-retrain": 1,
+    }
+    steps = {m: request[m]["forget_steps"] for m in forwards}
+    assert steps["forget-taft-subtract"] == steps["forget-sisa-drop"] == 0
+    assert 0 < steps["forget-taft"] < steps["forget-full-retrain"]  # one shard's images vs all of them
+    assert max(request[m]["forget_max_abs_err"] for m in ("forget-taft", "forget-taft-subtract")) < 1e-6
+    _, flow_metric = repo.query(
+        "select value from metrics where run_id = :run and name = 'fig1.forget-sisa.inference_forwards'",
+        {"run": summary["run_id"]},
+    )
+    assert flow_metric == [(3.0,)]
 
     _, ledger = repo.query(
         "select r.technique, p.epsilon, p.target_epsilon from runs r join privacy_ledger p "
@@ -153,7 +177,7 @@ def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, mo
     _, groups = repo.query(
         "select count(*) from runs where stage = 'tangent' and technique <> 'flow' and technique <> 'feature-cache'"
     )
-    assert groups[0][0] == 26
+    assert groups[0][0] == 31
     assert not (Path(prepared["model"]).parent.parent / "cache" / "tangent" / f"run-{summary['run_id']}").exists()
 
 
@@ -174,7 +198,7 @@ def test_seeds_run_the_stage_once_per_seed_and_the_taft_claims_pair_by_seed(prep
     assert all(r[1] in passes for r in rows if r[2] == "taft-1")  # every task run under its pass
 
     taft = [c for c in load_claims() if c.paper == "TAFT"]
-    assert len(taft) == 6
+    assert len(taft) == 8
     for result in evaluate_claims(profile="tiny", claims=taft):  # every context measured on both seeds
         m = result.claim.measure
         assert result.contexts, result.claim.id

@@ -157,6 +157,8 @@ def test_nonprivate_schedule_is_optional_and_needs_nonprivate_runs() -> None:
         ("tangent.model=vit-l", "tangent.model 'vit-l' is not prepared"),
         ("tangent.dask_address=tcp://h:8786", "needs task_runner='dask'"),
         ("tangent.forget_fractions=[1.5]", "forget fractions must lie in (0, 1)"),
+        ("tangent.forget_request_shards=5", "forget_request_shards=5 must be at most forget_request_examples=4"),
+        ("tangent.forget_request_examples=0", "tangent.forget_request_examples = 0: Input should be greater"),
         ("tangent.dp.epsilons=[0]", "tangent.dp.epsilons.0 = 0: Input should be greater than 0"),
         ("tangent.dp.delta=1", "tangent.dp.delta = 1: Input should be less than 1"),
         ("tangent.dp.regimes=[lora]", "tangent.dp.regimes.0 = 'lora'"),
