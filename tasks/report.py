@@ -209,7 +209,7 @@ def _history_section(results: list[ClaimResult]) -> list[str]:
         "",
     ]
     by_commit: dict[str, list[str]] = {}
-    for r in results:
+    for r in sorted(results, key=lambda r: r.claim.registered.date):
         reg = r.claim.registered
         by_commit.setdefault(f"`{reg.commit}` ({reg.date})" if reg.commit else f"this change ({reg.date})", []).append(
             f"`{r.claim.id}`"
