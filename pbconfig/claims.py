@@ -339,7 +339,8 @@ class Claim(FrozenConfig):
     rule: Rule
     note: str = ""  # what a reader should know (a deviation from the paper's setting)
     # the id of a claim this one presupposes (the private models learn more than item counts): where that claim is
-    # not reproduced, this one's comparison cannot show, so "not reproduced" reads "inconclusive" (module docstring)
+    # not reproduced, this one's comparison cannot show either way, so "reproduced" and "not reproduced" read
+    # "inconclusive" (module docstring)
     precondition: str | None = None
     applies_at: AppliesAt | None = None
     registered: Registration

@@ -104,8 +104,8 @@ class _Sides:
     runs: set[str] = field(default_factory=set)
     # every run, for the every-run rules: side -> [(replicate, run id, value, power)]
     each: dict[str, list[tuple[Any, str, float, float]]] = field(default_factory=dict)
-    # (side, replicate) -> a run's own 95% interval (run_interval)
-    intervals: dict[tuple[str, Any], tuple[float, float]] = field(default_factory=dict)
+    # (side, replicate) -> its runs' own 95% intervals (run_interval), in the order of ``each``
+    intervals: dict[tuple[str, Any], list[tuple[float, float]]] = field(default_factory=dict)
     order: tuple[Any, ...] = ()  # the context's sort key (numbers in numeric order)
 
 
@@ -191,7 +191,7 @@ def _sides(frame: pd.DataFrame, measure: Measure, seeds: dict[str, Any]) -> tupl
         sides.each.setdefault(row.side, []).append((row.replicate, row.run_id, float(row.value), power))
         sides.runs.add(row.run_id)
         if extra.keys() & {"low", "high"}:
-            sides.intervals[(row.side, row.replicate)] = (float(row.low), float(row.high))
+            sides.intervals.setdefault((row.side, row.replicate), []).append((float(row.low), float(row.high)))
     for sides in out.values():
         for side, entries in sides.each.items():
             per_replicate: dict[Any, list[float]] = {}
@@ -214,7 +214,7 @@ def _estimate(measure: Measure, sides: _Sides) -> tuple[float, float, float, str
     if measure.stat == "value":
         ci = seed_interval(sides.a.values())
         if ci.n == 1 and measure.run_interval is not None:  # one run: its own interval over examples, if recorded
-            low, high = sides.intervals.get(("a", next(iter(sides.a))), (math.nan, math.nan))
+            low, high = _own_interval(sides, "a", next(iter(sides.a)))
             if math.isfinite(low) and math.isfinite(high):
                 return (
                     ci.mean,
@@ -262,11 +262,21 @@ def _runs_own_difference(sides: _Sides) -> float | None:
     ses = []
     for side, values in (("a", sides.a), ("b", sides.b)):
         key, value = next(iter(values.items()))
-        low, high = sides.intervals.get((side, key), (math.nan, math.nan))
+        low, high = _own_interval(sides, side, key)
         if not (math.isfinite(low) and math.isfinite(high)):
             return None
         ses.append(max(high - value, value - low, 0.0) / z)
     return z * math.sqrt(ses[0] ** 2 + ses[1] ** 2)
+
+
+def _own_interval(sides: _Sides, side: str, replicate: Any) -> tuple[float, float]:
+    """A replicate's own 95% interval: its one run's recorded interval; for several runs of it at one commit
+    (repeats of one sample, their mean the replicate's value) the hull of their intervals, which holds the mean and
+    every run's interval (repeats that disagree show it); NaN where a run recorded none."""
+    recorded = sides.intervals.get((side, replicate), [])
+    if not recorded or not all(math.isfinite(lo) and math.isfinite(hi) for lo, hi in recorded):
+        return math.nan, math.nan
+    return min(lo for lo, _ in recorded), max(hi for _, hi in recorded)
 
 
 def _decide(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
@@ -339,7 +349,8 @@ def _verdict(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
         if n >= rule.min_n and measure.run_interval is not None:  # one run, but it recorded no interval of its own
             reason = f"{shown} from {n} run: it recorded no interval of its own ({', '.join(measure.run_interval)})"
             return ContextResult("", INCONCLUSIVE, estimate, low, high, n_a, n_b, interval, values, reason)
-        reason = f"{shown} from {n} seed{'s' if n != 1 else ''}: no interval (needs >= 2); {more}"
+        tail = more if rule.min_n >= 2 else f"run {2 - n} more seed{'s' if 2 - n != 1 else ''}"
+        reason = f"{shown} from {n} seed{'s' if n != 1 else ''}: no interval (needs >= 2); {tail}"
         verdict = UNDERPOWERED if n < rule.min_n or n < 2 else INCONCLUSIVE
         return ContextResult("", verdict, estimate, low, high, n_a, n_b, interval, values, reason)
     interval_text = f"{shown} [{fmt(low, unit)}, {fmt(high, unit)}], n={n}"
@@ -446,7 +457,9 @@ def run_configs(db_url: str | None, run_ids: Sequence[str]) -> dict[str, dict[st
         if not todo:
             break
         found = views._read(
-            engine, select(Run.id, Run.parent_id, Run.config_json).where(Run.id.in_(todo)), ["id", "parent_id", "c"]
+            engine,
+            select(Run.id, Run.parent_id, Run.config_json.label("c")).where(Run.id.in_(todo)),
+            ["id", "parent_id", "c"],
         )
         for run, parent, config in zip(found["id"], found["parent_id"], found["c"], strict=True):
             known[run] = (parent, flat_config(views._config(config)))

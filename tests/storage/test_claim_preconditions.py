@@ -1,6 +1,6 @@
-"""Preconditions in the claims registry: a claim that is not reproduced where its precondition is not reproduced
-either reads inconclusive, with both measurements in its reason; a reproduced one stands; a precondition must name
-another claim of the registry."""
+"""Preconditions in the claims registry: a claim measured reproduced or not reproduced where its precondition is not
+reproduced reads inconclusive either way, with both measurements in its reason; its other verdicts stand with the
+precondition named; a precondition must name another claim of the registry."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_failed_precondition_makes_not_reproduced_inconclusive(home: Path) -> 
     assert pre.verdict == sc.NOT_REPRODUCED and "at or below 0%" in pre.reason
     assert main.verdict == sc.INCONCLUSIVE
     assert main.reason.startswith("cannot show here: its precondition `floor` is not reproduced (ε=5: -45.0% [")
-    assert "measured: ε=5: 0% [0%, 0%], n=3 lies entirely at or below 0%" in main.reason
+    assert "; measured not reproduced: ε=5: 0% [0%, 0%], n=3 lies entirely at or below 0%" in main.reason
     assert main.contexts == sc.evaluate_claim(None, _claim(BEATS, ABOVE)).contexts  # the measurement is unchanged
 
 
@@ -51,16 +51,22 @@ def test_a_precondition_that_holds_leaves_the_verdict(home: Path) -> None:
     assert main.verdict == sc.NOT_REPRODUCED and "precondition" not in main.reason
 
 
-def test_an_effect_seen_below_the_floor_stays_reproduced(home: Path) -> None:
+def test_an_effect_seen_below_the_floor_is_inconclusive_too(home: Path) -> None:
+    """Symmetric: a comparison that cannot show a difference cannot show one either way."""
     main, pre = _with_floor([1.2, 1.3, 1.45], [1.0, 1.1, 1.2], floor=9.0)
     assert pre.verdict == sc.NOT_REPRODUCED
-    assert main.verdict == sc.REPRODUCED and main.reason == ""
+    assert sc.evaluate_claim(None, _claim(BEATS, ABOVE)).verdict == sc.REPRODUCED  # on its own
+    assert main.verdict == sc.INCONCLUSIVE
+    assert main.reason.startswith("cannot show here: its precondition `floor` is not reproduced (")
+    assert main.reason.endswith("; measured reproduced")  # a reproduced claim has no reason of its own
 
 
-def test_an_inconclusive_precondition_is_named(home: Path) -> None:
+def test_an_underpowered_precondition_is_named(home: Path) -> None:
     main, pre = _with_floor([1.0], [1.0], floor=0.5)  # one seed: the precondition has no interval
-    assert pre.verdict == sc.INCONCLUSIVE
-    assert main.verdict == sc.INCONCLUSIVE  # one seed: no interval either
+    assert pre.verdict == sc.UNDERPOWERED
+    assert main.verdict == sc.UNDERPOWERED  # one seed: no interval either; the verdict stands
+    own = sc.evaluate_claim(None, _claim(BEATS, ABOVE)).reason
+    assert main.reason == f"{own}; its precondition `floor` is underpowered ({pre.reason})"
 
 
 def test_a_precondition_outside_the_list_comes_from_the_registry(home: Path) -> None:

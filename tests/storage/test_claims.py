@@ -1,7 +1,8 @@
 """The claims registry and its verdicts: the registry's entries read columns their sources have; each verdict is
 reached on a hand-made store with a known answer (a claim with no runs is ``not run``); the intervals are the
-hand-computed ones (paired t over seeds, Welch when the seeds differ); a seed run again counts once; ``privbench
-report`` renders the registry from the store filled by real tiny runs of every stage."""
+hand-computed ones (paired t over seeds, Welch when the seeds differ); a seed run again at one commit counts with
+its mean, at a newer commit replaces the older runs; ``privbench report`` renders the registry from the store filled
+by real tiny runs of every stage."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 from core.errors import ConfigError
 from pbconfig.claims import VERDICTS, Claim, load_claims
 from storage import claims as sc
-from storage import view_columns
+from storage import provenance, view_columns
 from storage.recording import record_run
 from tests.filled_store import FilledStore
 from tests.hand_made import record_train_dp
@@ -46,6 +47,7 @@ def _claim(measure: dict[str, Any], rule: dict[str, Any], **extra: Any) -> Claim
             "source": "Table 1",
             "statement": "a beats b",
             "paper_value": "+10%",
+            "registered": {"commit": "911a767", "date": "2026-11-24"},
             "measure": measure,
             "rule": rule,
             **extra,
@@ -65,6 +67,11 @@ BEATS = {
     "unit": "%",
 }
 ABOVE = {"kind": "above", "bound": 0, "min_n": 3}
+
+
+def at_commit(monkeypatch: pytest.MonkeyPatch, commit: str) -> None:
+    """Record the runs that follow as measured at ``commit`` (a code change between two runs of one seed)."""
+    monkeypatch.setattr(provenance, "git_commit", lambda: commit)
 
 
 def _train_dp(method: str, seed: int, ndcg: float, epsilon: float | None = 8.0) -> None:
@@ -165,26 +172,12 @@ def test_identical_methods_are_not_reproduced_not_inconclusive(home: Path) -> No
 @pytest.mark.parametrize(
     ("grid", "why"),
     [
-        (
-            {
-                ("dpformer", 5.0): [1.1],
-                ("transformer", 5.0): [1.0],
-                ("dpformer", 8.0): [1.1],
-                ("transformer", 8.0): [1.0],
-            },
-            "one seed",
-        ),
         (  # the interval straddles 0
             {("dpformer", 5.0): [1.3, 1.9, 3.2], ("transformer", 5.0): [1.0, 2.0, 3.0]}
             | {("dpformer", 8.0): [1.3, 1.9, 3.2], ("transformer", 8.0): [1.0, 2.0, 3.0]},
             "straddles",
         ),
         ({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]}, "ε=8: not run"),
-        (  # clears the bound with 2 seeds, the rule wants 3
-            {("dpformer", 5.0): [1.1, 2.22], ("transformer", 5.0): [1.0, 2.0]}
-            | {("dpformer", 8.0): [1.1, 2.22], ("transformer", 8.0): [1.0, 2.0]},
-            "wants n >= 3",
-        ),
     ],
 )
 def test_inconclusive_cases(home: Path, grid: dict[tuple[str, float], list[float]], why: str) -> None:
@@ -194,12 +187,56 @@ def test_inconclusive_cases(home: Path, grid: dict[tuple[str, float], list[float
     assert why in result.reason, result.reason
 
 
-def test_a_seed_run_again_counts_once_the_newest(home: Path) -> None:
+@pytest.mark.parametrize(
+    ("grid", "why"),
+    [
+        (
+            {
+                ("dpformer", 5.0): [1.1],
+                ("transformer", 5.0): [1.0],
+                ("dpformer", 8.0): [1.1],
+                ("transformer", 8.0): [1.0],
+            },
+            "one seed in each of the 2 contexts: no interval, so no verdict (the rule needs n >= 3); run more seeds",
+        ),
+        (  # clears the bound with 2 seeds, the rule wants 3
+            {("dpformer", 5.0): [1.1, 2.22], ("transformer", 5.0): [1.0, 2.0]}
+            | {("dpformer", 8.0): [1.1, 2.22], ("transformer", 8.0): [1.0, 2.0]},
+            "clears 0%, but the rule needs n >= 3: run 1 more seed",
+        ),
+    ],
+)
+def test_underpowered_cases(home: Path, grid: dict[tuple[str, float], list[float]], why: str) -> None:
+    """Too few seeds for "reproduced" (one seed: no interval; an interval that clears the bound below ``min_n``)
+    is underpowered, and the reason says how many seeds the rule needs."""
+    _grid(grid)
+    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    assert result.verdict == sc.UNDERPOWERED
+    assert why in result.reason, result.reason
+
+
+def test_a_seed_run_again_at_one_commit_counts_with_its_mean(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at_commit(monkeypatch, "1111111")
+    _grid({("dpformer", 5.0): [1.7], ("transformer", 5.0): [1.0]})  # seed 0 again below: both runs count
+    _grid({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]})
+    result = sc.evaluate_claim(None, _claim({**BEATS, "require": {}}, ABOVE))
+    (context,) = result.contexts
+    assert result.superseded == 0 and "superseded" not in result.reason
+    assert context.n_a == context.n_b == 3 and context.interval == "paired t over seeds"
+    assert sorted(context.values) == pytest.approx([0.2, 0.3, 0.4])  # seed 0: (1.7 + 1.1) / 2 / 1.0 - 1
+    assert context.means == pytest.approx(((1.4 + 2.4 + 3.9) / 3, 2.0))
+
+
+def test_a_seed_run_again_at_a_newer_commit_supersedes_the_older(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at_commit(monkeypatch, "1111111")
     _grid({("dpformer", 5.0): [9.0], ("transformer", 5.0): [1.0]})  # superseded below
+    at_commit(monkeypatch, "2222222")
     _grid({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]})
     result = sc.evaluate_claim(None, _claim({**BEATS, "require": {}}, ABOVE))
     (context,) = result.contexts
     assert context.n_a == 3 and context.estimate == pytest.approx(0.2)
+    assert result.superseded == 2  # seed 0 of both sides
+    assert "2 runs of an older commit superseded by the newest commit's" in result.reason
 
 
 def test_unpaired_sides_use_welch(home: Path) -> None:
@@ -247,7 +284,7 @@ def test_bound_on_every_run_from_metrics(home: Path) -> None:
     assert result.verdict == sc.NOT_REPRODUCED and "worst run 0.01" in result.reason
 
 
-def test_one_run_is_judged_on_its_own_recorded_interval(home: Path) -> None:
+def test_one_run_is_judged_on_its_own_recorded_interval(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     measure = {
         "source": "metrics",
         "stage": "tangent",
@@ -256,13 +293,17 @@ def test_one_run_is_judged_on_its_own_recorded_interval(home: Path) -> None:
         "run_interval": ["drop.r_lo", "drop.r_hi"],
     }
     claim = _claim(measure, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
+    at_commit(monkeypatch, "1111111")
     _metric_run("gen", {"drop.r": 0.01, "drop.r_lo": -0.02, "drop.r_hi": 0.04}, {"seed": 0})
     result = sc.evaluate_claim(None, claim)
     (ctx,) = result.contexts
     assert result.verdict == sc.REPRODUCED and (ctx.low, ctx.high) == (-0.02, 0.04)
-    assert ctx.interval == "the run's own (bootstrap over examples)"
-    _metric_run("gen", {"drop.r": 0.03, "drop.r_lo": 0.0, "drop.r_hi": 0.08}, {"seed": 0})  # the newest seed 0
-    assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
+    assert ctx.interval == "the run's own (recorded over its examples or rounds)"
+    at_commit(monkeypatch, "2222222")  # seed 0 at a newer commit: supersedes the older run
+    _metric_run("gen", {"drop.r": 0.03, "drop.r_lo": 0.0, "drop.r_hi": 0.08}, {"seed": 0})
+    result = sc.evaluate_claim(None, claim)
+    assert result.verdict == sc.INCONCLUSIVE and result.superseded == 1
+    at_commit(monkeypatch, "3333333")
     _metric_run("gen", {"drop.r": 0.2, "drop.r_lo": 0.1, "drop.r_hi": 0.3}, {"seed": 0})
     assert sc.evaluate_claim(None, claim).verdict == sc.NOT_REPRODUCED
     _metric_run("gen", {"drop.r": 0.3, "drop.r_lo": 0.29, "drop.r_hi": 0.31}, {"seed": 1})  # two seeds: t over seeds
@@ -276,7 +317,7 @@ def test_one_run_is_judged_on_its_own_recorded_interval(home: Path) -> None:
     assert without.measure.run_interval is None
 
 
-def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path) -> None:
+def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the membership audit's shape: a run's rows are attacks, reduce max keeps the strongest attack and its interval
     measure = {
         "source": "metrics",
@@ -290,6 +331,7 @@ def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path) -> None:
         "run_interval": ["auc_lo", "auc_hi"],
     }
     claim = _claim(measure, {"kind": "above", "bound": 0.0, "min_n": 1}, stage="tangent")
+    at_commit(monkeypatch, "1111111")
     _metric_run("nonprivate", {"auc": 0.9, "auc_lo": 0.86, "auc_hi": 0.95}, {"seed": 0})  # half-widths 0.04, 0.05
     _metric_run("private", {"auc": 0.55, "auc_lo": 0.52, "auc_hi": 0.58}, {"seed": 0})
     (ctx,) = sc.evaluate_claim(None, claim).contexts
@@ -303,11 +345,15 @@ def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path) -> None:
 
     table = sc.claims_table([sc.evaluate_claim(None, claim)])  # the report names the interval whole
     assert "Intervals: the runs' own (normal, sides independent)." in _paper_section("p", "P", "f", table)
-    _metric_run("private", {"auc": 0.87, "auc_lo": 0.84, "auc_hi": 0.9}, {"seed": 0})  # the newest: straddles 0
+    at_commit(monkeypatch, "2222222")  # a newer commit's run supersedes the older one
+    _metric_run("private", {"auc": 0.87, "auc_lo": 0.84, "auc_hi": 0.9}, {"seed": 0})  # straddles 0
     assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
+    at_commit(monkeypatch, "3333333")
     _metric_run("private", {"auc": 0.2}, {"seed": 0})  # the newest records no interval
     result = sc.evaluate_claim(None, claim)
-    assert result.verdict == sc.INCONCLUSIVE and "no interval" in result.reason
+    assert result.verdict == sc.INCONCLUSIVE  # n = min_n = 1: the run, not the seed count, is short of an interval
+    assert result.reason.startswith("0.7 from 1 run: it recorded no interval of its own (auc_lo, auc_hi); 2 runs")
+    assert result.superseded == 2
     with pytest.raises(ValueError, match="run_interval does not apply to a b_source"):
         _claim(
             {**measure, "b": None, "b_source": {"source": "metrics", "stage": "bench", "value": "x"}},
@@ -353,7 +399,7 @@ def test_value_b_and_config_columns(home: Path) -> None:
     )
     result = sc.evaluate_claim(None, tangent_dp)
     assert [c.context for c in result.contexts] == ["dp-full, target_epsilon=3"]
-    assert result.contexts[0].estimate == pytest.approx(0.1) and result.verdict == sc.INCONCLUSIVE
+    assert result.contexts[0].estimate == pytest.approx(0.1) and result.verdict == sc.UNDERPOWERED  # one seed
 
 
 PEER = {
@@ -389,10 +435,11 @@ def _peer_run(seed: int, ndcg: float, *, profile: str = "paper", users: int | No
         rec.metrics({"test_ndcg_at_10": ndcg})
 
 
-def test_side_b_from_another_source_is_a_peer(home: Path) -> None:
+def test_side_b_from_another_source_is_a_peer(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``b_source``: side b is another source's rows (a peer's bench runs against our train-dp baseline), read
     with its own profile whatever ours, never paired with our seeds (Welch / delta method)."""
     claim = _claim(PEER, {"kind": "above", "bound": -0.05, "min_n": 3})
+    at_commit(monkeypatch, "1111111")
     for seed, ndcg in enumerate((1.0, 1.1, 1.2)):
         _train_dp("transformer", seed, ndcg, epsilon=None)
     _train_dp("transformer", 0, 9.0, epsilon=8.0)  # private: not side a
@@ -422,10 +469,12 @@ def test_side_b_from_another_source_is_a_peer(home: Path) -> None:
     assert len(result.run_ids) == 6 and result.datasets == ("d",)
     assert claim.stat_label == "ndcg_at_10 (transformer) / test_ndcg_at_10 (recbole-sasrec, setting.users=None) - 1"
 
-    for seed in range(3):  # the peer run again with the same seeds, far below ours: the newest counts
+    at_commit(monkeypatch, "2222222")
+    for seed in range(3):  # the peer run again with the same seeds at a newer commit, far below ours: it counts
         _peer_run(seed, 0.5 + 0.01 * seed)
     result = sc.evaluate_claim(None, claim, profile="tiny")
     assert result.verdict == sc.REPRODUCED and result.contexts[0].n_b == 3
+    assert result.superseded == 3 and result.reason == "3 runs of an older commit superseded by the newest commit's"
     assert result.contexts[0].estimate == pytest.approx(1.1 / 0.51 - 1)
     assert result.contexts[0].means == pytest.approx((1.1, 0.51))  # the report shows both numbers, not just the ratio
     assert f"(ours {sc.fmt(1.1)}, peer {sc.fmt(0.51)}) (n=3)" in result.ours()
@@ -445,8 +494,17 @@ def test_b_source_is_validated() -> None:
         _claim({**PEER, "b_source": {**peer, "value": "open('x')"}}, ABOVE)
 
 
-def test_every_verdict_is_reachable() -> None:
-    assert set(VERDICTS) == {sc.REPRODUCED, sc.NOT_REPRODUCED, sc.INCONCLUSIVE, sc.NOT_RUN}
+def test_the_registry_verdicts_are_the_evaluators() -> None:
+    """Each is reached on a hand-made store in ``test_claim_verdict_classes``."""
+    assert list(VERDICTS) == [
+        sc.REPRODUCED,
+        sc.NOT_REPRODUCED,
+        sc.INCONCLUSIVE,
+        sc.UNDERPOWERED,
+        sc.PROJECTED,
+        sc.NOT_APPLICABLE,
+        sc.NOT_RUN,
+    ]
 
 
 def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -501,7 +559,8 @@ def test_contexts_in_numeric_order_whatever_the_run_order(home: Path) -> None:
 
 def test_large_vocabulary_clipping_claims_read_the_bench_settings(home: Path) -> None:
     """The dp-clipping claims of the large-vocabulary setting read ``settings.large_vocab.ratios.*`` of the bench's
-    runs at M = 50,257 only (a quick run, another M, is not measured)."""
+    runs at M = 50,257 only (a quick run, another M, is not measured); the timing ratios are judged per device on
+    the run's own interval (``ratio_intervals``), the batch ratios on every run."""
     ids = {
         "phantom-faster-than-ghost-clipping-large-vocab",
         "phantom-max-batch-over-ghost-clipping-large-vocab",
@@ -512,11 +571,13 @@ def test_large_vocabulary_clipping_claims_read_the_bench_settings(home: Path) ->
     assert set(claims) == ids
     key = "settings.large_vocab."
 
-    def bench(items: float, ratios: dict[str, float]) -> None:
+    def bench(items: float, ratios: dict[str, float], device: str = "H100") -> None:
         metrics = {f"{key}setting.items": items} | {f"{key}ratios.{k}": v for k, v in ratios.items()}
+        for k, v in ratios.items():  # the run's own interval of each ratio: +-5%
+            metrics |= {f"{key}ratio_intervals.{k}.lo": 0.95 * v, f"{key}ratio_intervals.{k}.hi": 1.05 * v}
         with record_run(
-            flow="bench", stage="bench", technique="dp-clipping", dataset="synthetic", profile="paper", config={},
-            track=False,
+            flow="bench", stage="bench", technique="dp-clipping", dataset="synthetic", profile="paper",
+            config={"setting": {"device_name": device}}, track=False,
         ) as rec:  # fmt: skip
             rec.metrics(metrics)
 
@@ -530,9 +591,14 @@ def test_large_vocabulary_clipping_claims_read_the_bench_settings(home: Path) ->
     assert {sc.evaluate_claim(None, c).verdict for c in claims.values()} == {sc.NOT_RUN}
     bench(50257, good)
     assert {sc.evaluate_claim(None, c).verdict for c in claims.values()} == {sc.REPRODUCED}
-    bench(50257, good | {"ghost_tied_over_phantom_time": 3.0})
-    verdicts = {i: sc.evaluate_claim(None, c).verdict for i, c in claims.items()}
-    assert verdicts["phantom-faster-than-ghost-clipping-large-vocab"] == sc.NOT_REPRODUCED
+    bench(50257, good | {"ghost_tied_over_phantom_time": 3.0}, device="A100")  # another machine: its own verdict
+    result = sc.evaluate_claim(None, claims["phantom-faster-than-ghost-clipping-large-vocab"])
+    assert result.verdict == sc.NOT_REPRODUCED
+    assert [(c.context, c.verdict) for c in result.contexts] == [
+        ("setting.device_name=A100", sc.NOT_REPRODUCED),
+        ("setting.device_name=H100", sc.REPRODUCED),
+    ]
+    assert result.reason == "setting.device_name=A100: 3x [2.85x, 3.15x], n=1 lies entirely at or below 4x"
 
 
 def test_a_reference_report_judges_bench_claims_on_the_paper_bench(home: Path) -> None:
