@@ -10,7 +10,8 @@ scalar metrics of the finished runs of a ``stage``, optionally of some ``techniq
 with the run's ``method`` (its technique), ``dataset`` and its config as ``config.<dotted path>`` columns).
 ``where`` keeps rows whose column equals a value (or is in a list of values); ``value`` is a column, or an
 arithmetic expression of columns (``empirical_epsilon - accountant_epsilon``), giving one number per row; the rows
-of one run reduce to one number (``reduce``: mean, max or min), the runs of one seed to the newest. ``a`` (and
+of one run reduce to one number (``reduce``: mean, max or min), the repeats of one seed at one commit to their mean
+(``storage.claims``: a newer commit's runs supersede an older one's). ``a`` (and
 ``b`` for a comparison) select the two sides by column values; ``value_b`` (optional) is side b's value when it is
 another column. ``b_source`` (optional, instead of ``b``) reads side b from another source: a peer's runs against
 ours (RecBole's SASRec against our non-private Transformer); its ``source``, ``stage``, ``techniques``, ``where``

@@ -293,12 +293,11 @@ def _every_run(measure: Measure, sides: _Sides) -> list[tuple[float, float]]:
     if measure.stat == "value":
         return [(value, power) for _, _, value, power in a]
     common = {r for r, *_ in a} & {r for r, *_ in b} - {r for r, *_ in a if str(r).startswith("run:")}
-    return [
-        (_stat(measure.stat, va, vb), math.nan)
-        for ra, _, va, _ in a
-        for rb, _, vb, _ in b
-        if not common or (ra == rb and ra in common)
-    ]
+    pairs = {(i, k) for i, (ra, *_) in enumerate(a) for k, (rb, *_) in enumerate(b) if ra == rb and ra in common}
+    lone_a = {i for i, (ra, *_) in enumerate(a) if ra not in common}  # a run with no seed-mate meets every run
+    lone_b = {k for k, (rb, *_) in enumerate(b) if rb not in common}  # on the other side
+    pairs |= {(i, k) for i in lone_a for k in range(len(b))} | {(i, k) for k in lone_b for i in range(len(a))}
+    return [(_stat(measure.stat, a[i][2], b[k][2]), math.nan) for i, k in sorted(pairs)]
 
 
 def _verdict_every_run(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
@@ -325,6 +324,13 @@ def _verdict_every_run(rule: Rule, measure: Measure, sides: _Sides) -> ContextRe
     ok = worst <= rule.bound if at_most else worst >= rule.bound
     aside = len(runs) - len(could_fail)
     note = f" ({aside} run{'s' if aside != 1 else ''} that could not have failed set aside)" if aside else ""
+    powers = [p for _, p in could_fail if not math.isnan(p)]
+    if powers:  # what the judged runs could have shown at their sample size: the rule's reach
+        reach = min(powers) if at_most else max(powers)
+        judged_runs = f"{len(could_fail)} run{'s' if len(could_fail) != 1 else ''}"
+        aside_runs = f"; {aside} that could not have failed set aside" if aside else ""
+        reached = f"each could have reached {fmt(reach, unit)} against the bound {bound}"
+        note = f" (judged: {judged_runs}, {reached}{aside_runs})"
     if ok:
         return ContextResult("", REPRODUCED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, note.strip(" ()"))
     reason = f"worst run {fmt(worst, unit)} against the bound {bound}{note}"
@@ -354,13 +360,15 @@ def _verdict(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
         verdict = UNDERPOWERED if n < rule.min_n or n < 2 else INCONCLUSIVE
         return ContextResult("", verdict, estimate, low, high, n_a, n_b, interval, values, reason)
     interval_text = f"{shown} [{fmt(low, unit)}, {fmt(high, unit)}], n={n}"
-    if (above and high <= rule.bound) or (not above and low >= rule.bound):
+    wrong = (above and high <= rule.bound) or (not above and low >= rule.bound)
+    clears = (above and low > rule.bound) or (not above and high < rule.bound)
+    if n < rule.min_n:  # below the registered n neither verdict is given, whichever side the interval lies on
+        side = "clears" if clears else "lies on the wrong side of" if wrong else "straddles"
+        reason = f"{interval_text} {side} {bound}, but {more}"
+        return ContextResult("", UNDERPOWERED, estimate, low, high, n_a, n_b, interval, values, reason)
+    if wrong:
         reason = f"{interval_text} lies entirely {'at or below' if above else 'at or above'} {bound}"
         return ContextResult("", NOT_REPRODUCED, estimate, low, high, n_a, n_b, interval, values, reason)
-    clears = (above and low > rule.bound) or (not above and high < rule.bound)
-    if n < rule.min_n:  # "reproduced" is out of reach at this n, whatever the runs show
-        reason = f"{interval_text} {'clears' if clears else 'straddles'} {bound}, but {more}"
-        return ContextResult("", UNDERPOWERED, estimate, low, high, n_a, n_b, interval, values, reason)
     if clears:
         return ContextResult("", REPRODUCED, estimate, low, high, n_a, n_b, interval, values)
     reason = f"{interval_text} straddles {bound}"

@@ -71,7 +71,7 @@ def test_an_underpowered_precondition_is_named(home: Path) -> None:
 
 def test_a_precondition_outside_the_list_comes_from_the_registry(home: Path) -> None:
     main = next(c for c in load_claims() if c.id == "dpformer-beats-transformer")
-    assert main.precondition == "private-transformer-above-popularity"
+    main = main.model_copy(update={"precondition": "private-transformer-above-popularity"})
     (result,) = sc.evaluate_claims(None, claims=[main])
     assert result.verdict == sc.NOT_RUN
 
@@ -79,7 +79,11 @@ def test_a_precondition_outside_the_list_comes_from_the_registry(home: Path) -> 
 def test_a_precondition_must_name_another_claim(tmp_path: Path) -> None:
     text = (Path(__file__).parents[2] / "configs" / "claims" / "dpformer.yaml").read_text()
     (tmp_path / "dpformer.yaml").write_text(
-        text.replace("precondition: private-transformer-above-popularity", "precondition: no-such-claim", 1)
+        text.replace(
+            "  - id: dpformer-beats-transformer\n",
+            "  - id: dpformer-beats-transformer\n    precondition: no-such-claim\n",
+            1,
+        )
     )
     with pytest.raises(
         ConfigError,

@@ -62,8 +62,12 @@ def test_not_reproduced(home: Path) -> None:
     assert result.reason.startswith("-1.1 [") and result.reason.endswith("n=3 lies entirely at or below 0")
 
 
-def test_not_reproduced_at_any_n_when_the_interval_is_on_the_wrong_side(home: Path) -> None:
-    _seeds([-1.0, -1.1])  # two seeds, the rule wants 3: the interval already rules the claim out
+def test_below_the_registered_n_no_verdict_on_either_side(home: Path) -> None:
+    _seeds([-1.0, -1.1])  # two seeds, the rule wants 3: neither verdict, whichever side the interval lies on
+    result = sc.evaluate_claim(None, _score())
+    assert result.verdict == sc.UNDERPOWERED
+    assert "lies on the wrong side of 0, but the rule needs n >= 3: run 1 more seed" in result.reason
+    _run({"score": -1.05}, {"seed": 2})
     assert sc.evaluate_claim(None, _score()).verdict == sc.NOT_REPRODUCED
 
 
@@ -152,6 +156,20 @@ def test_only_the_same_seed_is_superseded(home: Path, monkeypatch: pytest.Monkey
 
 # --- power: a run that could not have failed ---
 
+
+def test_a_run_without_a_seed_mate_meets_every_run_of_the_other_side(home: Path) -> None:
+    """Two sides of an every-run rule pair runs by seed; a run whose seed the other side lacks is not dropped: it is
+    judged against every run of the other side."""
+    ratio = {**EXACT, "value": "t", "reduce": "mean", "a": {"method": "a"}, "b": {"method": "b"}, "stat": "ratio"}
+    claim = _claim({**ratio, "techniques": ["a", "b"]}, {"kind": "all_at_most", "bound": 1.0}, stage="tangent")
+    _run({"t": 1.0}, {"seed": 0}, technique="a")
+    _run({"t": 2.0}, {"seed": 0}, technique="b")
+    assert sc.evaluate_claim(None, claim).verdict == sc.REPRODUCED
+    _run({"t": 4.2}, {"seed": 1}, technique="a")  # seed 1 has no b run: judged against b's seed 0
+    result = sc.evaluate_claim(None, claim)
+    assert result.verdict == sc.NOT_REPRODUCED and result.reason.startswith("worst run 2.1")
+
+
 POWERED = {**EXACT, "value": "gap", "power": "gap_max"}  # gap_max: the gap of a perfect attack at the run's size
 GAP = {"kind": "all_at_most", "bound": 0.0}
 
@@ -172,11 +190,16 @@ def test_a_run_with_power_past_the_bound_decides(home: Path) -> None:
     _run({"gap": -0.3, "gap_max": 2.0}, {"seed": 1})
     result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.REPRODUCED
-    assert result.contexts[0].reason == "1 run that could not have failed set aside"
+    assert result.contexts[0].reason == (
+        "judged: 1 run, each could have reached 2 against the bound 0; 1 that could not have failed set aside"
+    )
     _run({"gap": 0.5, "gap_max": 2.0}, {"seed": 2})  # past the bound, and it could have been
     result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.NOT_REPRODUCED
-    assert result.reason == "worst run 0.5 against the bound 0 (1 run that could not have failed set aside)"
+    assert result.reason == (
+        "worst run 0.5 against the bound 0 (judged: 2 runs, each could have reached 2 against the bound 0; "
+        "1 that could not have failed set aside)"
+    )
 
 
 # --- projected: read from a fit, never reproduced ---
