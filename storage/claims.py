@@ -90,6 +90,8 @@ class ClaimResult:
                 shown += f" [{fmt(c.low, unit)}, {fmt(c.high, unit)}]"
             n = str(c.n_a) if c.n_b == 0 or c.n_a == c.n_b else f"{c.n_a}/{c.n_b}"
             label = "runs" if c.interval == "all runs" else "n"
+            if c.interval == "all runs":  # an every-run rule judged each run (or pair of runs), not each seed
+                n = str(len(c.values))
             if self.claim.measure.b_source is not None and all(math.isfinite(m) for m in c.means):
                 shown += f" (ours {fmt(c.means[0])}, peer {fmt(c.means[1])})"  # both numbers, not just the ratio
             parts.append(f"{c.context + ': ' if c.context else ''}{shown} ({label}={n})")
@@ -502,6 +504,8 @@ def _how(claim: Claim, profile: str | None) -> str:
     m = claim.measure
     if claim.stage == "bench":  # the benchmarks have their own profiles, quick and paper
         q = p if profile in BENCH_PROFILES else ""
+        if m.where and any(k.startswith(("config.setting.", "settings.")) for k in m.where):
+            q = " --profile paper"  # the claim reads a shape only the paper bench runs (GPT-2, M = 50,257)
         ours = f"run `privbench bench {m.techniques[0] if m.techniques else 'dp-clipping'}{q}`"
     else:
         ours = f"run `privbench run {claim.stage}{p}`"
