@@ -292,9 +292,16 @@ def test_the_plans_of_the_quick_profile() -> None:
     assert sum(plan("train-dp", reduced).values()) == 7  # a real run recorded 7
     tangent = load_config(
         "quick",
-        overrides=("tangent.shards=[2]", "tangent.fig1_shards=2", "tangent.dp.regimes=[fc]", "tangent.dp.epsilons=[8]"),
+        overrides=(
+            "tangent.shards=[2]",
+            "tangent.fig1_shards=2",
+            "tangent.forget_request_shards=1",
+            "tangent.dp.regimes=[fc]",
+            "tangent.dp.epsilons=[8]",
+        ),
     )
-    assert plan("tangent", tangent) == {"prepare": 3, "tangent": 17}  # a real run recorded 20
+    # 17 before the forget request's 5 runs (TAFT, its subtraction, SISA retrain and drop, full retraining)
+    assert plan("tangent", tangent) == {"prepare": 3, "tangent": 22}
     seeds = load_config("quick", overrides=("tangent.seeds=[0, 1]",))
     assert plan("tangent", seeds)["tangent"] == 1 + 2 * plan("tangent", cfg)["tangent"]  # a run over 2 seed passes
     whole = plan("benchmark", cfg)
