@@ -76,6 +76,7 @@ def export_store(
                 f"no run of profile {profile!r} in the store; its profiles: {', '.join(sorted(known)) or 'none'}"
             )
         tables = {name: _rows(conn, Base.metadata.tables[name], keep) for name in TABLES}
+    tables = {name: _without_home(rows, get_settings().home) for name, rows in tables.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     entries: dict[str, Any] = {}
@@ -98,6 +99,8 @@ def export_store(
         "file_format": fmt,
         "schema_revision": revision,
         "selection": {"profile": profile},
+        # what stands for the measuring machine's folders in paths (prepared data, configs, shipped data)
+        "placeholders": {"home": HOME, "checkout": CHECKOUT},
         "profiles": sorted({r[cols.index("profile")] for r in runs if r[cols.index("profile")] is not None}),
         "commits": sorted({r[cols.index("git_commit")] for r in runs if r[cols.index("git_commit")] is not None}),
         "tables": entries,
@@ -252,6 +255,28 @@ def restored(src: Path) -> Iterator[str]:
 
 
 # ------------------------------------------------------------------------------------------------ rows
+
+
+HOME = "$PRIVBENCH_HOME"
+CHECKOUT = "$PRIVBENCH_CHECKOUT"
+_CHECKOUT_DIR = Path(__file__).resolve().parent.parent
+
+
+def _without_home(rows: list[tuple[Any, ...]], home: Path) -> list[tuple[Any, ...]]:
+    """The rows with the measuring machine's folders in text values written as placeholders: its
+    ``PRIVBENCH_HOME`` as ``$PRIVBENCH_HOME`` (a prepared dataset's path, a config that names one) and the privbench
+    checkout as ``$PRIVBENCH_CHECKOUT`` (data shipped in its virtual environment): an export is the same wherever the
+    runs were measured, and names no folder of that machine."""
+    # the longer path first: the home may sit inside the checkout (the default .privbench)
+    swaps = sorted(((str(home), HOME), (str(_CHECKOUT_DIR), CHECKOUT)), key=lambda p: -len(p[0]))
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, str):
+            for path, placeholder in swaps:
+                value = value.replace(path, placeholder)
+        return value
+
+    return [tuple(plain(v) for v in row) for row in rows]
 
 
 def _rows(conn: Connection, table: Table, keep: set[str] | None) -> list[tuple[Any, ...]]:

@@ -173,3 +173,21 @@ def test_an_export_reads_the_same_from_sqlite_and_postgresql(store_url: str, tmp
     export_store(tmp_path / "b", db_url=url)
     dispose_engine(url)
     assert _bytes(tmp_path / "a") == _bytes(tmp_path / "b")
+
+
+def test_an_export_names_no_folder_of_the_measuring_machine(tmp_path: Path) -> None:
+    """Paths under PRIVBENCH_HOME and the checkout become placeholders; other text is left as it is."""
+    from storage import archive
+
+    home = tmp_path / "home"
+    rows = [(1, f"{home}/data/ml-100k", f"shakespeare: {archive._CHECKOUT_DIR}/.venv/share/x.txt", "plain", None)]
+    (out,) = archive._without_home(rows, home)
+    assert out == (
+        1,
+        "$PRIVBENCH_HOME/data/ml-100k",
+        "shakespeare: $PRIVBENCH_CHECKOUT/.venv/share/x.txt",
+        "plain",
+        None,
+    )
+    inside = archive._CHECKOUT_DIR / ".privbench"  # the default home sits inside the checkout: the longer path wins
+    assert archive._without_home([(f"{inside}/data",)], inside) == [("$PRIVBENCH_HOME/data",)]
