@@ -30,14 +30,14 @@ that must all be measured for a verdict (``{epsilon: [5, 8, 10]}``); contexts wi
 Rules (``rule.kind``):
 
 * ``above`` / ``below`` with ``bound``: the stat's 95% interval over seeds must lie entirely above (below) the
-  bound for ``reproduced`` (with at least ``min_n`` seeds); entirely on the other side is ``not reproduced`` (at
-  any n); straddling it with n >= ``min_n`` is ``inconclusive``; fewer seeds than ``min_n`` (or one seed and no
-  interval) is ``underpowered``: the rule could not have given ``reproduced`` at that n;
+  bound for ``reproduced`` (with at least ``min_n`` seeds); entirely on the other side, with at least ``min_n``
+  seeds, is ``not reproduced``; straddling it with n >= ``min_n`` is ``inconclusive``; fewer seeds than ``min_n``
+  (or one seed and no interval) is ``underpowered``, whichever side the interval lies on;
 * ``all_at_most`` / ``all_at_least`` with ``bound``: every run's value must satisfy the bound (deterministic
   checks such as exactness to a tolerance: no interval needed, one run decides). ``measure.power`` (stat
-  ``value``) gives, per run, the stat at the strongest result the run's sample size allows (a perfect attack): a
-  run whose power does not reach past the bound could not have failed and is set aside; every run so is
-  ``underpowered``.
+  ``value``) gives, per run, the most extreme stat the run could have given (what its attacks reach on a model
+  without noise, the whole of a quality it can lose): a run whose power does not reach past the bound could not
+  have failed and is set aside; every run so is ``underpowered`` (so too for an interval rule with ``power``).
 
 ``projected: true`` marks a value read from a fit (a length no run measured): the verdict is ``projected``, never
 ``reproduced``, and its reason says whether the projection meets the bound and the fit's relative error on a
@@ -209,8 +209,8 @@ class Measure(FrozenConfig):
     run_interval: tuple[str, str] | None = None
     # how the stat is shown: as is, a signed percentage (relative), a multiple, accuracy points, a share
     unit: Literal["", "%", "x", "pt", "share"] = ""
-    # every-run rules: per row, the stat the run would give for the strongest result its sample size allows (a
-    # perfect attack); a run whose power does not reach past the bound could not have failed the rule
+    # per row, the most extreme stat the run could have given (the strongest result its attacks reach, the whole
+    # of a quality it can lose): a run whose power does not reach past the bound could not have failed the rule
     power: str | None = None
     # the value is read from a fit (a length the runs did not measure): the verdict is "projected", never
     # "reproduced"; ``validation`` is the fit's relative prediction error on a measured run it was not fitted on
@@ -346,12 +346,6 @@ class Claim(FrozenConfig):
     applies_at: AppliesAt | None = None
     registered: Registration
     history: tuple[RuleChange, ...] = ()
-
-    @model_validator(mode="after")
-    def _power_for_every_run_rules(self) -> Claim:
-        if self.measure.power is not None and self.rule.kind not in ("all_at_most", "all_at_least"):
-            raise ValueError(f"claim {self.id!r}: measure.power applies to every-run rules, not {self.rule.kind!r}")
-        return self
 
     @property
     def stat_label(self) -> str:

@@ -315,9 +315,8 @@ def _verdict_every_run(rule: Rule, measure: Measure, sides: _Sides) -> ContextRe
     if not could_fail:
         strongest = max(p for _, p in runs) if at_most else min(p for _, p in runs)
         reason = (
-            f"no run could have failed: at its sample size the strongest result a run could give is "
-            f"{fmt(strongest, unit)}, not past the bound {bound} ({len(runs)} run{'s' if len(runs) != 1 else ''}); "
-            "measure more examples, or where the bound is smaller"
+            f"no run could have failed: the most a run could have shown ({measure.power}) is "
+            f"{fmt(strongest, unit)}, not past the bound {bound} ({len(runs)} run{'s' if len(runs) != 1 else ''})"
         )
         worst = max(values) if at_most else min(values)
         return ContextResult("", UNDERPOWERED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
@@ -343,6 +342,17 @@ def _verdict(rule: Rule, measure: Measure, sides: _Sides) -> ContextResult:
     if rule.kind in ("all_at_most", "all_at_least"):
         return _verdict_every_run(rule, measure, sides)
     estimate, low, high, interval, values = _estimate(measure, sides)
+    powers = [p for *_, p in sides.each.get("a", [])]
+    if powers and not any(
+        math.isnan(p) or (p < rule.bound if rule.kind == "above" else p > rule.bound) for p in powers
+    ):
+        reach = min(powers) if rule.kind == "above" else max(powers)
+        reason = (
+            f"no run could have failed: the most its runs could have shown ({measure.power}) is "
+            f"{fmt(reach, measure.unit)}, not past "
+            f"the bound {fmt(rule.bound, measure.unit)} ({len(powers)} run{'s' if len(powers) != 1 else ''})"
+        )
+        return ContextResult("", UNDERPOWERED, estimate, low, high, len(sides.a), 0, interval, values, reason)
     n_a, n_b = len(sides.a), len(sides.b)
     unit = measure.unit
     bound = fmt(rule.bound, unit)

@@ -140,6 +140,7 @@ MEMBERSHIP_COLUMNS = [
     "empirical_epsilon_lo",
     "empirical_epsilon_hi",
     "certifiable_epsilon_max",
+    "nonprivate_epsilon_lo",
     "accountant_epsilon",
     "mlflow_run_id",
     "started_at",

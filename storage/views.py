@@ -391,7 +391,7 @@ def stip_overhead(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
 
 def _attacks(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
     stmt = (
-        select(AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id)
+        select(AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id, Run.parent_id)
         .join(Run, Run.id == AttackResult.run_id)
         .where(Run.status == "finished", *conditions)
     )
@@ -451,7 +451,9 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Membership-inference audits (``MEMBERSHIP_COLUMNS``), with the AUC's 95% interval over the audited users
     (``auc_lo``, ``auc_hi``: DeLong) and the audit's power ``certifiable_epsilon_max`` (the largest
     ``empirical_epsilon_lo`` the audit could report at its sample sizes, a perfect attack's; a run where it does
-    not exceed ``accountant_epsilon`` cannot show the guarantee broken). ``audit`` is ``dp`` for the DP-trained
+    not exceed ``accountant_epsilon`` cannot show the guarantee broken) and the attacks' reach
+    ``nonprivate_epsilon_lo`` (what they certified on the same audit's non-private model). ``audit`` is ``dp``
+    for the DP-trained
     recommenders (``method`` and target ``epsilon``; NaN and ``private`` False for non-private targets) and
     ``unlearning`` for TAFT's forgetting audit (``setting`` says before/after and which users)."""
     engine, f = _engine(db_url), _filters(filters)
@@ -472,6 +474,15 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     frame["certifiable_epsilon_max"] = pd.Series(
         [e.get("certifiable_epsilon_max", math.nan) for e in extra], index=frame.index, dtype=float
     )
+    # the attacks' own reach: the strongest empirical_epsilon_lo the same audit (same attacks run, same dataset)
+    # certified on its non-private model, which no noise protects; a DP model audited at an accountant epsilon
+    # above it could not have been caught over-spending by these attacks (NaN: the audit had no such model)
+    dp = frame["audit"] == "dp"
+    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset"])["empirical_epsilon_lo"].max()
+    frame["nonprivate_epsilon_lo"] = [
+        float(control.get((parent, ds), math.nan)) if is_dp else math.nan
+        for parent, ds, is_dp in zip(frame["parent_id"], frame["dataset"], dp, strict=True)
+    ]
     return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

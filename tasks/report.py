@@ -6,8 +6,9 @@ PNG per stage result group (``tasks.figures``, the groups the dashboard draws). 
 * where the numbers come from: profile, commit(s), device, the newest finished flow run of each stage and its
   wall time (and the benchmark chain's, when one ran);
 * the verdict counts, then one table per paper: claim, the paper's value, ours (mean and 95% interval per
-  context, n, scale), the verdict and the rule that gave it (``storage.claims``); below each table the one-line
-  reason of every claim that is not reproduced, and of the inconclusive ones;
+  context, n, scale), the verdict and the rule that gave it (``storage.claims``); below each table every
+  claim's one-line reason (why it is not reproduced, what held a verdict back, what a reproduced one set aside);
+* the rule history: each claim's registration commit and every change to its rule since;
 * the figures.
 
 Nothing in it is written by hand: rerunning a stage and rendering again changes it.
@@ -202,9 +203,10 @@ def _history_section(results: list[ClaimResult]) -> list[str]:
         "## Rule history",
         "",
         (
-            "Each rule is registered in `configs/claims/` before its runs; a change to a registered rule's measure, "
-            "bound, n, data, precondition or scale is recorded with the verdict the old rule gave and a reason that "
-            "cites no result (`docs/claims.md`). Registered:"
+            "The commit that added each claim to `configs/claims/` (where a claim was added after runs that measure "
+            "it existed, that commit is not a pre-registration: compare its date with the runs'); every later change "
+            "to a rule's measure, bound, n, data, precondition or scale is recorded with the verdict the old rule "
+            "gave and its reason (`docs/claims.md`). Registered:"
         ),
         "",
     ]

@@ -123,7 +123,7 @@ def _jitter(claim: Claim, n: int) -> list[float]:
 def _past(claim: Claim, how_far: float) -> float:
     """A power ``how_far`` (in units of the bound's scale) past the bound, in the direction that can fail it."""
     scale = max(1.0, abs(claim.rule.bound))
-    return claim.rule.bound + (how_far if claim.rule.kind == "all_at_most" else -how_far) * scale
+    return claim.rule.bound + (how_far if claim.rule.kind in ("all_at_most", "below") else -how_far) * scale
 
 
 def _assert_fails(claim: Claim, result: sc.ClaimResult) -> None:
@@ -170,6 +170,10 @@ def test_a_measurement_that_could_not_have_failed_is_underpowered(
         assert result.contexts and all(c.verdict == context for c in result.contexts)
         if own:
             assert "from 1 run: it recorded no interval of its own" in result.reason, result.reason
+        if m.power is not None:  # enough seeds on the wrong side, but no run could have got past the bound
+            frame, meta = _frame(claim, _jitter(claim, _seeds(claim)), power=_past(claim, 0.0), own_interval=1e-3)
+            result = _evaluate(claim, monkeypatch, frame, meta)
+            assert result.verdict == sc.UNDERPOWERED and "no run could have failed" in result.reason, result.reason
     elif m.power is not None:  # runs within the bound whose power reaches the bound at most
         within = [_past(claim, -0.3) + 1e-3 * i for i in range(_seeds(claim))]
         frame, meta = _frame(claim, within, power=_past(claim, 0.0))

@@ -180,8 +180,7 @@ def test_no_run_could_have_failed_is_underpowered(home: Path) -> None:
     result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.UNDERPOWERED
     assert result.reason.startswith(
-        "no run could have failed: at its sample size the strongest result a run could give is 0, not past the "
-        "bound 0 (2 runs)"
+        "no run could have failed: the most a run could have shown (gap_max) is 0, not past the bound 0 (2 runs)"
     )
 
 
