@@ -21,16 +21,18 @@ from tasks.tangent import (
     cache_features,
     check_shard_counts,
     compose_shards,
-    forget_by_subtraction_curve,
-    forget_fraction,
-    forget_one_by_retraining,
-    forget_request_costs,
     parent_workdir,
     train_dp_regime,
     train_full,
     train_shard,
 )
 from tasks.tangent_report import tangent_summary
+from tasks.tangent_unlearning import (
+    forget_by_subtraction_curve,
+    forget_fraction,
+    forget_one_by_retraining,
+    forget_request_costs,
+)
 
 STAGE = "tangent"
 

@@ -1,15 +1,18 @@
 """Which rows of the results store measure a claim (step 1 of ``storage.claims``): the claim's ``measure.source``
 (a ``storage.views`` view, or the scalar metrics and config values of a stage's runs) restricted by the filters and
-by ``where``, with ``value`` evaluated per row; a ``b_source`` adds side b's rows from a peer's own runs."""
+by ``where``, with ``value`` evaluated per row; a ``b_source`` adds side b's rows from a peer's own runs; and
+which of them are at the scale where the claim's bound applies (``applies_at``: :func:`at_scale`)."""
 
 from __future__ import annotations
 
 import ast
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from sqlalchemy import select
 
 from pbconfig.claims import Claim, SideSource, dotted_name
 from storage import views
@@ -161,3 +164,57 @@ def _equal(value: Any, wanted: Any) -> bool:
         except (TypeError, ValueError):
             return False
     return str(value) == str(wanted)
+
+
+def at_scale(db_url: str | None, claim: Claim, rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows of runs at the scale where the claim's bound applies (``applies_at``: the run's config, or its
+    nearest ancestor's, matches ``where``), and how the other runs' scale reads ("config.n_embd=128")."""
+    assert claim.applies_at is not None
+    wanted = claim.applies_at.where
+    configs = run_configs(db_url, rows["run_id"].drop_duplicates().tolist())
+    flat = pd.DataFrame(
+        [{"run_id": r, **{k: c.get(k) for k in wanted}} for r, c in configs.items()], columns=["run_id", *wanted]
+    )
+    keep = set(flat.loc[matches(flat, wanted), "run_id"])
+    other = flat[~flat["run_id"].isin(keep)]
+    elsewhere = "; ".join(
+        sorted(
+            {
+                ", ".join(f"{k.removeprefix('config.')}={v}" for k, v in zip(wanted, vals, strict=True))
+                for vals in other[list(wanted)].itertuples(index=False)
+            }
+        )
+    )
+    return rows[rows["run_id"].isin(keep)], elsewhere or "another scale"
+
+
+def run_configs(db_url: str | None, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per run: its config flattened as ``config.<dotted path>``, a value it lacks taken from its nearest
+    ancestor's config (a method's child run holds only what differs from its stage run)."""
+    from storage.models import Run
+
+    engine = views._engine(db_url)
+    known: dict[str, tuple[str | None, dict[str, Any]]] = {}
+    pending = list(dict.fromkeys(run_ids))
+    for _ in range(8):  # flow > task > sub-task: a few levels at most
+        todo = [r for r in pending if r and r not in known]
+        if not todo:
+            break
+        found = views._read(
+            engine,
+            select(Run.id, Run.parent_id, Run.config_json.label("c")).where(Run.id.in_(todo)),
+            ["id", "parent_id", "c"],
+        )
+        for run, parent, config in zip(found["id"], found["parent_id"], found["c"], strict=True):
+            known[run] = (parent, flat_config(views._config(config)))
+        pending = [p for p, _ in (known[r] for r in todo if r in known) if p]
+    out: dict[str, dict[str, Any]] = {}
+    for run in run_ids:
+        merged: dict[str, Any] = {}
+        node: str | None = run
+        while node in known:
+            parent, config = known[node]
+            merged = {**config, **merged}
+            node = parent
+        out[run] = merged
+    return out

@@ -32,11 +32,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
-from sqlalchemy import select
 
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Measure, Rule, load_claims
-from storage.claim_rows import claim_rows, flat_config, matches
+from storage.claim_rows import at_scale, claim_rows, matches, run_configs
 from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
@@ -415,7 +414,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     run_ids = tuple(sorted(rows["run_id"].unique()))
     datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
     if claim.applies_at is not None:
-        rows, elsewhere = _at_scale(db_url, claim, rows)
+        rows, elsewhere = at_scale(db_url, claim, rows)
         if rows.empty:
             reason = f"ran at {elsewhere}; the rule's bound applies at {claim.applies_at.scale}"
             return ClaimResult(claim, NOT_APPLICABLE, (), reason, run_ids, datasets, 0)
@@ -439,61 +438,6 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
         note = f"{superseded} run{'s' if superseded != 1 else ''} of an older commit superseded by the newest commit's"
         reason = f"{reason}; {note}" if reason else note
     return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded)
-
-
-def _at_scale(db_url: str | None, claim: Claim, rows: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The rows of runs at the scale where the claim's bound applies (``applies_at``: the run's config, or its
-    nearest ancestor's, matches ``where``), and how the other runs' scale reads ("config.n_embd=128")."""
-    assert claim.applies_at is not None
-    wanted = claim.applies_at.where
-    configs = run_configs(db_url, rows["run_id"].drop_duplicates().tolist())
-    flat = pd.DataFrame(
-        [{"run_id": r, **{k: c.get(k) for k in wanted}} for r, c in configs.items()], columns=["run_id", *wanted]
-    )
-    keep = set(flat.loc[matches(flat, wanted), "run_id"])
-    other = flat[~flat["run_id"].isin(keep)]
-    elsewhere = "; ".join(
-        sorted(
-            {
-                ", ".join(f"{k.removeprefix('config.')}={v}" for k, v in zip(wanted, vals, strict=True))
-                for vals in other[list(wanted)].itertuples(index=False)
-            }
-        )
-    )
-    return rows[rows["run_id"].isin(keep)], elsewhere or "another scale"
-
-
-def run_configs(db_url: str | None, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per run: its config flattened as ``config.<dotted path>``, a value it lacks taken from its nearest
-    ancestor's config (a method's child run holds only what differs from its stage run)."""
-    from storage import views
-    from storage.models import Run
-
-    engine = views._engine(db_url)
-    known: dict[str, tuple[str | None, dict[str, Any]]] = {}
-    pending = list(dict.fromkeys(run_ids))
-    for _ in range(8):  # flow > task > sub-task: a few levels at most
-        todo = [r for r in pending if r and r not in known]
-        if not todo:
-            break
-        found = views._read(
-            engine,
-            select(Run.id, Run.parent_id, Run.config_json.label("c")).where(Run.id.in_(todo)),
-            ["id", "parent_id", "c"],
-        )
-        for run, parent, config in zip(found["id"], found["parent_id"], found["c"], strict=True):
-            known[run] = (parent, flat_config(views._config(config)))
-        pending = [p for p, _ in (known[r] for r in todo if r in known) if p]
-    out: dict[str, dict[str, Any]] = {}
-    for run in run_ids:
-        merged: dict[str, Any] = {}
-        node: str | None = run
-        while node in known:
-            parent, config = known[node]
-            merged = {**config, **merged}
-            node = parent
-        out[run] = merged
-    return out
 
 
 def _projection(claim: Claim, verdict: str, rows: pd.DataFrame) -> str:

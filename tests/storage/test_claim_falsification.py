@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from pbconfig.claims import Claim, load_claims
+from storage import claim_rows
 from storage import claims as sc
 
 CLAIMS = load_claims()
@@ -106,7 +107,7 @@ def _evaluate(claim: Claim, monkeypatch: pytest.MonkeyPatch, frame: pd.DataFrame
     monkeypatch.setattr(sc, "claim_rows", lambda db_url, c, **filters: frame.copy())
     monkeypatch.setattr(sc, "_run_meta", lambda db_url, run_ids: meta[meta["run_id"].isin(run_ids)].copy())
     at = {k: _first(v) for k, v in claim.applies_at.where.items()} if claim.applies_at is not None else {}
-    monkeypatch.setattr(sc, "run_configs", lambda db_url, run_ids: {r: dict(at) for r in run_ids})
+    monkeypatch.setattr(claim_rows, "run_configs", lambda db_url, run_ids: {r: dict(at) for r in run_ids})
     return sc.evaluate_claim(None, claim)
 
 
