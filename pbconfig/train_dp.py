@@ -81,6 +81,11 @@ class TrainDPConfig(FrozenConfig):
     weight_decay: float = Field(1e-5, ge=0.0)
     warmup_frac: float = Field(0.2, ge=0.0, lt=1.0)
     max_len: int = Field(200, ge=2)
+    train_targets: Literal["every", "last_window"] = Field(
+        "every",
+        description="every: each user's every next-item target, in windows of max_len clipped together as the "
+        "user's one unit (RecBole's SASRec also trains on every target); last_window: the last max_len only",
+    )
     d_model: int = Field(64, ge=2)
     n_heads: int = Field(1, ge=1)
     n_layers: int = Field(2, ge=1)

@@ -65,10 +65,11 @@ def audit_point(
 
     t0 = time.perf_counter()
     target = fit(target_in, cfg.seed)
-    stats = seqrec_user_stats(target.model, data, max_len=overrides["max_len"])
+    scoring = {"max_len": overrides["max_len"], "train_targets": overrides.get("train_targets", "every")}
+    stats = seqrec_user_stats(target.model, data, **scoring)
     shadows = np.stack(
         [
-            seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, max_len=overrides["max_len"])
+            seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, **scoring)
             for i, m in enumerate(shadow_in)
         ]
     )  # (k, n)

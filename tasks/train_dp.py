@@ -158,6 +158,7 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
     common = {
         "dropout": point.dropout,
         "max_len": cfg.max_len,
+        "train_targets": cfg.train_targets,
         "n_heads": cfg.n_heads,
         "n_layers": cfg.n_layers,
         "epochs": cfg.epochs if point.epochs is None else point.epochs,

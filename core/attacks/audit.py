@@ -61,18 +61,32 @@ def subset_users(data: SequentialDataset, users: Sequence[int] | np.ndarray) -> 
 
 @torch.no_grad()
 def seqrec_user_stats(
-    model: torch.nn.Module, data: SequentialDataset, *, max_len: int, batch_size: int = 256
+    model: torch.nn.Module,
+    data: SequentialDataset,
+    *,
+    max_len: int,
+    train_targets: str = "last_window",
+    batch_size: int = 256,
 ) -> np.ndarray:
     """(U,) mean next-item log-likelihood of every user's training positions under ``model`` (eval mode),
-    -sum_t CE(logits_t, s_{t+1}) / T over the SASRec training pairs of ``SequentialDataset.train_examples``."""
+    -sum_t CE(logits_t, s_{t+1}) / T over the SASRec training pairs the model was trained on:
+    ``SequentialDataset.train_windows`` (every pair) for ``train_targets="every"``, ``train_examples`` (the last
+    ``max_len``) for ``"last_window"``."""
     model.eval()
-    out = []
-    for start in range(0, data.n_users, batch_size):
-        users = np.arange(start, min(start + batch_size, data.n_users))
-        inputs, targets = data.train_examples(max_len, users)
-        loss = sequence_loss(model(inputs), targets, position_reduction="mean")  # (B,)
-        out.append(-loss.double().numpy())
-    return np.concatenate(out)
+    counts = data.train_window_counts(max_len) if train_targets == "every" else np.ones(data.n_users, np.int64)
+    out = np.empty(data.n_users)
+    order = np.argsort(-counts, kind="stable")  # similar window counts together, about batch_size windows a batch
+    start = 0
+    while start < data.n_users:
+        per_batch = max(1, batch_size // int(counts[order[start]]))
+        users = order[start : start + per_batch]
+        if train_targets == "every":
+            inputs, targets = data.train_windows(max_len, users)
+        else:
+            inputs, targets = data.train_examples(max_len, users)
+        out[users] = -sequence_loss(model(inputs), targets, position_reduction="mean").double().numpy()
+        start += per_batch
+    return out
 
 
 def audit(

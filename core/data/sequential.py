@@ -299,6 +299,34 @@ class SequentialDataset:
         targets = _left_padded(self.items, starts + 1, ends + 1, length)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
 
+    def train_window_counts(self, max_len: int) -> np.ndarray:
+        """``(U,)`` int64: windows of ``max_len`` that hold user ``u``'s training pairs (at least 1)."""
+        length = _check_max_len(max_len)
+        pairs = self.seq_lens - _SPLIT_SHIFT["train"]  # len(t) - 1 pairs for the training prefix t = s[:-2]
+        return np.maximum(-(-pairs // length), 1).astype(np.int64)
+
+    def train_windows(
+        self, max_len: int, user_idx: ArrayLike | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every SASRec training pair of each user, in consecutive windows of ``max_len``.
+
+        Row ``b`` holds all of user ``user_idx[b]``'s pairs of :meth:`train_examples` (not only the last
+        ``max_len``), left-padded to ``K * max_len`` with ``K`` the most windows any selected user needs
+        (:meth:`train_window_counts`): counted from the end, the last window is :meth:`train_examples`' row and
+        each earlier window the ``max_len`` pairs before it. A model reads such a row as ``K`` windows
+        (:mod:`core.models.seqrec`, "Windows"); a user's earlier items are then targets too.
+
+        Returns:
+            ``(input_ids, targets)``, both ``(B, K * max_len)`` int64.
+        """
+        users = np.arange(self.n_users) if user_idx is None else self._user_index(user_idx)
+        length = _check_max_len(max_len)
+        k = int(self.train_window_counts(length)[users].max()) if len(users) else 1
+        starts, ends = self.offsets[users], self.offsets[users + 1] - _SPLIT_SHIFT["train"]
+        inputs = _left_padded(self.items, starts, ends, k * length)
+        targets = _left_padded(self.items, starts + 1, ends + 1, k * length)
+        return torch.from_numpy(inputs), torch.from_numpy(targets)
+
     def history_mask(self, user_idx: ArrayLike | torch.Tensor, split: Split = "test") -> torch.Tensor:
         """Items to exclude from the full ranking of each user's ``split`` target (RecBole's protocol).
 

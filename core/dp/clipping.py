@@ -290,6 +290,12 @@ class OpacusGhostClipper(_DPClipper):
                 "build the model with tied=False (the paper's footnote 5 also halves d_model) or use "
                 "the phantom clipper"
             )
+        recurrent = [name for name, m in model.named_modules() if getattr(m, "recurrent", False)]
+        if recurrent:
+            raise ConfigError(
+                f"opacus_ghost cannot clip recurrent layers ({', '.join(recurrent)}: one nn.Linear called once per "
+                "time step, which Opacus' ghost clipping refuses as parameter tying); use phantom or opacus_hooks"
+            )
         self.model = GradSampleModuleFastGradientClipping(
             model,
             batch_first=True,

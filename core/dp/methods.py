@@ -53,7 +53,7 @@ from core.dp.reattention import (
     embedding_error_variance,
     token_presence_frequency,
 )
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from core.models import PADDING_ID, TransformerSeqRec
 
 __all__ = ["METHODS", "DPTrainConfig", "build_reattention", "method_config"]
@@ -90,7 +90,11 @@ class DPTrainConfig:
 
     Optimisation: ``epochs``; ``batch_size`` (the *expected* batch size ``q N`` of Poisson sampling,
     ``q = batch_size / N``; the fixed batch size of non-private runs); Adam ``lr`` and
-    ``weight_decay``; ``warmup_frac`` of the steps warms the learning rate up linearly, the rest
+    ``weight_decay``; ``train_targets``: ``"every"`` trains on every next-item target of a user's training
+    prefix, in windows of ``max_len`` that together form the user's one clipped unit
+    (:meth:`~core.data.sequential.SequentialDataset.train_windows`; RecBole's SASRec also trains on every target),
+    ``"last_window"`` on the last ``max_len`` only (the earlier items are context, never targets);
+    ``warmup_frac`` of the steps warms the learning rate up linearly, the rest
     decays it linearly to 0; ``eval_every`` (epochs); ``seed``; ``device``; ``max_steps`` caps the
     number of steps (tests, quick profiles) -- the privacy calibration and the learning-rate
     schedule then use the capped number, so the target epsilon is spent by the last step run.
@@ -103,6 +107,7 @@ class DPTrainConfig:
     n_layers: int = 2
     dropout: float = 0.2
     max_len: int = 200
+    train_targets: str = "every"
     reattention: bool = False
     norm_first: bool = True
     clipping: str = ClippingMethod.PHANTOM.value
@@ -205,6 +210,10 @@ class DPTrainConfig:
             raise ConfigError(f"seed must be an integer >= 0, got seed={self.seed!r}")
         if not _is_real(self.lr) or self.lr <= 0:
             raise ConfigError(f"lr must be a finite number > 0, got lr={self.lr!r}; the paper uses 1e-3..9e-3")
+        if self.train_targets not in TRAIN_TARGETS:
+            raise ConfigError(
+                f"train_targets must be one of {list(TRAIN_TARGETS)}, got train_targets={self.train_targets!r}"
+            )
         if not _is_real(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
         if not _is_real(self.warmup_frac) or not 0 <= self.warmup_frac < 1:
@@ -218,6 +227,9 @@ class DPTrainConfig:
                 f"device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}"
             ) from None
 
+
+#: Which next-item targets a run trains on (:class:`DPTrainConfig`, ``train_targets``).
+TRAIN_TARGETS = ("every", "last_window")
 
 _COMMON: dict[str, Any] = {"arch": "transformer", "tied": True, "reattention": False, "clipping": "phantom"}
 _POST_LN: dict[str, Any] = {"norm_first": False}  # App. E.2: Vaswani et al.'s (post-LN) encoder
@@ -267,10 +279,13 @@ def build_reattention(
     noise_multiplier: float,
     clip_norm: float,
     expected_batch_size: float,
+    window: int | None = None,
 ) -> BlockReAttention:
     """Re-Attention (Sec. 5.2) in every block of ``model``, trained on the windows ``train_inputs``/``train_targets``.
 
-    ``train_inputs``/``train_targets``: (N, L) item ids.
+    ``train_inputs``/``train_targets``: (N, L) item ids, one row per user; ``window``: the rows hold
+    consecutive windows of ``window`` positions (:meth:`~core.data.sequential.SequentialDataset.train_windows`),
+    and position ``j`` counts a user whose any window reaches it.
 
     Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
     floored at ``1 / N``; every block parameter: Claim 5.3; position ``j``: Claim 5.4 with the fraction
@@ -288,7 +303,11 @@ def build_reattention(
     windows = torch.cat([train_inputs, train_targets], dim=1).cpu()
     item_freq = token_presence_frequency(windows, num_embeddings=model.cfg.vocab_size)
     item_var = embedding_error_variance(**sizes, frequencies=item_freq, min_frequency=1 / n)
-    position_freq = (train_inputs != PADDING_ID).float().mean(dim=0).cpu()
+    n_pos = train_inputs.shape[1] if window is None else window
+    if train_inputs.shape[1] % n_pos:
+        raise DataError(f"train_inputs have {train_inputs.shape[1]} columns, not a multiple of window={window}")
+    reached = (train_inputs != PADDING_ID).reshape(n, -1, n_pos).any(dim=1)  # (N, positions)
+    position_freq = reached.float().mean(dim=0).cpu()
     position_var = embedding_error_variance(**sizes, frequencies=position_freq, padding_idx=None, min_frequency=1 / n)
     device = model.item_emb.weight.device
     errors = EffectiveErrors(

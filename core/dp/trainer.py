@@ -3,9 +3,14 @@
 :func:`train_seqrec` trains one method of :mod:`core.dp.methods` on a
 :class:`~core.data.sequential.SequentialDataset` and evaluates it by full ranking.
 
-**Privacy unit.** Each user contributes exactly one training sequence (the last ``max_len`` items of
-the training prefix, :meth:`SequentialDataset.train_examples`), so the guarantee is user-level
-(App. E.1): ``N`` = number of users. Neighbouring datasets differ by **adding or removing one user**
+**Privacy unit.** Each user contributes exactly one training row, so the guarantee is user-level
+(App. E.1): ``N`` = number of users. With ``train_targets="every"`` (the default, as RecBole's SASRec trains)
+the row holds every next-item pair of the user's training prefix in windows of ``max_len``
+(:meth:`SequentialDataset.train_windows`), read by the model window by window but clipped as one sample; with
+``"last_window"`` only the last ``max_len`` pairs (:meth:`SequentialDataset.train_examples`). A batch is run in
+chunks of users with similar window counts (:meth:`_Run.chunks`); per-sample clipping makes the chunks'
+clipped sums add up to the batch's, and the noise is added once per step. Neighbouring datasets differ by
+**adding or removing one user**
 (:data:`NEIGHBOURING`), the relation of the Poisson-subsampled Gaussian's RDP analysis the accountants
 implement; a user's clipped contribution has norm at most ``C`` and the noisy sum is divided by the
 fixed ``q N``, not by the batch's size.
@@ -287,20 +292,32 @@ def _resolve_delta(delta: float | None, n: int) -> float:
 
 @dataclass(frozen=True)
 class _Tensors:
-    """Training windows (N, L) and evaluation inputs (N, L) / targets (N,) of every user."""
+    """Training rows (N, K L) of every user (K = 1 for ``last_window``), the number of windows each user's
+    row really holds (N,), and evaluation inputs (N, L) / targets (N,)."""
 
     inputs: Tensor
     targets: Tensor
+    windows: Tensor
     valid: tuple[Tensor, Tensor]
     test: tuple[Tensor, Tensor]
 
 
-def _tensors(data: SequentialDataset, max_len: int, device: torch.device) -> _Tensors:
-    inputs, targets = data.train_examples(max_len)
-    users = np.arange(data.n_users)
+def _tensors(data: SequentialDataset, cfg: DPTrainConfig, device: torch.device) -> _Tensors:
+    max_len, users = cfg.max_len, np.arange(data.n_users)
+    if cfg.train_targets == "every":
+        inputs, targets = data.train_windows(max_len)
+        windows = torch.from_numpy(data.train_window_counts(max_len))
+    else:
+        inputs, targets = data.train_examples(max_len)
+        windows = torch.ones(data.n_users, dtype=torch.int64)
     valid = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="valid"))
     test = tuple(t.to(device) for t in data.padded_batch(users, max_len, split="test"))
-    return _Tensors(inputs.to(device), targets.to(device), valid, test)
+    return _Tensors(inputs.to(device), targets.to(device), windows.to(device), valid, test)
+
+
+#: A chunk of a batch keeps a user whose windows number at least this share of the chunk's first (largest) user's,
+#: so that padding windows stay under about a quarter of a chunk (:meth:`_Run.chunks`).
+CHUNK_FILL = 0.75
 
 
 def _device(cfg: DPTrainConfig) -> torch.device:
@@ -316,7 +333,7 @@ class _Run:
     def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
         self.data = data  # for the history masks of evaluation
-        self.t = _tensors(data, cfg.max_len, device)
+        self.t = _tensors(data, cfg, device)
         model_cfg = SeqRecConfig(
             num_items=data.n_items, max_len=cfg.max_len, d_model=cfg.d_model, n_heads=cfg.n_heads,
             n_layers=cfg.n_layers, dropout=cfg.dropout, tied=cfg.tied, arch=cfg.arch,
@@ -344,7 +361,7 @@ class _Run:
             if cfg.reattention:
                 self.reattention = build_reattention(
                     self.model, self.t.inputs, self.t.targets, noise_multiplier=plan.sigma,
-                    clip_norm=cfg.clip_norm, expected_batch_size=plan.expected_batch,
+                    clip_norm=cfg.clip_norm, expected_batch_size=plan.expected_batch, window=cfg.max_len,
                 )  # fmt: skip
         self.net: nn.Module = self.model if self.clipper is None else self.clipper.model
         self.guard = DivergenceGuard(hint=_divergence_hint(cfg), error=TrainingDivergedError)
@@ -369,17 +386,38 @@ class _Run:
                 yield batch
 
     # ------------------------------------------------------------------------------ training
+    def chunks(self, users: Tensor) -> Iterator[Tensor]:
+        """The batch's users in chunks of similar window counts, most windows first (all of them in one chunk
+        for ``last_window``). Per-sample clipping makes the chunks' clipped sums add up to the batch's."""
+        counts = self.t.windows[users]
+        if len(users) == 0 or bool((counts == counts[0]).all()):
+            yield users
+            return
+        order = torch.argsort(counts, descending=True, stable=True)
+        users, counts = users[order], counts[order]
+        start = 0
+        while start < len(users):
+            floor = CHUNK_FILL * float(counts[start])
+            end = start + int((counts[start:] >= floor).sum())  # counts are sorted, so these are consecutive
+            yield users[start:end]
+            start = end
+
     def _correction(self, ids: Tensor, *, track: bool = False) -> Corrections:
-        """Re-Attention for this batch, one correction per block; ``track``: tally its size (training)."""
+        """Re-Attention for this batch, one correction per block; ``track``: tally its size (training).
+        Rows of several windows are propagated window by window, as the attention reads them."""
         if self.reattention is None:
             return None
-        errors = self.reattention.propagate(ids)
+        windows = ids.reshape(-1, self.cfg.max_len) if ids.shape[1] > self.cfg.max_len else ids
+        errors = self.reattention.propagate(windows)
         if track:
-            self.correction_sizes.add(self.epoch, errors, ids)
+            self.correction_sizes.add(self.epoch, errors, windows)
         return BlockReAttention.corrections(errors)
 
     def _per_sequence_loss(self, users: Tensor) -> Tensor:
-        ids, targets = self.t.inputs[users], self.t.targets[users]
+        """(B,) each user's summed next-item loss over every target of its row."""
+        k = int(self.t.windows[users].max()) if len(users) else 1
+        columns = k * self.cfg.max_len if self.t.inputs.shape[1] > self.cfg.max_len else self.t.inputs.shape[1]
+        ids, targets = self.t.inputs[users, -columns:], self.t.targets[users, -columns:]
         correction = self._correction(ids, track=True)
         logits = self.net(ids) if correction is None else self.net(ids, score_correction=correction)
         loss = sequence_loss(logits, targets, reduction="none")  # (B,)
@@ -401,11 +439,13 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             if self.clipper is None:
-                (self._per_sequence_loss(users).sum() / len(users)).backward()
+                for chunk in self.chunks(users):
+                    (self._per_sequence_loss(chunk).sum() / len(users)).backward()
                 self._check_grads()
             else:
                 if len(users):  # an empty Poisson batch is a noise-only step
-                    self.clipper.backward(self._per_sequence_loss(users))
+                    for chunk in self.chunks(users):
+                        self.clipper.backward(self._per_sequence_loss(chunk))
                 privatize_grads_(
                     self.params, noise_multiplier=self.plan.sigma, clip_norm=self.cfg.clip_norm,
                     expected_batch_size=self.plan.expected_batch, generator=self.noise_gen,

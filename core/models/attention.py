@@ -97,16 +97,33 @@ class CausalSelfAttention(nn.Module):
         x = x.view(B, L, self.n_heads, self.head_dim)  # (B, L, heads, head_dim)
         return x.transpose(1, 2)  # (B, heads, L, head_dim)
 
-    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
-        """Args: x (B, L, d_model); key_valid (B, L) bool, True at real items; score_correction
-        overrides :attr:`score_correction` for this call. Returns (B, L, d_model)."""
-        B, L, d_model = x.shape
-        q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, heads, L, L)
+    def forward(
+        self,
+        x: Tensor,
+        key_valid: Tensor,
+        score_correction: ScoreCorrection | None = None,
+        window: int | None = None,
+    ) -> Tensor:
+        """Args: x (B, T, d_model); key_valid (B, T) bool, True at real items; score_correction
+        overrides :attr:`score_correction` for this call; ``window``: attend only within consecutive
+        windows of ``window`` positions (T must be a multiple of it; the logits, the score correction's
+        input and the mask are then (B * T / window, heads, window, window)). Returns (B, T, d_model).
+
+        The projections are applied to the whole (B, T) row, so a row stays one sample for the per-sample
+        gradient machinery (:mod:`core.dp.phantom`, Opacus) however many windows it holds."""
+        B, T, d_model = x.shape
+        q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, T, d_model)
+        if window is not None and window != T:
+            if window < 1 or T % window:
+                raise DataError(f"sequence length T={T} is not a multiple of window={window}")
+            q, k, v = (t.reshape(B * (T // window), window, d_model) for t in (q, k, v))
+            key_valid = key_valid.reshape(B * (T // window), window)
+        q, k, v = (self._split_heads(t) for t in (q, k, v))  # (B', heads, L, head_dim)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B', heads, L, L)
         correction = score_correction if score_correction is not None else self.score_correction
         if correction is not None:
             logits = apply_score_correction(correction, logits, q)
         logits = logits.masked_fill(~attention_mask(key_valid), float("-inf"))
-        probs = self.attn_dropout(F.softmax(logits, dim=-1))  # (B, heads, L, L)
-        out = (probs @ v).transpose(1, 2)  # (B, L, heads, head_dim)
-        return self.out_proj(out.reshape(B, L, d_model))  # (B, L, d_model)
+        probs = self.attn_dropout(F.softmax(logits, dim=-1))  # (B', heads, L, L)
+        out = (probs @ v).transpose(1, 2)  # (B', L, heads, head_dim)
+        return self.out_proj(out.reshape(B, T, d_model))  # (B, T, d_model)

@@ -28,11 +28,17 @@ Design choices (documented because the privacy machinery depends on them):
   between and bounds it (see :func:`core.dp.methods.build_reattention`). Both layouts use the same
   sub-modules (``ln_attn``/``ln_ff`` are the attention / feed-forward sub-layers' LayerNorms), so
   parameter names and counts are identical apart from ``final_norm``.
-* **RNN baselines** use Opacus' ``DPGRU`` / ``DPLSTM`` (cells built from ``RNNLinear``, an
-  ``nn.Linear`` subclass) so that Phantom Clipping and Opacus can compute their per-sample norms.
-  They run the recurrence in Python, hence are slower than cuDNN/ATen RNNs even without DP. Under
-  left padding their state evolves through the (zeroed) padding inputs, so their outputs depend on
-  the padding length; gradients remain exact.
+* **RNN baselines** are GRU / LSTM layers written out from ``nn.Linear`` modules (:class:`LinearGRU`,
+  :class:`LinearLSTM`, the equations and gate order of ``torch.nn.GRU`` / ``torch.nn.LSTM``, checked against them in
+  the tests) so that Phantom Clipping and Opacus can compute their per-sample norms. They run the
+  recurrence in Python, hence are slower than cuDNN/ATen RNNs even without DP. Under left padding their
+  state evolves through the (zeroed) padding inputs, so their outputs depend on the padding length;
+  gradients remain exact.
+* **Windows.** Every model also takes rows of ``T = K * max_len`` ids: K consecutive windows of ``max_len``
+  positions, each encoded on its own (attention within the window, positions 0..max_len-1 in each, an RNN
+  state that starts at zero in each), as if the K windows were K rows. The row is still one sample for the
+  per-sample gradient machinery: every parameterised module sees the whole row, so a user's windows form one
+  clipped unit (the trainer's ``train_targets="every"``, user-level DP over every training target).
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
-from opacus.layers import DPGRU, DPLSTM
 from torch import Tensor, nn
 
 from core.errors import ConfigError, DataError
@@ -149,11 +154,13 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.activation, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_valid: Tensor, score_correction: ScoreCorrection | None = None, window: int | None = None
+    ) -> Tensor:
         if self.norm_first:
-            x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction))
+            x = x + self.dropout(self.attn(self.ln_attn(x), key_valid, score_correction, window))
             return x + self.dropout(self.ff(self.ln_ff(x)))
-        x = self.ln_attn(x + self.dropout(self.attn(x, key_valid, score_correction)))
+        x = self.ln_attn(x + self.dropout(self.attn(x, key_valid, score_correction, window)))
         return self.ln_ff(x + self.dropout(self.ff(x)))
 
 
@@ -187,9 +194,11 @@ class SeqRecModel(nn.Module):
             raise DataError(
                 f"input_ids must be an int64 (B, L) tensor, got dtype={input_ids.dtype}, shape={tuple(input_ids.shape)}"
             )
-        L = input_ids.shape[1]
-        if not 1 <= L <= self.cfg.max_len:
-            raise DataError(f"sequence length must be in [1, max_len={self.cfg.max_len}], got {L=}")
+        L, L_max = input_ids.shape[1], self.cfg.max_len
+        if not (1 <= L <= L_max or L % L_max == 0):
+            raise DataError(
+                f"sequence length must be in [1, max_len={L_max}] or a multiple of max_len (windows), got {L=}"
+            )
         if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() > self.cfg.num_items):
             raise DataError(
                 f"item ids must be in [0, num_items={self.cfg.num_items}] (0 = padding), got range "
@@ -197,7 +206,7 @@ class SeqRecModel(nn.Module):
             )
 
     def hidden(self, input_ids: Tensor, score_correction: Corrections = None) -> Tensor:
-        """Final-normed hidden states (B, L, d) of left-padded ids (B, L)."""
+        """Final-normed hidden states (B, L, d) of left-padded ids (B, L); L > max_len: windows (module docstring)."""
         self.check_input(input_ids)
         input_ids = input_ids.contiguous()  # Opacus' embedding norm sampler calls .view on the ids
         valid = input_ids != PADDING_ID  # (B, L)
@@ -237,34 +246,90 @@ class TransformerSeqRec(SeqRecModel):
         return per_layer
 
     def encode(self, input_ids: Tensor, valid: Tensor, score_correction: Corrections = None) -> Tensor:
-        B, L = input_ids.shape
-        positions = torch.arange(self.cfg.max_len - L, self.cfg.max_len, device=input_ids.device)
-        positions = positions.repeat(B, 1)  # (B, L), right-aligned; contiguous (Opacus views the ids)
-        x = (self.item_emb(input_ids) + self.pos_emb(positions)) * valid.unsqueeze(-1)  # (B, L, d)
+        B, T = input_ids.shape
+        L_max = self.cfg.max_len
+        window = L_max if T > L_max else None
+        if window is None:  # one window, right-aligned: the last item at position max_len - 1
+            positions = torch.arange(L_max - T, L_max, device=input_ids.device)
+        else:  # K windows of max_len, each with positions 0..max_len-1
+            positions = torch.arange(L_max, device=input_ids.device).repeat(T // L_max)
+        positions = positions.repeat(B, 1)  # (B, T); contiguous (Opacus views the ids)
+        x = (self.item_emb(input_ids) + self.pos_emb(positions)) * valid.unsqueeze(-1)  # (B, T, d)
         x = self.emb_dropout(x)
         for block, correction in zip(self.blocks, self._per_layer(score_correction), strict=True):
-            x = block(x, valid, correction)
+            x = block(x, valid, correction, window)
         return x
 
 
+class LinearGRU(nn.Module):
+    """Multi-layer GRU (``torch.nn.GRU``'s equations, gate order r, z, n, batch first) from ``nn.Linear`` modules.
+
+    ``ih[l]`` (input to hidden, 3 d) is applied to the whole sequence at once, ``hh[l]`` (hidden to hidden) once
+    per time step; both see the sample as their batch dimension, so per-sample gradient norms are exact.
+    Input (B, K, L, d): K independent windows per sample, each starting from a zero state.
+    """
+
+    gates = 3
+    recurrent = True  # hh[l] runs once per time step (opacus_ghost refuses such layers, core.dp.clipping)
+
+    def __init__(self, d_model: int, num_layers: int, dropout: float) -> None:
+        super().__init__()
+        self.ih = nn.ModuleList(nn.Linear(d_model, self.gates * d_model) for _ in range(num_layers))
+        self.hh = nn.ModuleList(nn.Linear(d_model, self.gates * d_model) for _ in range(num_layers))
+        self.dropout = nn.Dropout(dropout)  # between layers, as torch.nn.GRU's ``dropout``
+
+    def _cell(self, gi: Tensor, h: Tensor, c: Tensor | None, hh: nn.Linear) -> tuple[Tensor, Tensor | None]:
+        gh = hh(h)
+        i_r, i_z, i_n = gi.chunk(3, dim=-1)
+        h_r, h_z, h_n = gh.chunk(3, dim=-1)
+        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return (1 - z) * n + z * h, None
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, K, L, d = x.shape
+        for layer, (ih, hh) in enumerate(zip(self.ih, self.hh, strict=True)):
+            if layer:
+                x = self.dropout(x)
+            gi = ih(x.reshape(B, K * L, d)).view(B, K, L, -1)  # (B, K, L, gates * d)
+            h = x.new_zeros(B, K, d)
+            c = x.new_zeros(B, K, d) if self.gates == 4 else None
+            outs = []
+            for t in range(L):
+                h, c = self._cell(gi[:, :, t], h, c, hh)
+                outs.append(h)
+            x = torch.stack(outs, dim=2)  # (B, K, L, d)
+        return x
+
+
+class LinearLSTM(LinearGRU):
+    """Multi-layer LSTM (``torch.nn.LSTM``'s equations, gate order i, f, g, o), built like :class:`LinearGRU`."""
+
+    gates = 4
+
+    def _cell(self, gi: Tensor, h: Tensor, c: Tensor | None, hh: nn.Linear) -> tuple[Tensor, Tensor | None]:
+        i, f, g, o = (gi + hh(h)).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
 class RNNSeqRec(SeqRecModel):
-    """GRU4Rec-style baseline on Opacus' DP-compatible recurrent layers, same tied embedding."""
+    """GRU4Rec-style baseline (:class:`LinearGRU` / :class:`LinearLSTM`), same tied embedding."""
 
     def __init__(self, cfg: SeqRecConfig) -> None:
         super().__init__(cfg)
-        rnn_cls = DPGRU if cfg.arch == "gru" else DPLSTM
-        inter_layer_dropout = cfg.dropout if cfg.n_layers > 1 else 0.0
-        self.rnn = rnn_cls(
-            cfg.d_model, cfg.d_model, num_layers=cfg.n_layers, batch_first=True, dropout=inter_layer_dropout
-        )
+        rnn_cls = LinearGRU if cfg.arch == "gru" else LinearLSTM
+        self.rnn = rnn_cls(cfg.d_model, cfg.n_layers, cfg.dropout if cfg.n_layers > 1 else 0.0)
         self.out_dropout = nn.Dropout(cfg.dropout)
 
     def encode(self, input_ids: Tensor, valid: Tensor, score_correction: Corrections = None) -> Tensor:
         if score_correction is not None:
             raise ConfigError(f"score_correction needs attention, but arch={self.cfg.arch!r} has none")
-        x = self.item_emb(input_ids) * valid.unsqueeze(-1)  # (B, L, d)
-        out, _ = self.rnn(self.emb_dropout(x))  # (B, L, d)
-        return self.out_dropout(out)
+        B, T = input_ids.shape
+        L = min(T, self.cfg.max_len)  # T > max_len: T / max_len windows, each from a zero state
+        x = self.item_emb(input_ids) * valid.unsqueeze(-1)  # (B, T, d)
+        out = self.rnn(self.emb_dropout(x).view(B, T // L, L, -1))  # (B, K, L, d)
+        return self.out_dropout(out.reshape(B, T, -1))
 
 
 def build_seqrec(cfg: SeqRecConfig) -> SeqRecModel:
@@ -279,6 +344,8 @@ def build_seqrec(cfg: SeqRecConfig) -> SeqRecModel:
 __all__ = [
     "PADDING_ID",
     "FeedForward",
+    "LinearGRU",
+    "LinearLSTM",
     "RNNSeqRec",
     "SeqRecConfig",
     "SeqRecModel",

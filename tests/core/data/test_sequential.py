@@ -314,3 +314,25 @@ def test_dataset_validates_its_arrays(hand) -> None:
         SequentialDataset(**{**arrays, "items": np.array([3, 1, 2, 3, 2, 1, 0])}, offsets=hand.offsets)
     with pytest.raises(ValueError, match="read-only"):
         hand.items[0] = 1
+
+
+@pytest.mark.parametrize("max_len", [1, 3, 4, 50])
+def test_train_windows_hold_every_pair_once(small, max_len: int) -> None:
+    """Reference: split each user's (input, target) pairs from the end into windows of max_len, by a loop."""
+    users = np.random.default_rng(max_len).integers(0, small.n_users, size=13)
+    inputs, targets = small.train_windows(max_len, users)
+    counts = small.train_window_counts(max_len)[users]
+    assert inputs.shape == targets.shape == (13, int(counts.max()) * max_len)
+    for row, u in enumerate(users):
+        prefix = small.sequence(u).tolist()[:-2]
+        pairs = list(zip(prefix[:-1], prefix[1:], strict=True))
+        windows = [pairs[max(0, end - max_len) : end] for end in range(len(pairs), 0, -max_len)][::-1] or [[]]
+        assert len(windows) == counts[row]
+        expected = []
+        for w in [[]] * (int(counts.max()) - len(windows)) + windows:
+            expected += [(0, 0)] * (max_len - len(w)) + w
+        assert list(zip(inputs[row].tolist(), targets[row].tolist(), strict=True)) == expected
+        # the last window is train_examples' row
+        last_x, last_y = small.train_examples(max_len, [u])
+        assert inputs[row, -max_len:].tolist() == last_x[0].tolist()
+        assert targets[row, -max_len:].tolist() == last_y[0].tolist()

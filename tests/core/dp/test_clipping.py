@@ -90,7 +90,7 @@ def test_loop_matches_independent_brute_force(normalize):
         ("gru", True, "phantom"),
         ("gru", True, "opacus_hooks"),
         ("lstm", False, "phantom"),
-        ("lstm", False, "opacus_ghost"),
+        ("lstm", False, "opacus_hooks"),
     ],
 )
 @pytest.mark.parametrize("normalize", [False, True])
@@ -124,6 +124,11 @@ def test_registry_exposes_one_interface():
         clipper = make_clipper(method, model, clip_norm=1.0, normalize=False)
         assert isinstance(clipper, Clipper)
         clipper.close()
+
+
+def test_opacus_ghost_refuses_recurrent_layers_with_advice():
+    with pytest.raises(ConfigError, match="recurrent layers .*phantom or opacus_hooks"):
+        make_clipper("opacus_ghost", _model("lstm", tied=False, n_layers=1), clip_norm=1.0, normalize=False)
 
 
 def test_opacus_ghost_refuses_tied_model_with_advice():
@@ -234,3 +239,40 @@ def test_phantom_also_works_in_eval_mode():
     base = _model().eval()  # dropout off either way; phantom records whenever grad is enabled
     expected = _step("loop", copy.deepcopy(base))
     _assert_same(_step("phantom", copy.deepcopy(base)), expected)
+
+
+# Windows: a row of K * max_len ids is one user (user-level DP over every training target); every clipper must
+# give the norm of the user's summed gradient over all K windows (core.models.seqrec, "Windows").
+WINDOW_IDS = torch.cat([IDS[[2, 0]].reshape(1, -1), IDS[[1, 3]].reshape(1, -1)])  # (2 users, 2 windows of L)
+WINDOW_TARGETS = torch.cat([TARGETS[[2, 0]].reshape(1, -1), TARGETS[[1, 3]].reshape(1, -1)])
+
+
+@pytest.mark.parametrize(
+    "arch, tied, method",
+    [
+        ("transformer", True, "phantom"),
+        ("transformer", True, "opacus_hooks"),
+        ("transformer", True, "ghost_tied"),
+        ("transformer", False, "opacus_ghost"),
+        ("gru", True, "phantom"),
+        ("lstm", True, "opacus_hooks"),
+    ],
+)
+def test_windowed_rows_are_one_clipped_unit(arch, tied, method):
+    """Reference: per user, the gradient of the summed loss of its windows fed as separate rows, clipped once."""
+    base = _model(arch, tied, n_layers=1 if arch != "transformer" else 2)
+    got = _step(method, copy.deepcopy(base), ids=WINDOW_IDS, targets=WINDOW_TARGETS)
+    model = copy.deepcopy(base)
+    params = dict(model.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for user in range(len(WINDOW_IDS)):
+        rows, targets = WINDOW_IDS[user].view(2, L), WINDOW_TARGETS[user].view(2, L)
+        loss = sequence_loss(model(rows), targets).sum()
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        for n, g in zip(params, grads):
+            total[n] += clip_coefficients(norm, clip_norm=0.3, normalize=False) * g
+    _assert_same(got, (torch.stack(norms), total))

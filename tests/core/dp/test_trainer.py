@@ -337,12 +337,72 @@ def test_reattention_corrects_every_block_in_both_layouts(
     seen: list[bool] = []
     original = CausalSelfAttention.forward
 
-    def spy(self, x, key_valid, score_correction=None):
+    def spy(self, x, key_valid, score_correction=None, window=None):
         seen.append(score_correction is not None)
-        return original(self, x, key_valid, score_correction)
+        return original(self, x, key_valid, score_correction, window)
 
     monkeypatch.setattr(CausalSelfAttention, "forward", spy)
     cfg = method_config("dpformer", **TINY, epsilon=8.0, max_steps=1, n_layers=2, norm_first=norm_first)
     train_seqrec(data, cfg)
     per_forward = [seen[i : i + 2] for i in range(0, len(seen), 2)]
     assert per_forward and all(p == [True, True] for p in per_forward)
+
+
+# ------------------------------------------------------------------------- every target, user-level
+def _ragged_dataset(seed: int = 0) -> SequentialDataset:
+    """Users of 4 to 30 items, so that max_len 5 gives them 1 to 6 windows."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(4, 31, size=24)
+    items = rng.integers(1, N_ITEMS + 1, size=int(lens.sum()))
+    return SequentialDataset(
+        items=items,
+        timestamps=np.arange(len(items)),
+        offsets=np.concatenate([[0], np.cumsum(lens)]),
+        raw_user_ids=np.arange(len(lens)),
+        raw_item_ids=np.arange(N_ITEMS),
+    )
+
+
+@pytest.mark.parametrize("name", ["transformer", "dpformer", "gru"])
+def test_chunked_every_target_step_is_the_users_clipped_sum(name: str) -> None:
+    """Slow reference: per user, the gradient of its summed loss over all of its windows, clipped once, summed."""
+    from core.dp.clipping import clip_coefficients
+    from core.models import sequence_loss
+
+    data = _ragged_dataset()
+    cfg = method_config(name, **(TINY | {"max_len": 5, "epsilon": 8.0, "dropout": 0.0, "clip_norm": 0.5}))
+    assert cfg.train_targets == "every"
+    run = trainer._Run(data, cfg, trainer._plan(data, cfg), torch.device("cpu"))
+    users = torch.arange(data.n_users)
+    chunks = list(run.chunks(users))
+    assert len(chunks) > 1 and sorted(torch.cat(chunks).tolist()) == users.tolist()
+    run.optimizer.zero_grad(set_to_none=True)
+    for chunk in chunks:
+        run.clipper.backward(run._per_sequence_loss(chunk))
+    got = {n: p.grad.clone() for n, p in run.model.named_parameters()}
+    expected = {n: torch.zeros_like(p) for n, p in run.model.named_parameters()}
+    params = dict(run.model.named_parameters())
+    for u in range(data.n_users):
+        ids, targets = data.train_windows(5, [u])
+        correction = run._correction(ids)
+        logits = run.model(ids) if correction is None else run.model(ids, score_correction=correction)
+        grads = torch.autograd.grad(sequence_loss(logits, targets).sum(), list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+        coef = clip_coefficients(torch.sqrt(sum(g.pow(2).sum() for g in grads)), clip_norm=0.5, normalize=True)
+        for n, g in zip(params, grads):
+            expected[n] += coef * g
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_every_target_trains_on_every_pair_and_last_window_on_fewer() -> None:
+    data = _ragged_dataset()
+    pairs = int((data.seq_lens - 3).sum())
+    for targets, expected in (("every", pairs), ("last_window", int(np.minimum(data.seq_lens - 3, 5).sum()))):
+        cfg = method_config("transformer", **(TINY | {"max_len": 5, "epsilon": 8.0, "train_targets": targets}))
+        run = trainer._Run(data, cfg, trainer._plan(data, cfg), torch.device("cpu"))
+        for chunk in run.chunks(torch.arange(data.n_users)):
+            run._per_sequence_loss(chunk)
+        assert run.loss_tokens == expected
+    result = train_seqrec(data, method_config("dpformer", **(TINY | {"max_len": 5, "epsilon": 8.0})))
+    assert _finite(result) and result.ledger.epsilon <= 8.0 + 1e-6

@@ -236,3 +236,43 @@ def test_sequence_loss_validates_arguments():
         sequence_loss(logits, targets, position_reduction="max")
     with pytest.raises(DataError, match=r"targets \(B, L\)"):
         sequence_loss(logits, targets[:, :-1])
+
+
+@pytest.mark.parametrize("arch", ["transformer", "gru", "lstm"])
+def test_windows_are_encoded_like_separate_rows(arch):
+    """A row of K * max_len ids scores like its K windows fed as K rows (slow reference: one row each)."""
+    torch.manual_seed(0)
+    cfg = SeqRecConfig(num_items=20, max_len=5, d_model=8, n_heads=2, n_layers=2, dropout=0.0, arch=arch)
+    model = build_seqrec(cfg).double().eval()
+    ids = torch.randint(0, 21, (3, 15))
+    ids[0, :7] = 0  # left padding across a window boundary
+    ids[1, :5] = 0  # one all-padding window
+    rows = ids.view(9, 5)
+    with torch.no_grad():
+        windowed = model(ids)  # (3, 15, 21)
+        separate = torch.cat([model(rows[i : i + 1]) for i in range(9)]).view(3, 15, 21)
+    torch.testing.assert_close(windowed, separate)
+
+
+def test_window_length_must_be_a_multiple_of_max_len():
+    model = build_seqrec(SeqRecConfig(num_items=20, max_len=5, d_model=8, n_heads=2))
+    with pytest.raises(DataError, match="multiple of max_len"):
+        model(torch.ones(2, 7, dtype=torch.long))
+
+
+@pytest.mark.parametrize("arch", ["gru", "lstm"])
+def test_linear_rnn_matches_torch(arch):
+    """LinearGRU / LinearLSTM (nn.Linear cells, for per-sample gradients) equal torch.nn.GRU / LSTM."""
+    from core.models.seqrec import LinearGRU, LinearLSTM
+
+    torch.manual_seed(0)
+    ours = (LinearGRU if arch == "gru" else LinearLSTM)(6, num_layers=2, dropout=0.0).double()
+    ref = (torch.nn.GRU if arch == "gru" else torch.nn.LSTM)(6, 6, num_layers=2, batch_first=True).double()
+    with torch.no_grad():
+        for layer in range(2):
+            getattr(ref, f"weight_ih_l{layer}").copy_(ours.ih[layer].weight)
+            getattr(ref, f"bias_ih_l{layer}").copy_(ours.ih[layer].bias)
+            getattr(ref, f"weight_hh_l{layer}").copy_(ours.hh[layer].weight)
+            getattr(ref, f"bias_hh_l{layer}").copy_(ours.hh[layer].bias)
+    x = torch.randn(4, 7, 6, dtype=torch.float64)
+    torch.testing.assert_close(ours(x.unsqueeze(1)).squeeze(1), ref(x)[0])
