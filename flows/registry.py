@@ -101,10 +101,12 @@ def _prepare_runs(p: PrepareConfig) -> int:
 
 
 def _train_dp_runs(cfg: BenchmarkConfig) -> int:
-    from tasks.train_dp import expand_grid
+    from tasks.train_dp import expand_grid, expand_tuning
 
     t = _section(cfg, "train_dp")
-    return 1 + len(expand_grid(t, {d.name: "" for d in t.datasets}))
+    prepared = {d.name: "" for d in t.datasets}
+    search = 1 + len(expand_tuning(t, prepared)) if t.tuning is not None else 0  # its record and its points
+    return 1 + search + len(expand_grid(t, prepared))
 
 
 def _tangent_runs(cfg: BenchmarkConfig) -> int:

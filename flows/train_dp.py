@@ -13,9 +13,10 @@ from pbconfig.data import PrepareConfig
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
-from tasks.train_dp import plan_grid, train_point
+from tasks.train_dp import choose_recipes, plan_grid, plan_tuning, train_point
 
 STAGE = "train-dp"
+TUNING_STAGE = "train-dp-tuning"  # the search's runs: never read as results (storage.views reads stage train-dp)
 
 
 @flow(name="train-dp", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
@@ -32,7 +33,15 @@ def train_dp_flow(
         done = prepare_flow(wanted, profile=profile, parent=parent)
         prepared = {name: d["path"] for name, d in done["datasets"].items()}
     run = open_flow_record(flow="train-dp", stage=STAGE, config=config, profile=profile, parent=parent)
-    points = plan_grid(config, prepared)
+    chosen = None
+    if config.tuning is not None:  # the search on validation first, recorded apart (stage train-dp-tuning)
+        search = open_flow_record(flow="train-dp", stage=TUNING_STAGE, config=config, profile=profile, parent=run)
+        tried = train_point.with_options(name="train-dp-tuning-point").map(
+            plan_tuning(config, prepared), unmapped(config), unmapped(search)
+        ).result()
+        chosen = choose_recipes(config, tried)
+        close_flow_record(search, metrics={"n_runs": len(tried)}, summary={"runs": tried, "chosen": chosen})
+    points = plan_grid(config, prepared, chosen)
     results = train_point.with_options(name="train-dp-point").map(points, unmapped(config), unmapped(run)).result()
     diverged = [r for r in results if r.get("status") == "failed"]
     if results and len(diverged) == len(results):  # a sweep may lose some points; losing all of them is a failure

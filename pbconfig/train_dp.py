@@ -43,6 +43,26 @@ class NonPrivateSchedule(FrozenConfig):
         return self
 
 
+class TuningConfig(FrozenConfig):
+    """The learning-rate x batch-size search on validation that picks each method's recipe (DPFormer App. E.3).
+
+    Before the grid, every method of ``methods`` (None: all of ``train_dp.methods``) trains once per
+    ``train_dp.lrs`` x ``train_dp.batch_sizes`` point at ``epsilon`` and ``seed`` (and, with ``nonprivate``, each
+    non-private baseline once per learning rate that ``nonprivate_schedule`` leaves open). Each method keeps the
+    point with the highest validation NDCG@10 under ``protocol`` (its best evaluation over the epochs; the test
+    split is never read), and the grid then runs every epsilon and seed at that point only. Methods left out of
+    ``methods`` run at the first learning rate and batch size. The search is recorded (stage ``train-dp-tuning``),
+    and every final private run records the epsilon that the search and the run spend together under basic
+    composition (footnote 9 of the paper leaves the search unaccounted).
+    """
+
+    epsilon: Epsilon = 8.0
+    seed: int = Field(0, ge=0)
+    methods: tuple[TrainMethod, ...] | None = None
+    protocol: Literal["masked", "ranked"] = "masked"
+    nonprivate: bool = True
+
+
 class TrainDPConfig(FrozenConfig):
     """Stage 2: DP-SGD training of sequential recommenders (DPFormer Sec. 6, App. E).
 
@@ -64,6 +84,7 @@ class TrainDPConfig(FrozenConfig):
     seeds: tuple[int, ...] = Field((0,), min_length=1)
     nonprivate: bool = True
     nonprivate_schedule: NonPrivateSchedule | None = None
+    tuning: TuningConfig | None = None
     peers: tuple[PeerMethod, ...] = PEER_METHODS
     peer_epsilons: tuple[Epsilon, ...] = (8.0,)
     delta: Delta | None = Field(None, description="None: 1/(10 N) for N users, always below 1/N")
@@ -100,6 +121,22 @@ class TrainDPConfig(FrozenConfig):
         if bad:
             raise ValueError(f"learning rates and batch sizes must be > 0, got {bad}")
         return values
+
+    @model_validator(mode="after")
+    def _tuning_has_a_grid(self) -> TrainDPConfig:
+        if self.tuning is None:
+            return self
+        if len(self.lrs) * len(self.batch_sizes) < 2:
+            raise ValueError(
+                f"tuning is set but the grid lrs={list(self.lrs)} x batch_sizes={list(self.batch_sizes)} has one "
+                "point: list several learning rates or batch sizes, or set tuning=null"
+            )
+        unknown = sorted(set(self.tuning.methods or ()) - set(self.methods))
+        if unknown:
+            raise ValueError(
+                f"tuning.methods {unknown} are not in train_dp.methods {list(self.methods)}; add them there or drop them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _schedule_needs_nonprivate(self) -> TrainDPConfig:

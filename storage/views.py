@@ -40,6 +40,7 @@ from storage.view_columns import (
     STIP_ATTACKS_COLUMNS,
     STIP_OVERHEAD_COLUMNS,
     TANGENT_ACCURACY_COLUMNS,
+    TRAIN_SEARCH_COLUMNS,
     UNLEARNING_COLUMNS,
 )
 
@@ -210,8 +211,15 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         "popularity.test_ndcg_at_10_masked",
         "train_wall_s",
         "steps",
+        "epsilon_with_tuning",
     ]
     frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), names), on="run_id")
+    for column in names:  # a metric no run recorded (e.g. epsilon_with_tuning without a search) is NaN
+        if column not in frame:
+            frame[column] = math.nan
+    points = [_config(c).get("point", {}) for c in frame["config_json"]]
+    frame["lr"] = [p.get("lr", math.nan) for p in points]
+    frame["batch_size"] = [p.get("batch_size", math.nan) for p in points]
     ledger = _read(
         engine,
         select(
@@ -240,6 +248,30 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         }
     )
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])
+
+
+def train_search(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
+    """The train-dp recipe search on validation (``TRAIN_SEARCH_COLUMNS``, stage ``train-dp-tuning``): one row
+    per search run with its learning rate, batch size and best validation NDCG@10 under both protocols;
+    ``chosen``: a final train-dp run of the same dataset, method and privacy was trained at this point."""
+    engine, f = _engine(db_url), _filters(filters)
+    base = _result_runs(engine, f, Run.stage == "train-dp-tuning", Run.technique != "flow")
+    if base.empty:
+        return pd.DataFrame(columns=TRAIN_SEARCH_COLUMNS)
+    names = ["valid_ndcg_at_10", "valid_ndcg_at_10_masked"]
+    frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), names), on="run_id")
+    points = [_config(c).get("point", {}) for c in frame["config_json"]]
+    for key in ("epsilon", "seed", "lr", "batch_size"):
+        frame[key] = [p.get(key) for p in points]
+    frame["private"] = frame["epsilon"].notna()
+    final = privacy_utility(db_url, **filters)
+    picked = set(zip(final["dataset"], final["method"], final["private"], final["lr"], final["batch_size"]))
+    frame["chosen"] = [
+        key in picked
+        for key in zip(frame["dataset"], frame["technique"], frame["private"], frame["lr"], frame["batch_size"])
+    ]
+    frame = frame.rename(columns={"technique": "method"})
+    return _finish(frame, TRAIN_SEARCH_COLUMNS, ["dataset", "method", "private", "lr", "batch_size"])
 
 
 def clipping_bench(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
@@ -560,6 +592,7 @@ __all__ = [
     "membership_roc",
     "mpc_costs",
     "privacy_utility",
+    "train_search",
     "runs",
     "stip_attacks",
     "stip_overhead",

@@ -28,6 +28,7 @@ import pandas as pd
 from prefect import task
 
 from pbconfig.claims import load_papers
+from storage import views
 from storage.bench_runs import bench_runs
 from storage.claims import (
     INCONCLUSIVE,
@@ -196,6 +197,49 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
     return [*lines, ""]
 
 
+def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
+    """The train-dp recipe search: per dataset, method and privacy, the grid searched on validation, the point
+    chosen, and the epsilon the search and the final runs spend together (basic composition)."""
+    if search.empty:
+        return []
+    lines = [
+        "## Recipe search (train-dp)",
+        "",
+        (
+            "Each method's learning rate and batch size were chosen on validation NDCG@10 (the test split is never "
+            "read) before its runs below; the search's runs are recorded apart (stage `train-dp-tuning`) and no "
+            "claim reads them. `epsilon with search`: what the search and a final private run spend together under "
+            "basic composition (the paper leaves the search unaccounted, footnote 9)."
+        ),
+        "",
+        "| dataset | method | private | points | seed | lr x batch chosen | validation NDCG@10 (ranked / masked) "
+        "| range over the search (masked) | epsilon with search |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (dataset, method, private), rows in search.groupby(["dataset", "method", "private"], sort=True):
+        chosen = rows[rows["chosen"]]
+        pick = chosen.iloc[0] if len(chosen) else None
+        mine = final[(final["dataset"] == dataset) & (final["method"] == method) & (final["private"] == private)]
+        composed = mine["epsilon_with_tuning"].dropna()
+        with_search = (
+            f"{composed.min():g}-{composed.max():g}" if len(composed) and composed.min() != composed.max()
+            else (f"{composed.min():g}" if len(composed) else "-")
+        )  # fmt: skip
+        cells = [
+            dataset,
+            method,
+            "yes" if private else "no",
+            str(len(rows)),
+            ", ".join(str(int(s)) for s in sorted(set(rows["seed"]))),
+            "-" if pick is None else f"{pick['lr']:g} x {int(pick['batch_size'])}",
+            "-" if pick is None else f"{pick['valid_ndcg_at_10']:.4f} / {pick['valid_ndcg_at_10_masked']:.4f}",
+            f"{rows['valid_ndcg_at_10_masked'].min():.4f}-{rows['valid_ndcg_at_10_masked'].max():.4f}",
+            with_search,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def _history_section(results: list[ClaimResult]) -> list[str]:
     """Pre-registration: the commit that registered each claim's rule, and every change to a rule since (the old
     and new value, the verdict the old rule gave in the reports of the time, the reason)."""
@@ -321,6 +365,8 @@ def render_report(
         rows = table[table["paper"] == paper]
         if len(rows):
             lines += _paper_section(paper, spec.title, spec.file, rows)
+    filters = {"profile": profile, "root": root}
+    lines += _search_section(views.train_search(db_url, **filters), views.privacy_utility(db_url, **filters))
     # the benchmarks have only the quick and paper profiles: a reference report shows (and judges) the paper ones
     lines += _bench_section(bench_runs(db_url, profile=bench_profile(profile) if profile else None, root=root))
     lines += _history_section(results)

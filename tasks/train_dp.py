@@ -40,6 +40,19 @@ logger = logging.getLogger("privbench.train_dp")
 
 
 @dataclass(frozen=True)
+class Tuned:
+    """How a final grid point's (lr, batch size) was chosen: ``points`` runs of the search at ``epsilon`` and
+    ``seed`` (``epsilon`` None: a non-private search), the highest validation NDCG@10 under ``protocol``
+    (``valid``) among them."""
+
+    points: int
+    epsilon: float | None
+    seed: int
+    protocol: str
+    valid: float
+
+
+@dataclass(frozen=True)
 class GridPoint:
     """One training run of the grid: method, privacy level (None: non-private), seed and optimiser setting.
 
@@ -56,30 +69,125 @@ class GridPoint:
     lr: float
     batch_size: int
     epochs: int | None = None
+    role: str = "final"  # "tuning": a point of the search on validation (TuningConfig), recorded apart
+    tuned: Tuned | None = None  # a final point whose lr and batch size the search chose
 
     @property
     def label(self) -> str:
         eps = "nonprivate" if self.epsilon is None else f"eps{self.epsilon:g}"
         epochs = "" if self.epochs is None else f":e{self.epochs}"
-        return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}{epochs}"
+        role = ":tuning" if self.role == "tuning" else ""
+        return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}{epochs}{role}"
+
+    @property
+    def epsilon_with_tuning(self) -> float | None:
+        """The epsilon the search and this run spend together under basic composition: ``points`` runs at the
+        search's epsilon, plus this run's unless it repeats a search run (same epsilon and seed: the same
+        model). None for a non-private or untuned point."""
+        t = self.tuned
+        if self.epsilon is None or t is None or t.epsilon is None:
+            return None
+        repeats = self.epsilon == t.epsilon and self.seed == t.seed
+        return t.points * t.epsilon + (0.0 if repeats else self.epsilon)
 
 
-def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
+#: The method whose search a peer's points follow (the same model, another clipper).
+PEER_BASE = {"transformer_opacus_hooks": "transformer", "transformer_opacus_ghost_untied": "transformer_untied"}
+
+Recipes = dict[str, dict[str, Any]]
+"""The search's choice per ``recipe_key``: ``{"lr", "batch_size", "points", "epsilon", "seed", "protocol",
+"valid", "run_id"}``."""
+
+
+def recipe_key(dataset: str, method: str, private: bool) -> str:
+    return f"{dataset}|{method}|{'dp' if private else 'nonprivate'}"
+
+
+def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str], chosen: Recipes | None = None) -> list[GridPoint]:
     """datasets x (methods x epsilons [+ non-private] + peers x peer_epsilons) x seeds x lrs x batch sizes.
 
     The non-private points follow ``cfg.nonprivate_schedule`` where it is set; points it makes identical (e.g.
-    one fixed ``lr`` across the ``lrs`` grid) are kept once, in grid order.
+    one fixed ``lr`` across the ``lrs`` grid) are kept once, in grid order. With ``cfg.tuning`` the grid is run
+    after the search (:func:`expand_tuning`, :func:`select_recipes`): ``chosen`` gives each searched method its
+    (lr, batch size), the others (and every method when ``chosen`` is None) take the first of each.
     """
     runs: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
     if cfg.nonprivate:  # without DP noise Re-Attention corrects nothing: dpformer would repeat transformer
         runs += [(m, None) for m in cfg.methods if m != "dpformer"]
     runs += [(p, e) for p in cfg.peers for e in cfg.peer_epsilons]
+    if cfg.tuning is None:
+        points = (
+            _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch), cfg)
+            for d in cfg.datasets
+            for (method, eps), seed, lr, batch in itertools.product(runs, cfg.seeds, cfg.lrs, cfg.batch_sizes)
+        )
+        return list(dict.fromkeys(points))
+    chosen = chosen or {}
+    out = []
+    for d in cfg.datasets:
+        for (method, eps), seed in itertools.product(runs, cfg.seeds):
+            point = _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, cfg.lrs[0],
+                                         cfg.batch_sizes[0]), cfg)  # fmt: skip
+            pick = chosen.get(recipe_key(d.name, PEER_BASE.get(method, method), eps is not None))
+            if pick is not None:
+                tuned = Tuned(pick["points"], pick["epsilon"], pick["seed"], pick["protocol"], pick["valid"])
+                point = replace(point, lr=pick["lr"], batch_size=pick["batch_size"], tuned=tuned)
+            out.append(point)
+    return list(dict.fromkeys(out))
+
+
+def expand_tuning(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
+    """The search of ``cfg.tuning``: each searched method at the search's epsilon and seed over lrs x batch sizes,
+    and each non-private baseline over the learning rates (and batch sizes) ``nonprivate_schedule`` leaves open."""
+    t = cfg.tuning
+    if t is None:
+        return []
+    methods = t.methods or cfg.methods
+    runs: list[tuple[str, float | None]] = [(m, t.epsilon) for m in methods]
+    if cfg.nonprivate and t.nonprivate:
+        runs += [(m, None) for m in methods if m != "dpformer"]
     points = (
-        _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, lr, batch), cfg)
+        replace(
+            _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, t.seed, lr, batch), cfg),
+            role="tuning",
+        )
         for d in cfg.datasets
-        for (method, eps), seed, lr, batch in itertools.product(runs, cfg.seeds, cfg.lrs, cfg.batch_sizes)
+        for (method, eps), lr, batch in itertools.product(runs, cfg.lrs, cfg.batch_sizes)
     )
     return list(dict.fromkeys(points))
+
+
+def select_recipes(cfg: TrainDPConfig, results: list[dict[str, Any]]) -> Recipes:
+    """Per (dataset, method, private or not): the search point with the highest validation NDCG@10 under
+    ``cfg.tuning.protocol`` (first in grid order on ties); diverged points are skipped, and a method whose every
+    point diverged raises :class:`~core.errors.DivergedError` naming it and the grid."""
+    t = cfg.tuning
+    if t is None:
+        return {}
+    metric = "valid_ndcg_at_10_masked" if t.protocol == "masked" else "valid_ndcg_at_10"
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(recipe_key(r["dataset"], r["method"], r["epsilon"] is not None), []).append(r)
+    chosen: Recipes = {}
+    for key, rows in groups.items():
+        done = [r for r in rows if r.get("status") == "finished" and math.isfinite(r.get(metric, math.nan))]
+        if not done:
+            raise DivergedError(
+                f"every search point of {key} diverged ({len(rows)} points, lrs={list(cfg.lrs)}, "
+                f"batch_sizes={list(cfg.batch_sizes)}); add smaller learning rates to train_dp.lrs"
+            )
+        best = max(done, key=lambda r: r[metric])  # max keeps the first of equal values: grid order
+        chosen[key] = {
+            "lr": best["lr"],
+            "batch_size": best["batch_size"],
+            "points": len(rows),
+            "epsilon": best["epsilon"],
+            "seed": t.seed,
+            "protocol": t.protocol,
+            "valid": float(best[metric]),
+            "run_id": best["run_id"],
+        }
+    return chosen
 
 
 def _scheduled(point: GridPoint, cfg: TrainDPConfig) -> GridPoint:
@@ -96,8 +204,18 @@ def _scheduled(point: GridPoint, cfg: TrainDPConfig) -> GridPoint:
 
 
 @task(name="plan-train-grid")
-def plan_grid(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
-    return expand_grid(cfg, prepared)
+def plan_grid(cfg: TrainDPConfig, prepared: dict[str, str], chosen: Recipes | None = None) -> list[GridPoint]:
+    return expand_grid(cfg, prepared, chosen)
+
+
+@task(name="plan-train-tuning")
+def plan_tuning(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:
+    return expand_tuning(cfg, prepared)
+
+
+@task(name="select-train-recipes")
+def choose_recipes(cfg: TrainDPConfig, results: list[dict[str, Any]]) -> Recipes:
+    return select_recipes(cfg, results)
 
 
 @task(name="train-dp-point", **RESUMABLE)
@@ -117,6 +235,9 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
         "dataset": point.dataset,
         "epsilon": point.epsilon,
         "seed": point.seed,
+        "lr": point.lr,
+        "batch_size": point.batch_size,
+        "role": point.role,
     }
     try:
         with task_record(
@@ -141,6 +262,8 @@ def train_point(point: GridPoint, cfg: TrainDPConfig, parent: RunRef) -> dict[st
         "test_hit_at_10": result.test_hit10,
         "test_ndcg_at_10_masked": result.test_ndcg10_masked,
         "test_hit_at_10_masked": result.test_hit10_masked,
+        "valid_ndcg_at_10": max(log.valid_ndcg10 for log in result.history),
+        "valid_ndcg_at_10_masked": max(log.valid_ndcg10_masked for log in result.history),
         "wall_s": result.wall_s,
     }
 
@@ -260,6 +383,10 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
             neighbouring=NEIGHBOURING,
         )
         rec.metric("epsilon", ledger.epsilon)
+    if point.tuned is not None:  # the search that chose this point's lr and batch size (TuningConfig)
+        rec.metrics({"tuning.points": point.tuned.points, "tuning.valid_ndcg_at_10": point.tuned.valid})
+        if point.epsilon_with_tuning is not None:
+            rec.metric("epsilon_with_tuning", point.epsilon_with_tuning)
     rec.artifact_json("curves.json", [asdict(log) for log in result.history])
     rec.tag("privbench.dp", "nonprivate" if point.epsilon is None else f"eps={point.epsilon:g}")
     rec.tag("privbench.protocol", EVAL_PROTOCOL)

@@ -144,3 +144,140 @@ def test_train_dp_flow_records_runs_with_ledger_and_curves(
         expected = NOISE_SOURCES["seeded"] if eps is not None else "none (non-private)"
         assert json.loads(config_json)["noise_source"] == expected
         assert client.get_run(mlflow_id).data.tags["privbench.noise_source"] == expected
+
+
+# ------------------------------------------------------------------------------ the search on validation
+def _tuned_config(**tuning: object):
+    assert TINY.train_dp is not None
+    data = TINY.train_dp.model_dump() | {"lrs": [0.001, 0.005], "batch_sizes": [32, 64], "tuning": tuning or {}}
+    return TINY.train_dp.model_validate(data)
+
+
+def _result(point, valid: float, status: str = "finished") -> dict:
+    return {
+        "run_id": point.label, "dataset": point.dataset, "method": point.method, "epsilon": point.epsilon,
+        "lr": point.lr, "batch_size": point.batch_size, "status": status,
+        "valid_ndcg_at_10": 1.0 - valid, "valid_ndcg_at_10_masked": valid,
+    }  # fmt: skip
+
+
+def test_search_picks_each_methods_best_validation_point_and_the_grid_runs_only_it() -> None:
+    from tasks.train_dp import expand_tuning, select_recipes
+
+    cfg = _tuned_config(epsilon=8, seed=0)
+    search = expand_tuning(cfg, {"ml-1m-tiny": "/x"})
+    # transformer and dpformer at eps 8 over 2 x 2, the non-private transformer over 2 x 2: 12 points
+    assert len(search) == 12 and {p.role for p in search} == {"tuning"} and {p.seed for p in search} == {0}
+    assert all(p.label.endswith(":tuning") for p in search)
+    values = {  # hand-made validation NDCG@10 (masked): the best of each method is known
+        ("transformer", 8.0, 0.005, 32): 0.30, ("transformer", 8.0, 0.001, 64): 0.30,  # a tie: grid order wins
+        ("dpformer", 8.0, 0.001, 64): 0.25, ("transformer", None, 0.005, 64): 0.40,
+    }  # fmt: skip
+    results = [_result(p, values.get((p.method, p.epsilon, p.lr, p.batch_size), 0.1)) for p in search]
+    results[[r["method"] for r in results].index("dpformer")]["status"] = "failed"  # a diverged point is skipped
+    chosen = select_recipes(cfg, results)
+    assert {k: (v["lr"], v["batch_size"], v["points"]) for k, v in chosen.items()} == {
+        "ml-1m-tiny|transformer|dp": (0.001, 64, 4),  # (0.001, 64) comes before (0.005, 32) in the grid
+        "ml-1m-tiny|dpformer|dp": (0.001, 64, 4),
+        "ml-1m-tiny|transformer|nonprivate": (0.005, 64, 4),
+    }
+    grid = expand_grid(cfg, {"ml-1m-tiny": "/x"}, chosen)
+    got = {(p.method, p.epsilon): (p.lr, p.batch_size) for p in grid}
+    assert got == {
+        ("transformer", 8.0): (0.001, 64),
+        ("dpformer", 8.0): (0.001, 64),
+        ("transformer", None): (0.005, 64),
+        ("transformer_opacus_hooks", 8.0): (0.001, 64),  # a peer follows its model's search
+    }
+    assert len(grid) == 4 and all(p.tuned is not None and p.role == "final" for p in grid)
+    # basic composition: the 4 search runs at eps 8; the eps-8 seed-0 final run repeats one of them
+    assert {p.method: p.epsilon_with_tuning for p in grid} == {
+        "transformer": None,  # (the non-private one comes last and overwrites: no epsilon)
+        "dpformer": 32.0,
+        "transformer_opacus_hooks": 32.0,
+    }
+    other_seed = [p for p in expand_grid(cfg.model_copy(update={"seeds": (1,)}), {"ml-1m-tiny": "/x"}, chosen)]
+    assert {p.epsilon_with_tuning for p in other_seed if p.method == "dpformer"} == {40.0}  # 4 x 8 + its own 8
+
+
+def test_search_that_diverges_everywhere_names_the_method() -> None:
+    from core.errors import DivergedError
+    from tasks.train_dp import expand_tuning, select_recipes
+
+    cfg = _tuned_config(methods=["dpformer"], nonprivate=False)
+    search = expand_tuning(cfg, {"ml-1m-tiny": "/x"})
+    assert {p.method for p in search} == {"dpformer"}
+    with pytest.raises(DivergedError, match=r"ml-1m-tiny\|dpformer\|dp diverged .*smaller learning rates"):
+        select_recipes(cfg, [_result(p, 0.1, status="failed") for p in search])
+
+
+@pytest.mark.parametrize(
+    "update, fragment",
+    [
+        ({"lrs": [0.005], "batch_sizes": [64], "tuning": {}}, "has one point"),
+        ({"lrs": [0.001, 0.005], "tuning": {"methods": ["gru"]}}, r"tuning.methods \['gru'\] are not in"),
+    ],
+)
+def test_tuning_config_is_checked(update: dict, fragment: str) -> None:
+    from pydantic import ValidationError
+
+    assert TINY.train_dp is not None
+    with pytest.raises(ValidationError, match=fragment):
+        TINY.train_dp.model_validate(TINY.train_dp.model_dump() | update)
+
+
+def test_train_dp_flow_searches_then_runs_the_chosen_points(home, prefect_harness) -> None:
+    """End to end on the tiny set: the search's runs sit in stage train-dp-tuning, the results view never reads
+    them, and every final run was trained at its method's chosen point and records the composed epsilon."""
+    from flows.train_dp import train_dp_flow
+
+    cfg = TINY.train_dp.model_validate(
+        TINY.train_dp.model_dump()
+        | {"lrs": [0.001, 0.005], "methods": ["transformer"], "peers": [], "workers": 1, "tuning": {"epsilon": 8}}
+    )
+    summary = train_dp_flow(cfg, TINY.prepare, profile="tiny")
+    repo = ResultsRepository()
+    _, rows = repo.query(
+        "select r.stage, r.technique, r.config_json from runs r where r.status = 'finished' and r.technique != 'flow' "
+        "and r.stage like 'train-dp%'"
+    )
+    search = [json.loads(c)["point"] for s, _, c in rows if s == "train-dp-tuning"]
+    final = [json.loads(c)["point"] for s, _, c in rows if s == "train-dp"]
+    assert len(search) == 4 and {p["role"] for p in search} == {"tuning"}  # 2 lrs, private and non-private
+    assert len(final) == 2 and len(summary["runs"]) == 2
+    frame = views.privacy_utility()
+    assert len(frame) == 2  # the search is not a result
+    _, searched = repo.query(
+        "select r.config_json, m.value from runs r join metrics m on m.run_id = r.id "
+        "where r.stage = 'train-dp-tuning' and m.name = 'valid_ndcg_at_10_masked'"
+    )
+    for p in final:  # each final run at the search point of highest masked validation NDCG@10 (grid order on ties)
+        mine = [(json.loads(c)["point"], v) for c, v in searched]
+        mine = [(q["lr"], v) for q, v in mine if (q["epsilon"] is None) == (p["epsilon"] is None)]
+        best = max(v for _, v in mine)
+        assert (p["lr"], p["tuned"]["points"], p["tuned"]["valid"]) == (
+            next(lr for lr, v in mine if v == best), 2, pytest.approx(best)
+        )
+    _, composed = repo.query("select value from metrics where name = 'epsilon_with_tuning'")
+    assert [v for (v,) in composed] == [pytest.approx(16.0)]  # 2 search runs at eps 8; the final repeats one
+
+
+def test_report_shows_the_search(home, prefect_harness, tmp_path) -> None:
+    """The report's recipe-search table: the chosen point of each method, its validation figure, and the
+    composed epsilon, read from the store (views.train_search)."""
+    from flows.train_dp import train_dp_flow
+    from tasks.report import render_report
+
+    cfg = TINY.train_dp.model_validate(
+        TINY.train_dp.model_dump()
+        | {"lrs": [0.001, 0.005], "methods": ["dpformer"], "peers": [], "nonprivate": False, "workers": 1,
+           "tuning": {"epsilon": 8}}
+    )  # fmt: skip
+    train_dp_flow(cfg, TINY.prepare, profile="tiny")
+    search = views.train_search()
+    assert len(search) == 2 and search["chosen"].sum() == 1
+    chosen = search[search["chosen"]].iloc[0]
+    text = render_report(tmp_path / "r.md", profile="tiny", figures=False).path.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| ml-1m-tiny | dpformer |"))
+    assert f"{chosen['lr']:g} x 64" in row and f"{chosen['valid_ndcg_at_10_masked']:.4f}" in row
+    assert row.rstrip(" |").endswith("16")  # 2 search runs at eps 8; the eps-8 seed-0 final run repeats one
