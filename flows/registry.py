@@ -134,7 +134,9 @@ def _secure_inference_runs(cfg: BenchmarkConfig) -> int:
 
 def _stip_runs(cfg: BenchmarkConfig) -> int:
     s = _section(cfg, "stip")
-    return 1 + sum(len(m.designs or s.designs) for m in s.models) + len(s.models) * len(s.attacks)
+    designs = [len(m.designs or s.designs) for m in s.models]  # a protocol run per design, and an attacks run
+    attacked = [n for m, n in zip(s.models, designs, strict=True) if m.attacks is None or m.attacks]  # where attacked
+    return 1 + sum(designs) + sum(attacked)
 
 
 def _attacks_runs(cfg: BenchmarkConfig) -> int:

@@ -45,6 +45,17 @@ PRIVACY_UTILITY_COLUMNS = [
     "started_at",
     "git_commit",
 ]
+REATTENTION_COLUMNS = [
+    "run_id",
+    "dataset",
+    "epsilon",
+    "block",
+    "correction_median",
+    "correction_max",
+    "attention_tv",
+    "started_at",
+    "git_commit",
+]
 TRAIN_SEARCH_COLUMNS = [
     "run_id",
     "dataset",

@@ -40,6 +40,7 @@ from storage.view_columns import (
     STIP_ATTACKS_COLUMNS,
     STIP_OVERHEAD_COLUMNS,
     TANGENT_ACCURACY_COLUMNS,
+    REATTENTION_COLUMNS,
     TRAIN_SEARCH_COLUMNS,
     UNLEARNING_COLUMNS,
 )
@@ -248,6 +249,32 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         }
     )
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])
+
+
+def reattention_sizes(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
+    """How far DPFormer's Re-Attention moves attention (``REATTENTION_COLUMNS``): per train-dp run and block (1 =
+    first), over the last epoch's training batches, the correction's median and maximum in nats and
+    ``attention_tv``, the mean total-variation distance between the corrected and uncorrected attention of a real
+    query (``core.dp.propagation.CorrectionSizes``)."""
+    engine, f = _engine(db_url), _filters(filters)
+    base = _result_runs(engine, f, Run.stage == "train-dp", Run.technique == "dpformer")
+    if base.empty:
+        return pd.DataFrame(columns=REATTENTION_COLUMNS)
+    wide = _metrics_wide(engine, base["run_id"].tolist(), like="reattention.block%")
+    rows = []
+    for record in wide.to_dict("records"):
+        blocks = sorted({int(k.split(".")[1][len("block"):]) for k in record if k.startswith("reattention.block")})
+        for block in blocks:
+            prefix = f"reattention.block{block}."
+            rows.append(
+                {"run_id": record["run_id"], "block": block}
+                | {name: record.get(prefix + name, math.nan) for name in REATTENTION_COLUMNS[4:7]}
+            )
+    if not rows:
+        return pd.DataFrame(columns=REATTENTION_COLUMNS)
+    frame = pd.DataFrame(rows).merge(base, on="run_id")
+    frame["epsilon"] = [_config(c).get("point", {}).get("epsilon", math.nan) for c in frame["config_json"]]
+    return _finish(frame, REATTENTION_COLUMNS, ["dataset", "epsilon", "block"])
 
 
 def train_search(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
@@ -592,6 +619,7 @@ __all__ = [
     "membership_roc",
     "mpc_costs",
     "privacy_utility",
+    "reattention_sizes",
     "train_search",
     "runs",
     "stip_attacks",

@@ -281,3 +281,8 @@ def test_report_shows_the_search(home, prefect_harness, tmp_path) -> None:
     row = next(line for line in text.splitlines() if line.startswith("| ml-1m-tiny | dpformer |"))
     assert f"{chosen['lr']:g} x 64" in row and f"{chosen['valid_ndcg_at_10_masked']:.4f}" in row
     assert row.rstrip(" |").endswith("16")  # 2 search runs at eps 8; the eps-8 seed-0 final run repeats one
+    sizes = views.reattention_sizes()  # the one final DPFormer run, per block, with the report's table beside it
+    assert sizes["block"].tolist() == [1, 2] and (sizes["attention_tv"] >= 0).all()
+    assert set(sizes["epsilon"]) == {8.0} and (sizes["correction_max"] >= sizes["correction_median"]).all()
+    table = text.split("## Re-Attention's reach (DPFormer)")[1]
+    assert f"| ml-1m-tiny | 8 | 1 | 1 | {sizes['correction_median'][0]:.4f} |" in table
