@@ -50,14 +50,17 @@ class TuningConfig(FrozenConfig):
     ``train_dp.lrs`` x ``train_dp.batch_sizes`` point at ``epsilon`` and ``seed`` (and, with ``nonprivate``, each
     non-private baseline once per learning rate that ``nonprivate_schedule`` leaves open). Each method keeps the
     point with the highest validation NDCG@10 under ``protocol`` (its best evaluation over the epochs; the test
-    split is never read), and the grid then runs every epsilon and seed at that point only. Methods left out of
+    split is never read), and the grid then runs every epsilon and seed at that point only. ``seed`` must not be
+    one of ``train_dp.seeds``: the search's best run at that seed would be the best of several on validation, and
+    counting it among the results would bias them upward (a winner's curse). Methods left out of
     ``methods`` run at the first learning rate and batch size. The search is recorded (stage ``train-dp-tuning``),
-    and every final private run records the epsilon that the search and the run spend together under basic
-    composition (footnote 9 of the paper leaves the search unaccounted).
+    and every final private run records the epsilon and delta of the search's training runs and its own under basic
+    composition (footnote 9 of the paper leaves the search unaccounted); the choice itself reads the validation
+    items without noise, which that bound does not cover.
     """
 
     epsilon: Epsilon = 8.0
-    seed: int = Field(0, ge=0)
+    seed: int = Field(100, ge=0)
     methods: tuple[TrainMethod, ...] | None = None
     protocol: Literal["masked", "ranked"] = "masked"
     nonprivate: bool = True
@@ -130,6 +133,12 @@ class TrainDPConfig(FrozenConfig):
             raise ValueError(
                 f"tuning is set but the grid lrs={list(self.lrs)} x batch_sizes={list(self.batch_sizes)} has one "
                 "point: list several learning rates or batch sizes, or set tuning=null"
+            )
+        if self.tuning.seed in self.seeds:
+            raise ValueError(
+                f"tuning.seed={self.tuning.seed} is also one of seeds {list(self.seeds)}: that seed's run at the chosen "
+                "point would be the search's best of several on validation and bias the results upward; pick a "
+                "tuning.seed outside seeds (default 100)"
             )
         unknown = sorted(set(self.tuning.methods or ()) - set(self.methods))
         if unknown:

@@ -42,6 +42,9 @@ PRIVACY_UTILITY_COLUMNS = [
     "lr",
     "batch_size",
     "epsilon_with_tuning",
+    "delta_with_tuning",
+    "tuning_points",
+    "tuning_run_id",
     "started_at",
     "git_commit",
 ]

@@ -213,6 +213,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         "train_wall_s",
         "steps",
         "epsilon_with_tuning",
+        "delta_with_tuning",
+        "tuning.points",
     ]
     frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), names), on="run_id")
     for column in names:  # a metric no run recorded (e.g. epsilon_with_tuning without a search) is NaN
@@ -221,6 +223,7 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     points = [_config(c).get("point", {}) for c in frame["config_json"]]
     frame["lr"] = [p.get("lr", math.nan) for p in points]
     frame["batch_size"] = [p.get("batch_size", math.nan) for p in points]
+    frame["tuning_run_id"] = [(p.get("tuned") or {}).get("run_id") for p in points]
     ledger = _read(
         engine,
         select(
@@ -246,6 +249,7 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
             "final_test_hit_at_10": "final_hit_at_10",
             "popularity.test_ndcg_at_10": "popularity_ndcg_at_10",
             "popularity.test_ndcg_at_10_masked": "popularity_ndcg_at_10_masked",
+            "tuning.points": "tuning_points",
         }
     )
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])
@@ -280,7 +284,7 @@ def reattention_sizes(db_url: str | None = None, **filters: Any) -> pd.DataFrame
 def train_search(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """The train-dp recipe search on validation (``TRAIN_SEARCH_COLUMNS``, stage ``train-dp-tuning``): one row
     per search run with its learning rate, batch size and best validation NDCG@10 under both protocols;
-    ``chosen``: a final train-dp run of the same dataset, method and privacy was trained at this point."""
+    ``chosen``: a final train-dp run names this run as the search point it was trained at."""
     engine, f = _engine(db_url), _filters(filters)
     base = _result_runs(engine, f, Run.stage == "train-dp-tuning", Run.technique != "flow")
     if base.empty:
@@ -291,12 +295,8 @@ def train_search(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for key in ("epsilon", "seed", "lr", "batch_size"):
         frame[key] = [p.get(key) for p in points]
     frame["private"] = frame["epsilon"].notna()
-    final = privacy_utility(db_url, **filters)
-    picked = set(zip(final["dataset"], final["method"], final["private"], final["lr"], final["batch_size"]))
-    frame["chosen"] = [
-        key in picked
-        for key in zip(frame["dataset"], frame["technique"], frame["private"], frame["lr"], frame["batch_size"])
-    ]
+    picked = set(privacy_utility(db_url, **filters)["tuning_run_id"].dropna())
+    frame["chosen"] = frame["run_id"].isin(picked)
     frame = frame.rename(columns={"technique": "method"})
     return _finish(frame, TRAIN_SEARCH_COLUMNS, ["dataset", "method", "private", "lr", "batch_size"])
 

@@ -207,13 +207,14 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
         "",
         (
             "Each method's learning rate and batch size were chosen on validation NDCG@10 (the test split is never "
-            "read) before its runs below; the search's runs are recorded apart (stage `train-dp-tuning`) and no "
-            "claim reads them. `epsilon with search`: what the search and a final private run spend together under "
-            "basic composition (the paper leaves the search unaccounted, footnote 9)."
+            "read) before its runs below, at a seed none of them uses; the search's runs are recorded apart (stage "
+            "`train-dp-tuning`) and no claim reads them. `epsilon with search`: the search's training runs and a final "
+            "private run together under basic composition (the paper leaves the search unaccounted, footnote 9); "
+            "it does not cover the choice itself, which reads the users' validation items without noise."
         ),
         "",
-        "| dataset | method | private | points | seed | lr x batch chosen | validation NDCG@10 (ranked / masked) "
-        "| range over the search (masked) | epsilon with search |",
+        "| dataset | method | private | points (finished) | seed | lr x batch chosen "
+        "| validation NDCG@10 (ranked / masked) | range over the search (masked) | epsilon with search |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (dataset, method, private), rows in search.groupby(["dataset", "method", "private"], sort=True):
@@ -221,6 +222,8 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
         pick = chosen.iloc[0] if len(chosen) else None
         mine = final[(final["dataset"] == dataset) & (final["method"] == method) & (final["private"] == private)]
         composed = mine["epsilon_with_tuning"].dropna()
+        planned = mine["tuning_points"].dropna()
+        points = f"{int(planned.max())} ({len(rows)})" if len(planned) else f"- ({len(rows)})"
         with_search = (
             f"{composed.min():g}-{composed.max():g}" if len(composed) and composed.min() != composed.max()
             else (f"{composed.min():g}" if len(composed) else "-")
@@ -229,7 +232,7 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
             dataset,
             method,
             "yes" if private else "no",
-            str(len(rows)),
+            points,
             ", ".join(str(int(s)) for s in sorted(set(rows["seed"]))),
             "-" if pick is None else f"{pick['lr']:g} x {int(pick['batch_size'])}",
             "-" if pick is None else f"{pick['valid_ndcg_at_10']:.4f} / {pick['valid_ndcg_at_10_masked']:.4f}",

@@ -43,13 +43,14 @@ logger = logging.getLogger("privbench.train_dp")
 class Tuned:
     """How a final grid point's (lr, batch size) was chosen: ``points`` runs of the search at ``epsilon`` and
     ``seed`` (``epsilon`` None: a non-private search), the highest validation NDCG@10 under ``protocol``
-    (``valid``) among them."""
+    (``valid``) among them, run ``run_id``."""
 
     points: int
     epsilon: float | None
     seed: int
     protocol: str
     valid: float
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,14 @@ class GridPoint:
 
     @property
     def epsilon_with_tuning(self) -> float | None:
-        """The epsilon the search and this run spend together under basic composition: ``points`` runs at the
-        search's epsilon, plus this run's unless it repeats a search run (same epsilon and seed: the same
-        model). None for a non-private or untuned point."""
+        """The epsilon of the search's ``points`` training runs and this one together under basic composition
+        (``points x`` the search's epsilon ``+`` this run's; the search's seed is never one of the grid's, so this
+        run is a fresh release). It covers the training runs only: choosing the best on the users' validation
+        items reads them without noise, which no epsilon here covers. None for a non-private or untuned point."""
         t = self.tuned
         if self.epsilon is None or t is None or t.epsilon is None:
             return None
-        repeats = self.epsilon == t.epsilon and self.seed == t.seed
-        return t.points * t.epsilon + (0.0 if repeats else self.epsilon)
+        return t.points * t.epsilon + self.epsilon
 
 
 #: The method whose search a peer's points follow (the same model, another clipper).
@@ -130,7 +131,9 @@ def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str], chosen: Recipes | 
                                          cfg.batch_sizes[0]), cfg)  # fmt: skip
             pick = chosen.get(recipe_key(d.name, PEER_BASE.get(method, method), eps is not None))
             if pick is not None:
-                tuned = Tuned(pick["points"], pick["epsilon"], pick["seed"], pick["protocol"], pick["valid"])
+                tuned = Tuned(
+                    pick["points"], pick["epsilon"], pick["seed"], pick["protocol"], pick["valid"], pick["run_id"]
+                )
                 point = replace(point, lr=pick["lr"], batch_size=pick["batch_size"], tuned=tuned)
             out.append(point)
     return list(dict.fromkeys(out))
@@ -384,9 +387,11 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
         )
         rec.metric("epsilon", ledger.epsilon)
     if point.tuned is not None:  # the search that chose this point's lr and batch size (TuningConfig)
-        rec.metrics({"tuning.points": point.tuned.points, "tuning.valid_ndcg_at_10": point.tuned.valid})
-        if point.epsilon_with_tuning is not None:
+        protocol = "_masked" if point.tuned.protocol == "masked" else ""
+        rec.metrics({"tuning.points": point.tuned.points, f"tuning.valid_ndcg_at_10{protocol}": point.tuned.valid})
+        if point.epsilon_with_tuning is not None and result.ledger is not None:
             rec.metric("epsilon_with_tuning", point.epsilon_with_tuning)
+            rec.metric("delta_with_tuning", (point.tuned.points + 1) * result.ledger.delta)
     rec.artifact_json("curves.json", [asdict(log) for log in result.history])
     rec.tag("privbench.dp", "nonprivate" if point.epsilon is None else f"eps={point.epsilon:g}")
     rec.tag("privbench.protocol", EVAL_PROTOCOL)

@@ -287,9 +287,9 @@ def build_reattention(
     consecutive windows of ``window`` positions (:meth:`~core.data.sequential.SequentialDataset.train_windows`),
     and position ``j`` counts a user whose any window reaches it.
 
-    Item variances: Claim 5.4 with ``p_i`` = fraction of windows containing item ``i`` (eq. C.3),
+    Item variances: Claim 5.4 with ``p_i`` = fraction of rows (users) containing item ``i`` (eq. C.3),
     floored at ``1 / N``; every block parameter: Claim 5.3; position ``j``: Claim 5.4 with the fraction
-    of windows whose input is not padding at ``j`` (a padded position gets no gradient). The
+    of rows with a window whose input is not padding at ``j`` (a padded position gets no gradient). The
     frequencies are treated as public (Remark C.1) although computed from the data.
 
     :class:`~core.dp.propagation.BlockReAttention` propagates them block by block, pre-LN or post-LN as
