@@ -69,6 +69,7 @@ class ClaimResult:
     datasets: tuple[str, ...] = ()
     rows: int = 0
     superseded: int = 0  # runs set aside because a newer commit measured the same (context, side, seed)
+    recipes: tuple[str, ...] = ()  # train-dp: each judged method's learning rate x batch size ("method lr x batch")
 
     @property
     def n(self) -> int:
@@ -437,7 +438,24 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     if superseded:
         note = f"{superseded} run{'s' if superseded != 1 else ''} of an older commit superseded by the newest commit's"
         reason = f"{reason}; {note}" if reason else note
-    return ClaimResult(claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded)
+    return ClaimResult(
+        claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded, _recipes(rows, m)
+    )
+
+
+def _recipes(rows: pd.DataFrame, m: Any) -> tuple[str, ...]:
+    """``method lr L x B`` of each method the claim's sides select among ``rows`` that names its learning rate and
+    batch size (the train-dp views: a search picks them per method, so the report says which ones the verdict rests
+    on)."""
+    if not {"method", "lr", "batch_size"} <= set(rows.columns):
+        return ()
+    known = rows.dropna(subset=["lr", "batch_size"])
+    wanted = [side.get("method") for side in (m.a, m.b or {}) if side.get("method") is not None]
+    if wanted:
+        names = {str(w) for v in wanted for w in (v if isinstance(v, list) else [v])}
+        known = known[known["method"].astype(str).isin(names)]
+    pairs = {(str(m), float(lr), int(b)) for m, lr, b in zip(known["method"], known["lr"], known["batch_size"])}
+    return tuple(f"{m} lr {lr:g} x {b}" for m, lr, b in sorted(pairs))
 
 
 def _projection(claim: Claim, verdict: str, rows: pd.DataFrame) -> str:
@@ -562,6 +580,8 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
         shown = bench_profile(profile) if c.stage == "bench" else profile
         if shown:
             scale = f"{'bench ' if c.stage == 'bench' else ''}{shown} profile" + (f": {scale}" if scale else "")
+        if r.recipes:
+            scale = f"{scale}; {', '.join(r.recipes)}" if scale else ", ".join(r.recipes)
         rows.append(
             {
                 "paper": c.paper,

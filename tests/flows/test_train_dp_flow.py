@@ -286,3 +286,15 @@ def test_report_shows_the_search(home, prefect_harness, tmp_path) -> None:
     assert set(sizes["epsilon"]) == {8.0} and (sizes["correction_max"] >= sizes["correction_median"]).all()
     table = text.split("## Re-Attention's reach (DPFormer)")[1]
     assert f"| ml-1m-tiny | 8 | 1 | 1 | {sizes['correction_median'][0]:.4f} |" in table
+
+
+def test_claims_name_the_recipe_they_rest_on(stage_store, monkeypatch) -> None:
+    """The report's scale column names each judged method's learning rate and batch size (a search may pick them)."""
+    from storage.claims import claims_table, evaluate_claims
+
+    stage_store.summary("train-dp")
+    stage_store.point_at(monkeypatch)
+    table = claims_table(evaluate_claims(profile="tiny"), "tiny").set_index("claim")
+    assert table.loc["dpformer-beats-transformer", "scale"] == (
+        "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64, transformer lr 0.005 x 64"
+    )
