@@ -10,6 +10,7 @@ from pbconfig.base import Delta, Epsilon, FrozenConfig, SeedPasses
 
 TangentRegime = Literal["full", "bitfit", "layernorm", "fc"]
 TANGENT_REGIMES: tuple[str, ...] = get_args(TangentRegime)
+RegStart = Literal["zero", "head"]
 TaskRunner = Literal["process", "thread", "dask"]
 TASK_RUNNERS: tuple[str, ...] = get_args(TaskRunner)
 
@@ -26,6 +27,13 @@ class TangentDPConfig(FrozenConfig):
     batch_size: int = Field(256, ge=1, description="expected Poisson batch size q n")
     lr: float = Field(1e-3, gt=0.0)
     n_train: int | None = Field(None, ge=2, description="first n of the training subset (None: all)")
+    reg_start: RegStart = Field(
+        "zero",
+        description=(
+            "where Reg starts: zero (it predicts f(w) - f(w_0), the zero function Ours starts from, with the same "
+            "head at w_0) or head (the random head's output, an offset Ours does not have)"
+        ),
+    )
 
 
 class TangentConfig(SeedPasses):

@@ -379,6 +379,7 @@ def train_dp_regime(
         "clip_norm": dp.clip_norm,
         "accountant": dp.accountant,
         "delta": dp.delta,
+        "reg_start": dp.reg_start,
         **_cfg_json(tcfg),
     }
     with task_record(
@@ -408,6 +409,7 @@ def train_dp_regime(
             delta=dp.delta,
             accountant=dp.accountant,
             batch_size=cfg.eval_batch_size,
+            reg_start=dp.reg_start,
         )
         led = cell.ledger
         rec.privacy(

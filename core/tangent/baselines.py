@@ -38,6 +38,7 @@ __all__ = [
     "composed_accuracy",
     "forget_by_retraining",
     "forget_by_subtraction",
+    "frozen_copy",
     "model_soup",
     "sisa_logits",
     "train_fc",
@@ -158,11 +159,28 @@ def forget_by_retraining(
 
 
 # ------------------------------------------------------------------------------ baselines
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters are buffers: it moves with ``.to()`` and is saved with the state dict,
+    but no optimiser, regime or ``functional_call`` over ``named_parameters()`` sees it."""
+    out = copy.deepcopy(module)
+    for sub in out.modules():
+        for name, p in list(sub._parameters.items()):
+            del sub._parameters[name]
+            if p is not None:
+                sub.register_buffer(name, p.detach().clone())
+    return out.eval()
+
+
 class NonlinearSuffix(nn.Module):
     """The last ``k`` HF blocks (copied, trainable), the final LayerNorm and a linear head on CLS:
-    ``logits = head(LN(blocks(h))[:, 0])`` for cached prefix activations ``h: (B, N, D)``."""
+    ``logits = head(LN(blocks(h))[:, 0])`` for cached prefix activations ``h: (B, N, D)``.
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear, k: int = 1) -> None:
+    ``centered=True`` predicts ``f(h; w) - f(h; w_0)``, the suffix's change from its weights at construction
+    (held as buffers in ``initial``): it starts from the zero function, as a tangent model that predicts with its
+    JVP only does (App. A), so that the two kinds of fine-tuning compared in Table 3 start from the same function.
+    Its trainable parameters and their gradients are the uncentered suffix's (``f(h; w_0)`` is a constant)."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear, k: int = 1, *, centered: bool = False) -> None:
         super().__init__()
         kind = type(backbone).__name__
         if kind == "Dinov2Model":
@@ -181,13 +199,28 @@ class NonlinearSuffix(nn.Module):
         self.head = copy.deepcopy(head)
         for p in self.parameters():
             p.requires_grad_(True)
+        self.centered = bool(centered)
+        self.initial = (
+            frozen_copy(nn.ModuleDict({"blocks": self.blocks, "layernorm": self.layernorm, "head": self.head}))
+            if centered
+            else None
+        )
+
+    @staticmethod
+    def _suffix(blocks: nn.ModuleList, layernorm: nn.Module, head: nn.Module, h: Tensor) -> Tensor:
+        for blk in blocks:
+            out = blk(h)
+            h = out[0] if isinstance(out, tuple) else out
+        return head(layernorm(h)[:, 0])
 
     def forward_from_cache(self, h: Tensor) -> Tensor:
         """``(B, N, D) -> (B, C)``."""
-        for blk in self.blocks:
-            out = blk(h)
-            h = out[0] if isinstance(out, tuple) else out
-        return self.head(self.layernorm(h)[:, 0])
+        logits = self._suffix(self.blocks, self.layernorm, self.head, h)
+        if self.initial is None:
+            return logits
+        with torch.no_grad():
+            offset = self._suffix(self.initial["blocks"], self.initial["layernorm"], self.initial["head"], h)
+        return logits - offset
 
     def forward(self, h: Tensor) -> Tensor:
         return self.forward_from_cache(h)

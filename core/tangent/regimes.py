@@ -55,6 +55,8 @@ from core.tangent.model import TangentModel, force_eager_attention_
 
 __all__ = [
     "REGIMES",
+    "REG_STARTS",
+    "RegStart",
     "RegimeName",
     "build_regime_model",
     "regime_parameter_names",
@@ -63,6 +65,8 @@ __all__ = [
 
 RegimeName = Literal["full", "bitfit", "layernorm", "fc"]
 REGIMES: tuple[str, ...] = get_args(RegimeName)
+RegStart = Literal["zero", "head"]
+REG_STARTS: tuple[str, ...] = get_args(RegStart)
 
 _HF_BLOCK = re.compile(r"^(?:encoder\.layer|layers)\.\d+\.(.+)$")  # "encoder.layer.11.norm1.weight"
 
@@ -139,12 +143,22 @@ def build_regime_model(
     predict_jvp_only: bool = True,
     seed: int = 0,
     dtype: torch.dtype | None = None,
+    reg_start: str = "zero",
 ) -> TangentModel | NonlinearSuffix:
     """The model of a Table 3 column: ``TangentModel(backbone, C, k, predict_jvp_only, head)``
     ("Ours") or ``NonlinearSuffix(backbone, head, k)`` ("Reg"), in ``dtype`` (default: the backbone's).
-    ``backbone`` and ``head`` are not modified."""
+    ``backbone`` and ``head`` are not modified.
+
+    ``reg_start`` is where "Reg" starts: ``"zero"`` (default) centres it (``f(w) - f(w_0)``,
+    ``NonlinearSuffix(centered=True)``) so that both columns start from the zero function with the same head at
+    ``w_0`` ("Ours" predicts its JVP only, zero at ``Delta-w = 0``); ``"head"`` keeps the random head's output
+    ``f(w_0)`` as its start, an offset "Ours" does not have. In the ``fc`` regime the two columns are then the same
+    linear model of the same features, and with ``"zero"`` the same model from the same start: DP-SGD with the same
+    noise trains them to the same logits (the control that separates the set-up from the method)."""
     if not isinstance(head, nn.Linear):
         raise ConfigError(f"head must be an nn.Linear(D, C), got {type(head).__name__}")
+    if reg_start not in REG_STARTS:
+        raise ConfigError(f"unknown reg_start={reg_start!r}; known: {', '.join(REG_STARTS)}")
     if tangent:
         model: nn.Module = TangentModel(
             backbone,
@@ -155,6 +169,6 @@ def build_regime_model(
             seed=seed,
         )
     else:
-        model = force_eager_attention_(NonlinearSuffix(backbone, head, k))
+        model = force_eager_attention_(NonlinearSuffix(backbone, head, k, centered=reg_start == "zero"))
     dtype = dtype if dtype is not None else next(backbone.parameters()).dtype
     return model.to(dtype).eval()

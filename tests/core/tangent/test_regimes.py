@@ -238,3 +238,92 @@ def test_empty_or_unknown_trainable_set_raises(s: Setup) -> None:
         train_dp(nn.Linear(2, 2), s.cached, s.y, cfg, names=["bias"], target_epsilon=1.0, clip_norm=1.0)
     with pytest.raises(ConfigError, match="needs names= for a NonlinearSuffix"):  # no default set but deltas
         train_dp(model, s.cached, s.y, cfg, target_epsilon=1.0, clip_norm=1.0)
+
+
+# ------------------------------------------------------------------------------ the same start for both columns
+def test_centred_reg_starts_at_zero_with_the_uncentred_gradients(s: Setup) -> None:
+    """``reg_start="zero"`` subtracts the suffix's output at its initial weights: zero logits before training,
+    the same trainable parameters as the uncentred suffix, and the initial weights kept as buffers that training
+    never touches."""
+    centred = build_regime_model(s.backbone, s.head, tangent=False, k=1)  # the default: "zero"
+    raw = build_regime_model(s.backbone, s.head, tangent=False, k=1, reg_start="head")
+    assert float(centred.forward_from_cache(s.cached).detach().abs().max()) == 0.0
+    assert float(raw.forward_from_cache(s.cached).detach().abs().max()) > 0.1  # the random head's output
+    assert [n for n, _ in centred.named_parameters()] == [n for n, _ in raw.named_parameters()]
+    names = regime_parameter_names(centred, "full")
+    assert names == regime_parameter_names(raw, "full")
+    initial = {n: b.clone() for n, b in centred.named_buffers() if n.startswith("initial.")}
+    assert initial and all(not n.startswith("initial.") for n, _ in centred.named_parameters())
+    train_dp(centred, s.cached, s.y, TangentTrainConfig(epochs=1, batch_size=10, lr=1e-2, loss="ce"),
+             names=names, target_epsilon=4.0, clip_norm=1.0)  # fmt: skip
+    for n, b in centred.named_buffers():
+        if n.startswith("initial."):
+            assert torch.equal(b, initial[n]), n
+    with pytest.raises(ConfigError, match="reg_start='random'"):
+        build_regime_model(s.backbone, s.head, tangent=False, reg_start="random")
+
+
+def test_centred_gradient_is_the_uncentred_gradient_at_the_same_logits(s: Setup) -> None:
+    """Centring only shifts the logits by a constant: at weights moved off ``w_0`` the centred suffix's
+    per-example gradient equals the uncentred suffix's gradient of the loss of the shifted logits (slow reference:
+    autograd through ``f(w) - f(w_0)`` written out by hand)."""
+    centred = build_regime_model(s.backbone, s.head, tangent=False, k=1)
+    raw = build_regime_model(s.backbone, s.head, tangent=False, k=1, reg_start="head")
+    with torch.no_grad():
+        offset = raw.forward_from_cache(s.cached[:5]).clone()
+        gen = torch.Generator().manual_seed(5)
+        for p_c, p_r in zip(centred.parameters(), raw.parameters(), strict=True):
+            step = 0.05 * torch.randn(p_c.shape, generator=gen, dtype=p_c.dtype)
+            p_c.add_(step)
+            p_r.add_(step)
+    cfg = TangentTrainConfig(loss="ce")
+    names = regime_parameter_names(centred, "full")
+    g, _ = per_sample_grads(centred, s.cached[:5], s.y[:5], cfg, names=names)
+    params = dict(raw.named_parameters())
+    for i in range(5):
+        raw.zero_grad(set_to_none=True)
+        logits = raw.forward_from_cache(s.cached[i : i + 1]) - offset[i : i + 1]
+        objective(logits, s.y[i : i + 1], cfg).backward()
+        for n in names:
+            assert float((g[n][i] - params[n].grad).abs().max()) <= 1e-9, n
+
+
+@pytest.mark.parametrize("reg_start", ["zero", "head"])
+def test_fc_columns_tie_from_the_same_start(s: Setup, reg_start: str) -> None:
+    """The control for Table 3: in the ``fc`` regime "Ours" (head deltas, JVP only) and "Reg" (the head) are the
+    same linear model of the same features. From the same start (``reg_start="zero"``) DP-SGD with the same seed
+    (same batches, same noise) trains them to the same logits, so any gap between the columns there is the set-up;
+    from the random head's output (``"head"``) they end apart by that offset."""
+    cfg = TangentTrainConfig(epochs=3, batch_size=10, lr=5e-2, loss="ce")
+    out = {}
+    for tangent in (True, False):
+        model = build_regime_model(s.backbone, s.head, tangent=tangent, k=1, reg_start=reg_start)
+        names = regime_parameter_names(model, "fc")
+        _, ledger = train_dp(model, s.cached, s.y, cfg, names=names, target_epsilon=4.0, clip_norm=1.0)
+        out[tangent] = (model.forward_from_cache(s.cached).detach(), ledger)
+    (ours, led_ours), (reg, led_reg) = out[True], out[False]
+    assert led_ours == led_reg  # the same noise multiplier, steps and sample rate
+    gap = float((ours - reg).abs().max())
+    if reg_start == "zero":
+        assert gap <= 1e-8
+        cells = [
+            dp_regime_cell(
+                s.backbone,
+                s.head,
+                s.cached,
+                s.y,
+                s.cached,
+                s.y,
+                regime="fc",
+                tangent=t,
+                cfg=cfg,
+                target_epsilon=4.0,
+                clip_norm=1.0,
+            )
+            for t in (True, False)
+        ]
+        assert cells[0].test_accuracy == cells[1].test_accuracy
+    else:
+        offset = float(build_regime_model(s.backbone, s.head, tangent=False, reg_start="head")
+                       .forward_from_cache(s.cached).abs().max())  # fmt: skip
+        assert gap > 0.1 * offset > 0.0
