@@ -36,9 +36,11 @@ def train_dp_flow(
     chosen = None
     if config.tuning is not None:  # the search on validation first, recorded apart (stage train-dp-tuning)
         search = open_flow_record(flow="train-dp", stage=TUNING_STAGE, config=config, profile=profile, parent=run)
-        tried = train_point.with_options(name="train-dp-tuning-point").map(
-            plan_tuning(config, prepared), unmapped(config), unmapped(search)
-        ).result()
+        tried = (
+            train_point.with_options(name="train-dp-tuning-point")
+            .map(plan_tuning(config, prepared), unmapped(config), unmapped(search))
+            .result()
+        )
         chosen = choose_recipes(config, tried)
         close_flow_record(search, metrics={"n_runs": len(tried)}, summary={"runs": tried, "chosen": chosen})
     points = plan_grid(config, prepared, chosen)

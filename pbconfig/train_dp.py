@@ -136,14 +136,15 @@ class TrainDPConfig(FrozenConfig):
             )
         if self.tuning.seed in self.seeds:
             raise ValueError(
-                f"tuning.seed={self.tuning.seed} is also one of seeds {list(self.seeds)}: that seed's run at the chosen "
-                "point would be the search's best of several on validation and bias the results upward; pick a "
+                f"tuning.seed={self.tuning.seed} is also one of seeds {list(self.seeds)}: that seed's run at the "
+                "chosen point would be the search's best of several on validation and bias the results upward; pick a "
                 "tuning.seed outside seeds (default 100)"
             )
         unknown = sorted(set(self.tuning.methods or ()) - set(self.methods))
         if unknown:
             raise ValueError(
-                f"tuning.methods {unknown} are not in train_dp.methods {list(self.methods)}; add them there or drop them"
+                f"tuning.methods {unknown} are not in train_dp.methods {list(self.methods)}; "
+                "add them there or drop them"
             )
         return self
 

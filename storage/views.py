@@ -35,12 +35,12 @@ from storage.view_columns import (
     MEMBERSHIP_COLUMNS,
     MPC_COSTS_COLUMNS,
     PRIVACY_UTILITY_COLUMNS,
+    REATTENTION_COLUMNS,
     ROC_COLUMNS,
     RUNS_COLUMNS,
     STIP_ATTACKS_COLUMNS,
     STIP_OVERHEAD_COLUMNS,
     TANGENT_ACCURACY_COLUMNS,
-    REATTENTION_COLUMNS,
     TRAIN_SEARCH_COLUMNS,
     UNLEARNING_COLUMNS,
 )
@@ -267,7 +267,7 @@ def reattention_sizes(db_url: str | None = None, **filters: Any) -> pd.DataFrame
     wide = _metrics_wide(engine, base["run_id"].tolist(), like="reattention.block%")
     rows = []
     for record in wide.to_dict("records"):
-        blocks = sorted({int(k.split(".")[1][len("block"):]) for k in record if k.startswith("reattention.block")})
+        blocks = sorted({int(k.split(".")[1][len("block") :]) for k in record if k.startswith("reattention.block")})
         for block in blocks:
             prefix = f"reattention.block{block}."
             rows.append(
@@ -620,10 +620,10 @@ __all__ = [
     "mpc_costs",
     "privacy_utility",
     "reattention_sizes",
-    "train_search",
     "runs",
     "stip_attacks",
     "stip_overhead",
     "tangent_accuracy",
+    "train_search",
     "unlearning",
 ]

@@ -68,10 +68,7 @@ def audit_point(
     scoring = {"max_len": overrides["max_len"], "train_targets": overrides.get("train_targets", "every")}
     stats = seqrec_user_stats(target.model, data, **scoring)
     shadows = np.stack(
-        [
-            seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, **scoring)
-            for i, m in enumerate(shadow_in)
-        ]
+        [seqrec_user_stats(fit(m, cfg.seed + 1 + i).model, data, **scoring) for i, m in enumerate(shadow_in)]
     )  # (k, n)
     train_s = time.perf_counter() - t0
     ledger = target.ledger

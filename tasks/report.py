@@ -213,8 +213,10 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
             "it does not cover the choice itself, which reads the users' validation items without noise."
         ),
         "",
-        "| dataset | method | private | points (finished) | seed | lr x batch chosen "
-        "| validation NDCG@10 (ranked / masked) | range over the search (masked) | epsilon with search |",
+        (
+            "| dataset | method | private | points (finished) | seed | lr x batch chosen "
+            "| validation NDCG@10 (ranked / masked) | range over the search (masked) | epsilon with search |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (dataset, method, private), rows in search.groupby(["dataset", "method", "private"], sort=True):
@@ -258,7 +260,10 @@ def _reattention_section(sizes: pd.DataFrame) -> list[str]:
             "to correct."
         ),
         "",
-        "| dataset | epsilon | block | runs | correction median (nats) | correction max (nats) | attention moved (TV) |",
+        (
+            "| dataset | epsilon | block | runs | correction median (nats) | correction max (nats) "
+            "| attention moved (TV) |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for (dataset, eps, block), rows in sizes.groupby(["dataset", "epsilon", "block"], sort=True):

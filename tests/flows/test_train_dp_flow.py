@@ -190,7 +190,9 @@ def test_search_picks_each_methods_best_validation_point_and_the_grid_runs_only_
         ("transformer_opacus_hooks", 8.0): (0.001, 64),  # a peer follows its model's search
     }
     assert len(grid) == 4 and all(p.tuned is not None and p.role == "final" for p in grid)
-    assert {p.tuned.run_id for p in grid if p.method == "dpformer"} == {"dpformer:ml-1m-tiny:eps8:seed7:lr0.001:b64:tuning"}
+    assert {p.tuned.run_id for p in grid if p.method == "dpformer"} == {
+        "dpformer:ml-1m-tiny:eps8:seed7:lr0.001:b64:tuning"
+    }
     # basic composition: the 4 search runs at eps 8 and the final run's own 8
     assert {p.method: p.epsilon_with_tuning for p in grid} == {
         "transformer": None,  # (the non-private one comes last and overwrites: no epsilon)
@@ -256,7 +258,9 @@ def test_train_dp_flow_searches_then_runs_the_chosen_points(home, prefect_harnes
         mine = [(q["lr"], v) for q, v in mine if (q["epsilon"] is None) == (p["epsilon"] is None)]
         best = max(v for _, v in mine)
         assert (p["lr"], p["tuned"]["points"], p["tuned"]["valid"]) == (
-            next(lr for lr, v in mine if v == best), 2, pytest.approx(best)
+            next(lr for lr, v in mine if v == best),
+            2,
+            pytest.approx(best),
         )
     _, composed = repo.query("select value from metrics where name = 'epsilon_with_tuning'")
     assert [v for (v,) in composed] == [pytest.approx(24.0)]  # 2 search runs at eps 8 and the final run's 8

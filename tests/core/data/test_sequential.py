@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from pathlib import Path
@@ -325,7 +326,7 @@ def test_train_windows_hold_every_pair_once(small, max_len: int) -> None:
     assert inputs.shape == targets.shape == (13, int(counts.max()) * max_len)
     for row, u in enumerate(users):
         prefix = small.sequence(u).tolist()[:-2]
-        pairs = list(zip(prefix[:-1], prefix[1:], strict=True))
+        pairs = list(itertools.pairwise(prefix))
         windows = [pairs[max(0, end - max_len) : end] for end in range(len(pairs), 0, -max_len)][::-1] or [[]]
         assert len(windows) == counts[row]
         expected = []

@@ -391,8 +391,8 @@ def test_chunked_every_target_step_is_the_users_clipped_sum(name: str) -> None:
         coef = clip_coefficients(torch.sqrt(sum(g.pow(2).sum() for g in grads)), clip_norm=0.5, normalize=True)
         for n, g in zip(params, grads):
             expected[n] += coef * g
-    for n in got:
-        torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
+    for n, value in got.items():
+        torch.testing.assert_close(value, expected[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_every_target_trains_on_every_pair_and_last_window_on_fewer() -> None:
