@@ -125,6 +125,7 @@ STIP_OVERHEAD_COLUMNS = [
     "model",
     "design",
     "server_over_plaintext_time",
+    "server_over_plaintext_same_work_time",
     "user_overhead_fraction",
     "bytes_up_per_token",
     "bytes_down_per_token",

@@ -3,7 +3,12 @@ correctness and costs, and the three attacks on the permutation with what each r
 
 * :func:`protocol_costs`: one three-process run (tokens vs plaintext, max logit error, bytes per generated token
   in each direction) plus ``repeats`` in-process runs timing P2's share against the plaintext model on the same
-  thread (median of per-repeat ratios) and P3's share of the protocol's work.
+  thread (median of per-repeat ratios) and P3's share of the protocol's work. Each repeat is one round that times
+  the plaintext service and then the protocol, so ``server_over_plaintext_same_work_time`` (P2 against the
+  plaintext time of the work P2 does: the block stack in ``user_embed``, the whole step in ``vocab_perm``) has one
+  ratio per round and the sign-test 95% interval of their median (``_lo``/``_hi``; 6 rounds or more).
+  ``server_over_plaintext_time`` divides by the whole plaintext step in both designs (in ``user_embed`` that
+  includes the LM head, which P3 runs, not P2).
 * :func:`attack_weight_matching`: the deployed model is the public base checkpoint plus a simulated fine-tune
   (Gaussian noise of ``rel_noise`` times each tensor's RMS); P2 holds its transformed blocks (no embedding, no
   head) and matches them to the base with the Hungarian algorithm; the recovered ``pi`` then decodes a user's
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.order_stats import median_interval
 from core.stip import attacks as A
 from core.stip import keys as K
 from core.stip.parties import float64_exactness, run_stip, run_stip_inprocess
@@ -62,13 +68,23 @@ def protocol_costs(
     judged in float64 (``exact_float64``: relative logit error <= 1e-9, ``parties.float64_exactness``); the float32
     errors (``max_abs_err``, ``max_rel_err``) are reported as measured."""
     res = run_stip(model, prompt, n_new, design=design, timeout_s=timeout_s)
-    ratios, fractions, p2s, plains = [], [], [], []
+    ratios, same_work, fractions, p2s, plains = [], [], [], [], []
     for _ in range(repeats):
         ip = run_stip_inprocess(model, prompt, n_new, design=design)
         ratios.append(ip.p2_seconds / ip.plain_seconds)
+        same_work.append(ip.p2_seconds / ip.plain_same_work_seconds)
         fractions.append(ip.p3_seconds / (ip.p2_seconds + ip.p3_seconds))
         p2s.append(ip.p2_seconds)
         plains.append(ip.plain_seconds)
+    same = median_interval(same_work)
+    interval = (
+        {}
+        if same.lo is None
+        else {
+            "server_over_plaintext_same_work_time_lo": same.lo,
+            "server_over_plaintext_same_work_time_hi": same.hi,
+        }
+    )
     return {
         "design": design,
         "tokens_match": float(res.tokens_match),
@@ -76,6 +92,9 @@ def protocol_costs(
         "max_rel_err": res.max_rel_logit_error,
         **float64_exactness(model, prompt, n_new, design=design),
         "server_over_plaintext_time": statistics.median(ratios),
+        "server_over_plaintext_same_work_time": same.median,
+        **interval,
+        "timing_rounds": float(repeats),
         "user_overhead_fraction": statistics.median(fractions),
         "p2_s": statistics.median(p2s),
         "plaintext_s": statistics.median(plains),

@@ -105,6 +105,14 @@ class StipResult:
     max_rel_logit_error: float = float("nan")
     refused_connections: int = 0
     holdings: dict | None = None
+    plain_blocks_seconds: float = float("nan")
+
+    @property
+    def plain_same_work_seconds(self) -> float:
+        """The plaintext time of the work P2 does under this design: the block stack alone in ``user_embed`` (P3
+        embeds and applies the LM head), the whole step in ``vocab_perm`` (P2 looks up, runs the blocks and the
+        head)."""
+        return self.plain_blocks_seconds if self.design == "user_embed" else self.plain_seconds
 
     @property
     def tokens_match(self) -> bool:
@@ -250,19 +258,23 @@ def _generate(user: User, exchange: Callable[[torch.Tensor], torch.Tensor], prom
 
 
 @torch.no_grad()
-def _plain_greedy(model: nn.Module, prompt: torch.Tensor, n_new: int) -> tuple[list[int], float]:
+def _plain_greedy(model: nn.Module, prompt: torch.Tensor, n_new: int) -> tuple[list[int], float, float]:
     """The same service in plaintext, same work as the protocol: the block stack with a KV cache and the LM head
-    on the last position only (``model(...)`` would apply the head to every prompt position)."""
+    on the last position only (``model(...)`` would apply the head to every prompt position). Returns the tokens,
+    the whole time and the time of the block stack alone (the part P2 runs in ``user_embed``)."""
     base = base_model_of(model)
     _, head = _embed_and_head(model)
     t0 = time.perf_counter()
+    blocks = 0.0
     cache, ids, tokens = None, prompt.view(1, -1), []
     for _ in range(n_new):
+        tb = time.perf_counter()
         out = base(input_ids=ids, past_key_values=cache, use_cache=True)
+        blocks += time.perf_counter() - tb
         cache = out.past_key_values
         tokens.append(int((out.last_hidden_state[0, -1] @ head.T).argmax()))
         ids = torch.tensor([[tokens[-1]]])
-    return tokens, time.perf_counter() - t0
+    return tokens, time.perf_counter() - t0, blocks
 
 
 @torch.no_grad()
@@ -295,7 +307,7 @@ def run_stip_inprocess(
 
     ``keys``: None draws fresh secrets (``Developer``); tests may pass their own."""
     prompt = _validate(model, prompt_ids, n_new, design)
-    plain_tokens, plain_s = _plain_greedy(model, prompt, n_new)
+    plain_tokens, plain_s, blocks_s = _plain_greedy(model, prompt, n_new)
     pkg2, pkg3 = Developer(model, design=design, keys=keys).packages()
     cloud, user = Cloud(pkg2), User(pkg3)
     t_gen = time.perf_counter()
@@ -321,6 +333,7 @@ def run_stip_inprocess(
         p3_seconds=user.seconds,
         wall_seconds=time.perf_counter() - t_gen,
         plain_seconds=plain_s,
+        plain_blocks_seconds=blocks_s,
         bytes_p3_to_p2=counts["up"],
         bytes_p2_to_p3=counts["down"],
         setup_bytes_p1_to_p2=len(encode_frame("pkg", pkg2)),
@@ -417,7 +430,7 @@ def run_stip(
         wrong_key=_wrong_key,
     )
     p1, p2, p3 = reports["P1"], reports["P2"], reports["P3"]
-    plain_tokens, plain_s = _plain_greedy(model, prompt, n_new)
+    plain_tokens, plain_s, blocks_s = _plain_greedy(model, prompt, n_new)
     abs_err, rel_err = _logit_error(model, prompt, p3["tokens"], p3["logits"])
     return StipResult(
         design=design,
@@ -429,6 +442,7 @@ def run_stip(
         p3_seconds=p3["seconds"],
         wall_seconds=p3["wall"],
         plain_seconds=plain_s,
+        plain_blocks_seconds=blocks_s,
         bytes_p3_to_p2=p3["up"],
         bytes_p2_to_p3=p3["down"],
         setup_bytes_p1_to_p2=p1["to_p2"],

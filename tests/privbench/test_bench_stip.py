@@ -31,7 +31,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_contract_keys(home, tiny) -> None:
     out = run_benchmark("stip", profile="quick")
-    for key in ("server_over_plaintext_time", "user_overhead_fraction"):
+    for key in ("server_over_plaintext_time", "server_over_plaintext_same_work_time", "user_overhead_fraction"):
         assert math.isfinite(out["ratios"][key]) and out["ratios"][key] > 0
     assert 0 <= out["errors"]["max_abs_err"] < 1e-4
     assert out["targets"]["exact_in_float64"] and out["errors"]["float64_max_rel_err"] <= 1e-9
