@@ -336,6 +336,7 @@ VERDICT_ICONS = {
     "inconclusive": "❔",
     "underpowered": "🔋",
     "projected": "📈",
+    "exploratory": "🔎",
     "not applicable at this scale": "↔",
     "not run": "⏸",
 }

@@ -101,6 +101,7 @@ VERDICTS = (
     "inconclusive",
     "underpowered",
     "projected",
+    "exploratory",
     "not applicable at this scale",
     "not run",
 )
@@ -344,6 +345,10 @@ class Claim(FrozenConfig):
     # "inconclusive" (module docstring)
     precondition: str | None = None
     applies_at: AppliesAt | None = None
+    # why this claim is exploratory: it was registered after a result it bears on was seen (a sibling added once the
+    # registered claim failed); its verdict is shown as "exploratory" with what its rule reads, never counted as
+    # reproduced or not (docs/claims.md)
+    exploratory: str | None = None
     registered: Registration
     history: tuple[RuleChange, ...] = ()
 

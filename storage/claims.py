@@ -40,6 +40,7 @@ from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
 UNDERPOWERED, PROJECTED, NOT_APPLICABLE = "underpowered", "projected", "not applicable at this scale"
+EXPLORATORY = "exploratory"
 
 
 @dataclass(frozen=True)
@@ -435,6 +436,9 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
         reason = f"only one side measured ({', '.join(half)}): {_how(claim, filters.get('profile'))}"
     if m.projected and verdict not in (NOT_RUN,):
         verdict, reason = PROJECTED, _projection(claim, verdict, rows)
+    if claim.exploratory and verdict != NOT_RUN:  # registered after a result it bears on: its rule's reading only
+        reason = f"its rule reads {verdict}{f' ({reason})' if reason else ''}; exploratory: {claim.exploratory}"
+        verdict = EXPLORATORY
     if superseded:
         note = f"{superseded} run{'s' if superseded != 1 else ''} of an older commit superseded by the newest commit's"
         reason = f"{reason}; {note}" if reason else note
@@ -606,6 +610,7 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
 
 __all__ = [
     "CLAIM_COLUMNS",
+    "EXPLORATORY",
     "INCONCLUSIVE",
     "NOT_APPLICABLE",
     "NOT_REPRODUCED",

@@ -31,6 +31,7 @@ from pbconfig.claims import load_papers
 from storage import views
 from storage.bench_runs import bench_runs
 from storage.claims import (
+    EXPLORATORY,
     INCONCLUSIVE,
     NOT_APPLICABLE,
     NOT_REPRODUCED,
@@ -46,7 +47,16 @@ from storage.claims import (
 from storage.stage_runs import STAGE_FLOWS, stage_runs
 
 log = logging.getLogger("privbench.report")
-VERDICT_ORDER = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, UNDERPOWERED, PROJECTED, NOT_APPLICABLE, NOT_RUN)
+VERDICT_ORDER = (
+    REPRODUCED,
+    NOT_REPRODUCED,
+    INCONCLUSIVE,
+    UNDERPOWERED,
+    PROJECTED,
+    EXPLORATORY,
+    NOT_APPLICABLE,
+    NOT_RUN,
+)
 STAGE_TITLES = {
     "prepare": "prepare (datasets)",
     "train-dp": "train-dp (DPFormer)",
@@ -380,8 +390,9 @@ def render_report(
         (
             "`underpowered`: at the n that ran the rule could not have reached one of its verdicts (the reason says "
             "the n it needs); `projected`: read from a fit, not a measurement, never counted as reproduced (the "
-            "reason gives the fit's error on a held-out measured run); `not applicable at this scale`: the bound is "
-            "for another scale than the one that ran. The classes: `docs/claims.md`."
+            "reason gives the fit's error on a held-out measured run); `exploratory`: registered after a result it "
+            "bears on, so its rule's reading is shown but never counted as reproduced or not; `not applicable at this "
+            "scale`: the bound is for another scale than the one that ran. The classes: `docs/claims.md`."
         ),
         "",
         *_provenance(profile, stages),

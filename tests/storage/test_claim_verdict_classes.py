@@ -1,7 +1,8 @@
 """Every verdict class of the claims report, reached on a hand-made store (runs recorded by hand, source
 ``metrics``); every recorded run counts for an every-run rule (runs of one seed at one commit all judged, a newer
 commit supersedes an older one's); ``measure.power`` sets aside the runs that could not have failed; a projected
-value is never reproduced; ``applies_at`` judges only the runs at the scale the bound is for."""
+value is never reproduced; ``applies_at`` judges only the runs at the scale the bound is for; an exploratory claim
+(registered after a result it bears on) is never reproduced or not reproduced."""
 
 from __future__ import annotations
 
@@ -98,6 +99,21 @@ def test_projected(home: Path) -> None:
         "read from a fit, not measured: the projection meets the bound 5; its prediction error on a held-out "
         "measured run: 3.4% (worst of 1)"
     )
+
+
+@pytest.mark.parametrize("values", [[1.0, 1.1, 1.2], [-1.0, -1.1, -1.2]])
+def test_exploratory_whatever_its_rule_reads(home: Path, values: list[float]) -> None:
+    """A claim registered after a result it bears on is shown with what its rule reads, never as reproduced or not
+    reproduced; with nothing measured it is simply not run."""
+    claim = _score(exploratory="registered after the sibling claim's report")
+    assert sc.evaluate_claim(None, claim).verdict == sc.NOT_RUN
+    _seeds(values)
+    result = sc.evaluate_claim(None, claim)
+    reads = sc.REPRODUCED if values[0] > 0 else sc.NOT_REPRODUCED
+    assert result.verdict == sc.EXPLORATORY
+    assert result.reason.startswith(f"its rule reads {reads}")
+    assert result.reason.endswith("exploratory: registered after the sibling claim's report")
+    assert sc.evaluate_claim(None, _score()).verdict == reads  # the same rule, registered before: judged
 
 
 def test_not_applicable_at_this_scale(home: Path) -> None:

@@ -502,6 +502,7 @@ def test_the_registry_verdicts_are_the_evaluators() -> None:
         sc.INCONCLUSIVE,
         sc.UNDERPOWERED,
         sc.PROJECTED,
+        sc.EXPLORATORY,
         sc.NOT_APPLICABLE,
         sc.NOT_RUN,
     ]
