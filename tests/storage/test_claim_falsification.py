@@ -133,6 +133,9 @@ def _assert_fails(claim: Claim, result: sc.ClaimResult) -> None:
         assert "the projection misses the bound" in result.reason, result.reason
         if claim.measure.validation is not None:
             assert f"held-out measured run: {100 * VALIDATION_ERROR:.1f}%" in result.reason, result.reason
+    elif claim.exploratory:  # registered after a result it bears on: its rule's reading, never a verdict
+        assert result.verdict == sc.EXPLORATORY, (result.verdict, result.reason)
+        assert result.reason.startswith(f"its rule reads {sc.NOT_REPRODUCED}"), result.reason
     else:
         assert result.verdict == sc.NOT_REPRODUCED, (result.verdict, result.reason)
 
