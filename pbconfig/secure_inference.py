@@ -33,7 +33,9 @@ class SecureInferenceConfig(SeedPasses):
     ``seed``) runs the whole stage once per seed, so that its comparisons get intervals over seeds.
 
     With ``pretrain_steps`` > 0 that GPT-2 is first pretrained on the offline English text of
-    ``pretrain_corpora`` (a content-addressed model, trained once per config and text), then fine-tuned.
+    ``pretrain_corpora`` (a content-addressed model, trained once per config and text), then fine-tuned;
+    ``pretrain_seed`` set makes that pretrained GPT-2 one model shared by every seed pass (the passes' seeds
+    then drive the fine-tuning, distillation, prompts and shares, as fine-tuning one public checkpoint does).
     """
 
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
@@ -52,6 +54,12 @@ class SecureInferenceConfig(SeedPasses):
     pretrain_batch_size: int = Field(16, ge=1)
     pretrain_len: int = Field(64, ge=4, description="tokens per pretraining block (<= n_positions)")
     pretrain_eval_every: int = Field(250, ge=1, description="validation loss every this many steps")
+    pretrain_seed: int | None = Field(
+        None,
+        ge=0,
+        description="None: each seed pass pretrains its own GPT-2 (the pass's seed); a number: one GPT-2 "
+        "pretrained with it is the common start of every seed pass, as one public pretrained checkpoint is",
+    )
     train_steps: int = Field(300, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     distill_steps: int = Field(100, ge=1)
@@ -115,6 +123,11 @@ class SecureInferenceConfig(SeedPasses):
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
         return self
+
+    @property
+    def pretrain_seed_used(self) -> int:
+        """The seed the pretrained GPT-2 is trained with: ``pretrain_seed``, or the pass's ``seed``."""
+        return self.seed if self.pretrain_seed is None else self.pretrain_seed
 
     @property
     def n_quality(self) -> int:

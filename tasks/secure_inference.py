@@ -109,7 +109,7 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
         rec.tag("privbench.cache_hit", str(manifest is not None).lower())
         if manifest is None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(cfg.seed)
+                torch.manual_seed(kind.seed(cfg))
                 start = _load_teacher(teacher, cfg, vocab) if teacher is not None else None
                 done = kind.train(name, cfg, data, vocab, start)
             manifest = {

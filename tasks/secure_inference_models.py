@@ -184,7 +184,10 @@ def models_needed(cfg: SecureInferenceConfig) -> list[str]:
 def model_key(name: str, cfg: SecureInferenceConfig, data_hash: str, teacher: ModelRef | None) -> str:
     """sha256 of the training version, the model's name, its config fields, the training data and its teacher's
     key: the same inputs always name the same trained model."""
-    fields = cfg.model_dump(mode="json", include=set(kind_of(name).keys))
+    kind = kind_of(name)
+    fields = cfg.model_dump(mode="json", include=set(kind.keys))
+    if "seed" in fields:
+        fields["seed"] = kind.seed(cfg)  # the seed it trains with (the pretrained GPT-2's may be shared)
     parts = [MODELS_VERSION, name, json.dumps(fields, sort_keys=True), data_hash, teacher.key if teacher else ""]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
@@ -223,7 +226,7 @@ def _train_pretrained(name: str, cfg: SecureInferenceConfig, data: DialogueData,
         warmup=cfg.pretrain_warmup,
         eval_every=cfg.pretrain_eval_every,
         keep=text.keep,
-        seed=cfg.seed,
+        seed=cfg.pretrain_seed_used,
     )
     train_s = time.perf_counter() - t0
     n_train = text.train.numel()
@@ -310,6 +313,7 @@ class _ModelKind:
     keys: tuple[str, ...]  # the config fields it depends on (a dependent model's key includes its teacher's)
     teacher: str | None = "finetuned"  # the model it is trained from
     run_name: str | None = None
+    seed: Callable[[SecureInferenceConfig], int] = lambda c: c.seed  # the seed it trains with
 
 
 def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]:
@@ -323,6 +327,7 @@ MODEL_KINDS: dict[str, _ModelKind] = {
         _train_pretrained,
         "lm-pretrain",
         lambda c: {
+            "seed": c.pretrain_seed_used,
             "corpora": list(c.pretrain_corpora),
             "steps": c.pretrain_steps,
             "lr": c.pretrain_lr,
@@ -346,6 +351,7 @@ MODEL_KINDS: dict[str, _ModelKind] = {
         ),
         teacher=None,
         run_name="GPT-2 pretrained on English text",
+        seed=lambda c: c.pretrain_seed_used,
     ),
     "finetuned": _ModelKind(
         _train_finetuned,

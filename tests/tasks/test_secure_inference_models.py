@@ -155,3 +155,34 @@ def test_pretraining_is_the_fine_tuned_models_teacher(home: Path, monkeypatch: p
 def test_bad_pretraining_settings_are_named(update: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SecureInferenceConfig(**{**TINY.model_dump(), **update})
+
+
+def test_a_pretrain_seed_shares_one_pretrained_model_across_seed_passes(home: Path) -> None:
+    pretrain = {"pretrain_corpora": ("chatterbot",), "pretrain_steps": 2, "pretrain_len": 16, "pretrain_eval_every": 1}
+    base = SecureInferenceConfig(**{**TINY.model_dump(), "methods": ("vanilla",), **pretrain, "seeds": (0, 1)})
+    data_hash = sim.pretrain_data_of(base).content_hash
+
+    def keys(cfg: SecureInferenceConfig) -> list[str]:
+        return [sim.model_key("pretrained", c, data_hash, None) for c in cfg.seed_configs()]
+
+    own = keys(base)  # no pretrain_seed: each pass pretrains with its own seed
+    assert own[0] != own[1]
+    shared = keys(base.model_copy(update={"pretrain_seed": 0}))
+    assert shared[0] == shared[1] == own[0]  # seed 0's own model is the shared one: the same inputs, the same key
+    assert keys(base.model_copy(update={"pretrain_seed": 1}))[0] == own[1]
+    passes = base.model_copy(update={"pretrain_seed": 0}).seed_configs()
+    assert [c.pretrain_seed_used for c in passes] == [0, 0] and [c.seed for c in passes] == [0, 1]
+
+    parent = _parent()
+    first, second = (si.train_model.fn("pretrained", c, parent) for c in passes)
+    assert first.path == second.path  # trained once, reused by the second pass
+    fine = [si.train_model.fn("finetuned", c, parent, teacher=first) for c in passes]
+    assert fine[0].key != fine[1].key  # each pass fine-tunes with its own seed
+    repo = ResultsRepository()
+    _, rows = repo.query("select config_json from runs where technique = 'lm-pretrain' order by started_at")
+    assert ['"seed": 0' in c or '"seed":0' in c for (c,) in rows] == [True, True]
+
+
+def test_a_negative_pretrain_seed_is_refused() -> None:
+    with pytest.raises(ValueError, match="pretrain_seed"):
+        SecureInferenceConfig(**{**TINY.model_dump(), "pretrain_seed": -1})
