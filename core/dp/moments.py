@@ -156,10 +156,14 @@ def linear_moments(
     ``weight_var`` is a scalar (e.g. :func:`core.dp.reattention.block_error_variance`) or an
     ``(out, in)`` tensor. Returns per-coordinate moments ``(..., out)``.
     """
-    w_var = torch.as_tensor(weight_var, dtype=weight.dtype, device=weight.device).expand_as(weight)
+    w_var = torch.as_tensor(weight_var, dtype=weight.dtype, device=weight.device)
     var_in = x.full_var()
     mean = x.mean @ weight.T
-    var = var_in @ (weight.pow(2) + w_var).T + x.mean.pow(2) @ w_var.T
+    if w_var.dim() == 0:  # one variance for every weight: sum_in mean^2 w_var without a matmul
+        var = var_in @ (weight.pow(2) + w_var).T + x.mean.pow(2).sum(dim=-1, keepdim=True) * w_var
+    else:
+        w_var = w_var.expand_as(weight)
+        var = var_in @ (weight.pow(2) + w_var).T + x.mean.pow(2) @ w_var.T
     if bias is not None:
         mean = mean + bias
     var = var + torch.as_tensor(bias_var, dtype=var.dtype, device=var.device)
@@ -176,12 +180,20 @@ def relu_moments(x: GaussianMoments) -> GaussianMoments:
     d = x.full_var().to(torch.float64)
     sd = d.sqrt()
     noisy = sd > 0
-    a = torch.where(noisy, c / torch.where(noisy, sd, torch.ones_like(sd)), torch.zeros_like(c))
-    cdf, cdf_neg = torch.special.ndtr(a), torch.special.ndtr(-a)
-    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
-    mean = torch.where(noisy, c * cdf + sd * pdf, c.clamp_min(0))
-    unit_var = cdf + a * a * cdf * cdf_neg + a * pdf * (cdf_neg - cdf) - pdf * pdf
-    var = torch.where(noisy, d * unit_var.clamp_min(0), torch.zeros_like(d))
+    everywhere = bool(noisy.all())  # DP noise reaches every coordinate: no masking
+    a = c / sd if everywhere else (c / sd.masked_fill(~noisy, 1.0)).masked_fill_(~noisy, 0.0)
+    cdf = torch.special.ndtr(a)
+    cdf_neg = 1.0 - cdf  # = ndtr(-a) to within 1e-16: exact where cdf is small, negligible where it is near 1
+    a2 = a * a
+    pdf = a2.mul(-0.5).exp_().mul_(1.0 / math.sqrt(2 * math.pi))
+    mean = torch.addcmul(c * cdf, sd, pdf)
+    # cdf + a^2 cdf cdf_neg + a pdf (cdf_neg - cdf) - pdf^2, the unit-variance form of Lemma D.2
+    unit_var = a2.mul_(cdf_neg).add_(1.0).mul_(cdf)
+    unit_var.add_(pdf * (a * (cdf_neg - cdf) - pdf))
+    var = d * unit_var.clamp_min_(0)
+    if not everywhere:
+        mean = torch.where(noisy, mean, c.clamp_min(0))
+        var = var.masked_fill_(~noisy, 0.0)
     return GaussianMoments(mean.to(x.mean.dtype), var.to(x.mean.dtype))
 
 

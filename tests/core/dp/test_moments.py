@@ -209,3 +209,46 @@ def test_add_and_embedding_moments() -> None:
     torch.testing.assert_close(s.scalar_var(), torch.tensor([[12.5, 4.5]], dtype=F64))
     with pytest.raises(ConfigError, match="broadcast"):
         GaussianMoments(torch.zeros(2, 3), torch.zeros(4))
+
+
+def _relu_moments_reference(x: GaussianMoments) -> GaussianMoments:
+    """Lemma D.2 term by term, as written (the slow, obviously correct form :func:`relu_moments` must equal)."""
+    c, d = x.mean.to(F64), x.full_var().to(F64)
+    sd = d.sqrt()
+    noisy = sd > 0
+    a = torch.where(noisy, c / torch.where(noisy, sd, torch.ones_like(sd)), torch.zeros_like(c))
+    cdf, cdf_neg = torch.special.ndtr(a), torch.special.ndtr(-a)
+    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
+    mean = torch.where(noisy, c * cdf + sd * pdf, c.clamp_min(0))
+    unit_var = cdf + a * a * cdf * cdf_neg + a * pdf * (cdf_neg - cdf) - pdf * pdf
+    var = torch.where(noisy, d * unit_var.clamp_min(0), torch.zeros_like(d))
+    return GaussianMoments(mean.to(x.mean.dtype), var.to(x.mean.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("some_exact", [False, True])
+def test_relu_moments_equal_the_term_by_term_lemma(dtype: torch.dtype, some_exact: bool) -> None:
+    gen = _gen(11)
+    mean = (torch.randn(6, 50, 64, generator=gen, dtype=F64) * 3).to(dtype)
+    var = (torch.rand(6, 50, 64, generator=gen, dtype=F64) ** 4 * 2).to(dtype)  # many tiny: |a| up to ~1e3
+    if some_exact:
+        var[0, :10] = 0.0
+    x = GaussianMoments(mean, var.clone())
+    fast, slow = relu_moments(x), _relu_moments_reference(x)
+    assert torch.equal(x.var, var)  # the input is left as it was
+    tol = {"rtol": 1e-12, "atol": 1e-15} if dtype == F64 else {"rtol": 1e-6, "atol": 1e-12}
+    torch.testing.assert_close(fast.mean, slow.mean, **tol)
+    torch.testing.assert_close(fast.var, slow.var, **tol)
+    iso = relu_moments(GaussianMoments(mean, var[..., :1]))  # an isotropic (broadcast) variance
+    torch.testing.assert_close(iso.var, _relu_moments_reference(GaussianMoments(mean, var[..., :1])).var, **tol)
+
+
+def test_linear_moments_with_a_scalar_weight_variance_equal_the_full_matrix() -> None:
+    gen = _gen(12)
+    x = GaussianMoments(torch.randn(4, 7, 16, generator=gen, dtype=F64), torch.rand(4, 7, 16, generator=gen, dtype=F64))
+    weight = torch.randn(24, 16, generator=gen, dtype=F64)
+    bias = {"bias": torch.ones(24, dtype=F64), "bias_var": 0.1}
+    scalar = linear_moments(x, weight, weight_var=0.37, **bias)
+    full = linear_moments(x, weight, weight_var=torch.full_like(weight, 0.37), **bias)
+    torch.testing.assert_close(scalar.mean, full.mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(scalar.var, full.var, rtol=1e-13, atol=0)
