@@ -416,10 +416,16 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     run_ids = tuple(sorted(rows["run_id"].unique()))
     datasets = tuple(sorted({str(d) for d in rows.get("dataset", pd.Series(dtype=object)).dropna().unique()}))
     if claim.applies_at is not None:
-        rows, elsewhere = at_scale(db_url, claim, rows)
-        if rows.empty:
+        at, elsewhere = at_scale(db_url, claim, rows)
+        if at.empty:  # what ran elsewhere is shown, each context marked not applicable, and judged nowhere
             reason = f"ran at {elsewhere}; the rule's bound applies at {claim.applies_at.scale}"
-            return ClaimResult(claim, NOT_APPLICABLE, (), reason, run_ids, datasets, 0)
+            shown = tuple(
+                replace(_decide(claim.rule, m, sides), context=name, verdict=NOT_APPLICABLE, reason="")
+                for name, sides in _sides(rows, m, seeds)[0].items()
+                if sides.a and (m.stat == "value" or sides.b)
+            )
+            return ClaimResult(claim, NOT_APPLICABLE, shown, reason, run_ids, datasets, 0)
+        rows = at
     per_context, superseded = _sides(rows, m, seeds)
     contexts: list[ContextResult] = []
     for name, sides in per_context.items():

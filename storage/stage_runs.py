@@ -42,4 +42,31 @@ def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: s
     return frame.sort_values("order").drop(columns="order").reset_index(drop=True)[columns]
 
 
-__all__ = ["STAGE_FLOWS", "stage_runs"]
+def unfinished_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
+    """Stage flow runs of ``profile`` (under ``root`` when given) that did not finish (failed, stopped or still
+    running), top-level and per-seed passes alike, oldest first: ``flow, run_id, parent_id, status, error,
+    started_at, duration_s, git_commit``. A report lists them beside the finished ones, so that a stage that was
+    stopped (and the seeds it did not run) is visible, not silently missing."""
+    from sqlalchemy import select
+
+    from storage.models import Run
+
+    columns = ["flow", "run_id", "parent_id", "status", "error", "started_at", "duration_s", "git_commit"]
+    f = views._filters({"profile": profile, "root": root})
+    stmt = select(
+        Run.flow,
+        Run.id.label("run_id"),
+        Run.parent_id,
+        Run.status,
+        Run.error,
+        Run.started_at,
+        Run.duration_s,
+        Run.git_commit,
+    ).where(Run.status != "finished", Run.technique == "flow", Run.flow.in_(STAGE_FLOWS))
+    frame = views._timestamps(views._read(views._engine(db_url), f.apply(stmt), columns), "started_at")
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    return frame.sort_values("started_at", kind="stable").reset_index(drop=True)[columns]
+
+
+__all__ = ["STAGE_FLOWS", "stage_runs", "unfinished_runs"]

@@ -149,6 +149,7 @@ FILM_COLUMNS = [
     "rouge1",
     "rouge2",
     "rougeL",
+    "rouge_min",  # the lowest of ROUGE-1/2/L: what "ROUGE-1/2/L all close to 1" is judged on
     "recall",
     "precision",
     "n_candidates",

@@ -479,9 +479,9 @@ _BATCH = re.compile(r"batch=(\d+)")
 
 def film(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """FILM text recovery from FedSGD embedding gradients (``FILM_COLUMNS``): ROUGE-1/2/L of the recovered
-    sentences and the recall of their tokens, by victim embedding (``subword``, ``seb_*``), attacker setting
-    (``subwords``; against SEB ``bytes``, ``positional``, ``relaxed``), the attacker's prior (``film.priors``' name;
-    NaN for runs recorded before priors were named) and batch size."""
+    sentences (``rouge_min``: the lowest of the three) and the recall of their tokens, by victim embedding
+    (``subword``, ``seb_*``), attacker setting (``subwords``; against SEB ``bytes``, ``positional``, ``relaxed``),
+    the attacker's prior (``film.priors``' name; NaN for runs recorded before priors were named) and batch size."""
     engine, f = _engine(db_url), _filters(filters)
     frame = _attacks(engine, f, Run.stage == "attacks", AttackResult.attack == "film")
     if frame.empty:
@@ -493,6 +493,7 @@ def film(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     frame["batch_size"] = [_batch_size(e, s) for e, s in zip(extra, frame["setting"], strict=True)]
     frame["precision"] = [e.get("precision", math.nan) for e in extra]
     frame["n_candidates"] = [e.get("n_candidates", math.nan) for e in extra]
+    frame["rouge_min"] = frame[["rouge1", "rouge2", "rougeL"]].min(axis=1, skipna=False)
     return _finish(frame, FILM_COLUMNS, ["embedding", "attacker", "prior", "batch_size", "started_at"])
 
 

@@ -44,7 +44,7 @@ from storage.claims import (
     claims_table,
     evaluate_claims,
 )
-from storage.stage_runs import STAGE_FLOWS, stage_runs
+from storage.stage_runs import STAGE_FLOWS, stage_runs, unfinished_runs
 
 log = logging.getLogger("privbench.report")
 VERDICT_ORDER = (
@@ -99,10 +99,11 @@ def _verdict(text: str) -> str:
     return f"**{text}**" if text in (REPRODUCED, NOT_REPRODUCED) else text
 
 
-def _provenance(profile: str | None, stages: pd.DataFrame) -> list[str]:
+def _provenance(profile: str | None, stages: pd.DataFrame, unfinished: pd.DataFrame | None = None) -> list[str]:
     lines = ["## Where these numbers come from", ""]
+    stopped = _unfinished(unfinished)
     if stages.empty:
-        return [*lines, f"No finished stage flow run of profile `{profile}` is in the store.", ""]
+        return [*lines, f"No finished stage flow run of profile `{profile}` is in the store.", "", *stopped]
     commits = sorted({str(c)[:12] for c in stages["git_commit"].dropna()})
     devices = sorted({str(d) for d in stages["device"].dropna()})
     lines += [
@@ -123,7 +124,29 @@ def _provenance(profile: str | None, stages: pd.DataFrame) -> list[str]:
         lines += ["", f"The stages ran as separate commands (no benchmark chain run): {total} in all."]
     missing = [s for s in STAGE_FLOWS if s not in set(stages["flow"])]
     if missing:
-        lines += ["", f"Not run in this profile: {', '.join(missing)}."]
+        lines += ["", f"Not run (to the end) in this profile: {', '.join(missing)}."]
+    return [*lines, "", *stopped]
+
+
+def _unfinished(unfinished: pd.DataFrame | None) -> list[str]:
+    """The flow runs that did not finish: what stopped, when and why (their results that were recorded before the
+    stop are in the store; a verdict reads them like any others)."""
+    if unfinished is None or unfinished.empty:
+        return []
+    lines = [
+        "Flow runs that did not finish (a seed pass is listed under its stage's flow run):",
+        "",
+        "| flow | run | part of | status | started (UTC) | ran for | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in unfinished.itertuples(index=False):
+        started = pd.Timestamp(row.started_at).strftime("%Y-%m-%d %H:%M") if pd.notna(row.started_at) else "-"
+        parent = f"`{row.parent_id}`" if isinstance(row.parent_id, str) and row.parent_id else "-"
+        error = " ".join(str(row.error).split())[:160].replace("|", "/") if isinstance(row.error, str) else "-"
+        lines.append(
+            f"| {row.flow} | `{row.run_id}` | {parent} | {row.status} | {started} | {_duration(row.duration_s)} | "
+            f"{error} |"
+        )
     return [*lines, ""]
 
 
@@ -395,7 +418,7 @@ def render_report(
             "scale`: the bound is for another scale than the one that ran. The classes: `docs/claims.md`."
         ),
         "",
-        *_provenance(profile, stages),
+        *_provenance(profile, stages, unfinished_runs(db_url, profile=profile, root=root)),
     ]
     if profile != "paper" and stage_runs(db_url, profile="paper").empty:
         lines += [

@@ -288,6 +288,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])  # decrypted, MPC prompts
         plain_quality = text_quality(_cut(plain) + twin, refs_all, decode, prompts["table"])
         base = _cut(prompts["finetuned_tokens"])
+        base_quality = text_quality(base, refs_all, decode, prompts["table"])  # what the drop is measured from
         # the method's text on every quality prompt: decrypted where it ran under MPC, its plaintext twin's after
         drop = quality_drop(base, _cut(out["tokens"]) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
         metrics = {
@@ -297,6 +298,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
             "mpc_prompts": float(len(refs)),
             **{f"quality.{k}": v for k, v in quality.items()},
             **{f"plain_quality.{k}": v for k, v in plain_quality.items()},
+            **{f"base_quality.{k}": v for k, v in base_quality.items()},
             **{f"quality_drop.{k}": v for k, v in drop.items()},
             "per_token_s": out["total_s"] / cfg.gen_len,
         }

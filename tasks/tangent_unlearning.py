@@ -42,7 +42,11 @@ def forget_by_subtraction_curve(
     n_shards: int, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef
 ) -> dict[str, Any]:
     """Fig. 1(a, b): test accuracy after removing r = 0 .. N-1 shards, TAFT by subtraction vs SISA by dropping
-    ensemble members (:func:`core.tangent.experiments.forget_by_subtraction_curve`)."""
+    ensemble members (:func:`core.tangent.experiments.forget_by_subtraction_curve`). The run records, beside the
+    curve, ``unlearning_max_abs_err`` (the subtracted delta against the remaining deltas composed from scratch)
+    and ``forget_output_max_abs_err`` (in float64 on the first 256 test images: the subtracted model's logits
+    against the mean of the remaining shard models' logits, each shard model evaluated on its own; the claim
+    ``forgetting-exact`` reads it)."""
     _set_threads(cfg)
     f = _features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size

@@ -4,7 +4,8 @@ Tables 1-3 and Fig. 1 computes, free of recording and caching (``tasks.tangent``
 * Table 1: :func:`make_head` (the classifier every method starts from), :func:`cls_features` (what FC reads);
 * Table 2: :func:`compose_and_check` (TAFT composed by averaging deltas, eq. 13, with the composition identity
   checked in float32 and float64), :func:`soup_accuracy` and :func:`sisa_accuracy` (the non-linear baselines);
-* Fig. 1: :func:`forget_by_subtraction_curve` (accuracy vs shards removed, TAFT by subtraction vs SISA),
+* Fig. 1: :func:`forget_by_subtraction_curve` (accuracy vs shards removed, TAFT by subtraction vs SISA, with
+  exact forgetting checked on the outputs in float64 by :func:`forget_output_error`),
   :func:`forget_one_by_retraining` (one request: shard vs full retraining) and :func:`forget_fraction` (many
   requests: every shard that held one retrained);
 * Table 3: :func:`dp_regime_cell` (DP-SGD of one regime's tangent or original parameters at one epsilon).
@@ -46,6 +47,7 @@ __all__ = [
     "forget_by_subtraction_curve",
     "forget_fraction",
     "forget_one_by_retraining",
+    "forget_output_error",
     "forget_sample",
     "forget_set",
     "logits_of",
@@ -192,6 +194,20 @@ def sisa_accuracy(
 # ----------------------------------------------------------------------------------------------- Fig. 1
 
 
+def forget_output_error(forgotten: nn.Module, parts: Sequence[Tensor], h: Tensor, batch_size: int = 256) -> float:
+    """``max |f(x; forgotten) - mean_k f_k(x)|`` over ``h``, the difference taken in float64: the logits of the
+    model left after forgetting (its weights subtracted, any kind of model) against the output ensemble of the
+    remaining shard models, ``parts`` being each one's logits on ``h`` computed on its own.
+
+    For a tangent model composed and subtracted in float64 this is float64 rounding (eq. 13: the subtracted
+    composition is the composition of the rest, which is their ensemble); for a non-linear model whose weights
+    were averaged and then subtracted it is not (a Model Soup is no ensemble), nor when the wrong component is
+    subtracted. Pass a float64 model and float64 ``parts`` for the exact check (float32 logits carry their own
+    rounding)."""
+    out = logits_of(forgotten, h, batch_size).double()
+    return float((out - ensemble_logits([p.double() for p in parts])).abs().max())
+
+
 def forget_by_subtraction_curve(
     model: TangentModel,
     deltas: Deltas,
@@ -202,33 +218,49 @@ def forget_by_subtraction_curve(
     trials: int,
     seed: int,
     batch_size: int = 256,
+    check: int = 256,
 ) -> tuple[dict[str, list[Any]], dict[str, float]]:
     """Fig. 1(a, b): test accuracy after removing r = 0 .. N-1 of the N shards, TAFT by subtracting components
     from the composition (free, Sec. 3.3) vs SISA by dropping ensemble members (``sisa_parts``: each shard
     model's logits on ``h``); mean over ``trials`` random removal orders drawn from ``seed``. Every TAFT step
-    is checked against composing the remaining shards from scratch (exact unlearning).
+    is checked twice: its delta against composing the remaining shards' deltas from scratch (weight arithmetic,
+    ``unlearning_max_abs_err``), and its function (``forget_output_max_abs_err``): the same subtractions repeated
+    in float64 on a float64 copy of the linearised suffix (:func:`float64_suffix`), whose logits on the first
+    ``check`` inputs must equal the mean of the remaining shard models' logits, each shard model evaluated on
+    its own (:func:`forget_output_error`).
 
     Returns the curve (``removed``, ``taft_accuracy``, ``sisa_accuracy``, one entry per r) and its summary
-    (accuracies and TAFT's drop at half removed, mean TAFT - SISA gap, ``unlearning_max_abs_err``, mean
-    ``subtraction_s``)."""
+    (accuracies and TAFT's drop at half removed, mean TAFT - SISA gap, ``unlearning_max_abs_err``,
+    ``forget_output_max_abs_err``, mean ``subtraction_s``)."""
     n_shards = len(deltas)
     taft_acc: list[list[float]] = [[] for _ in range(n_shards)]
     sisa_acc: list[list[float]] = [[] for _ in range(n_shards)]
-    max_err, sub_s = 0.0, []
+    max_err, out_err, sub_s = 0.0, 0.0, []
+    deltas64 = [{n: t.double() for n, t in d.items()} for d in deltas]
+    model64 = float64_suffix(model)
+    h64 = h[: min(h.shape[0], check)].double()
+    parts64 = []  # each shard model on its own, in float64
+    for d in deltas64:
+        model64.set_delta(d)
+        parts64.append(logits_of(model64, h64, batch_size))
     rng = random.Random(seed)
     for _ in range(trials):
         order = list(range(n_shards))
         rng.shuffle(order)
         composed, live = compose(list(deltas)), list(range(n_shards))
+        composed64 = compose(deltas64)
         for r in range(n_shards):
             if r:
                 j = order[r - 1]
                 t0 = time.perf_counter()
                 composed = remove_component(composed, deltas[j], len(live))
                 sub_s.append(time.perf_counter() - t0)
+                composed64 = remove_component(composed64, deltas64[j], len(live))
                 live.remove(j)
                 direct = compose([deltas[i] for i in live])
                 max_err = max(max_err, max(float((composed[n] - direct[n]).abs().max()) for n in composed))
+                model64.set_delta(composed64)
+                out_err = max(out_err, forget_output_error(model64, [parts64[i] for i in live], h64, batch_size))
             model.set_delta(composed)
             taft_acc[r].append(accuracy(logits_of(model, h, batch_size), y))
             sisa_acc[r].append(accuracy(ensemble_logits([sisa_parts[i] for i in live]), y))
@@ -245,6 +277,7 @@ def forget_by_subtraction_curve(
         "mean_taft_minus_sisa": sum(a - b for a, b in zip(curve["taft_accuracy"], curve["sisa_accuracy"], strict=True))
         / n_shards,
         "unlearning_max_abs_err": max_err,
+        "forget_output_max_abs_err": out_err,
         "subtraction_s": sum(sub_s) / max(len(sub_s), 1),
     }
     return curve, summary

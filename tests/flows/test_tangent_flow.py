@@ -168,6 +168,13 @@ def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, mo
         {"run": summary["run_id"]},
     )
     assert flow_metric == [(3.0,)]
+    _, forget_metrics = repo.query(
+        "select m.name, m.value from metrics m join runs r on r.id = m.run_id where r.stage = 'tangent' "
+        "and r.technique = 'forget-subtraction' and m.name in ('unlearning_max_abs_err', 'forget_output_max_abs_err')"
+    )
+    recorded = dict(forget_metrics)  # both in the run the claim forgetting-exact reads
+    assert set(recorded) == {"unlearning_max_abs_err", "forget_output_max_abs_err"}
+    assert recorded["forget_output_max_abs_err"] <= 1e-9  # float64: the subtracted model == the rest's ensemble
 
     _, ledger = repo.query(
         "select r.technique, p.epsilon, p.target_epsilon from runs r join privacy_ledger p "
@@ -182,7 +189,7 @@ def test_tangent_flow_records_all_four_result_groups(stage_store: StageStore, mo
 
 
 def test_seeds_run_the_stage_once_per_seed_and_the_taft_claims_pair_by_seed(prepared: dict[str, str]) -> None:
-    dp = {"regimes": ["fc"], "epsilons": [8], "epochs": 1, "batch_size": 16}
+    dp = {"regimes": ["layernorm"], "epsilons": [8], "epochs": 1, "batch_size": 16}  # a judged regime (not fc)
     cfg = _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=dp, seeds=[0, 1])
     assert cfg.tangent is not None
     summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
