@@ -181,6 +181,67 @@ def bench(
         err.print_json(json.dumps(result))
 
 
+@app.command("paper-queue")
+def paper_queue(
+    budget_s: Annotated[
+        float, typer.Option("--budget-s", min=1, help="seconds this call may take in all (one lent call: <= 600)")
+    ] = 540.0,
+    device: Annotated[str, typer.Option("--device", help="auto (cuda where torch sees a GPU), cuda or cpu")] = "auto",
+    list_: Annotated[bool, typer.Option("--list", help="what is measured (where, which commit), what is left")] = False,
+    out: Annotated[Path, typer.Option("--out", help="the committed results folder")] = Path("docs/results/raw"),
+    queue_file: Annotated[Path | None, typer.Option("--queue", help="default: configs/queue/paper.yaml")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Advance the paper-scale queue: run the next benches not yet measured on this device kind, each in its own
+    process under its own time limit, and write each finished one's JSON under OUT/<device kind>/
+    (docs/paper-queue.md)."""
+    from pbconfig.paper_queue import load_queue
+    from privbench.paper_queue import RAW_DIR, device_kind, queue_status, resolve_device, run_queue
+
+    try:
+        queue = load_queue(queue_file)
+        resolved = resolve_device(device)
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    if list_:
+        rows = queue_status(queue, root=out, device=resolved)
+        if as_json:
+            print(json.dumps(rows, indent=2))
+            return
+        table = Table(title=f"paper queue ({_shown(str(out))}; expected on {resolved})")
+        for column in ("item", "bench", "measured on (commit)", "expected"):
+            table.add_column(column)
+        for row in rows:
+            where = (
+                row.get("error")
+                or ", ".join(f"{d['device_kind']} ({(d['commit'] or '?')[:7]})" for d in row["done"])
+                or "left"
+            )
+            expected = row.get("expected_s")
+            shown = f"{expected:.0f} s" if expected else f"unmeasured (limit {row.get('time_limit_s', 0):.0f} s)"
+            table.add_row(_shown(row["item"]), _shown(row["bench"]), _shown(where), shown)
+        from rich.console import Console
+
+        Console().print(table)
+        return
+    try:
+        outcomes = run_queue(
+            queue,
+            budget_s=budget_s,
+            device=resolved,
+            root=out,
+            kind=device_kind(resolved),
+            seen=[RAW_DIR] if out.resolve() != RAW_DIR.resolve() else [],
+            log=lambda line: err.print(_literal(line), highlight=False),
+        )
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    if as_json:
+        print(json.dumps([o.__dict__ for o in outcomes], indent=2))
+    if any(o.status == "failed" for o in outcomes):
+        raise typer.Exit(1)
+
+
 @app.command()
 def report(
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="judge the runs of this profile")] = "quick",

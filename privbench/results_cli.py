@@ -41,15 +41,20 @@ def results_import_bench(
     """Record benchmark results measured elsewhere (`privbench bench --no-record --json`, e.g. on a GPU worker that
     cannot reach the store) as bench runs, with the measuring machine's commit, host, device and times. A folder
     (``docs/results/data/<profile>/bench/``) gives its ``*.json`` files in name order; every file is read before
-    any is recorded, and a result already in the store is refused."""
-    from privbench.bench.harness import import_benchmark_result
+    any is recorded. A result already in the store is refused where its file is named, and skipped where it comes
+    from a folder (a folder of committed results, e.g. ``docs/results/raw/<device kind>/``, is imported again as it
+    grows)."""
+    from privbench.bench.harness import AlreadyImported, import_benchmark_result
 
     paths: list[Path] = []
+    from_folder: set[Path] = set()
     for given in files:
         found = sorted(given.glob("*.json")) if given.is_dir() else [given]
         if not found:
             _fail(f"{given} holds no *.json file; give files printed by `privbench bench NAME --no-record --json`", 2)
         paths += found
+        if given.is_dir():
+            from_folder.update(found)
     read: list[tuple[Path, Any]] = []
     for path in paths:
         try:
@@ -60,6 +65,11 @@ def results_import_bench(
     for path, data in read:
         try:
             recorded = import_benchmark_result(data)
+        except AlreadyImported as exc:
+            if path not in from_folder:
+                _fail(f"{path}: {exc}", code=2)
+            err.print(f"{_shown(str(path))}: already in the store; skipped")
+            continue
         except ConfigError as exc:
             _fail(f"{path}: {exc}", code=2)
         except PrivbenchError as exc:

@@ -512,6 +512,10 @@ def _log(rec: Any, body: Mapping[str, Any], result: Mapping[str, Any]) -> None:
         rec.tag("privbench.bench.device", str(body["setting"]["device"]))
 
 
+class AlreadyImported(ConfigError):
+    """The measurement is in the store already (same benchmark, host, start time, commit and config)."""
+
+
 def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
     """Record in this machine's results store and MLflow one benchmark result measured elsewhere with
     ``--no-record`` (the JSON it printed), under the provenance of the machine that measured it: its commit, host,
@@ -558,7 +562,7 @@ def import_benchmark_result(result: Mapping[str, Any]) -> dict[str, Any]:
     )
     earlier = find_measured_run(flow="bench", technique=name, measured=measured, config=config)
     if earlier is not None:
-        raise ConfigError(
+        raise AlreadyImported(
             f"this result (host {measured.host}, started {result['started_at']}, the same config) is already in the "
             f"store as run "
             f"{earlier}; nothing recorded"
