@@ -52,7 +52,7 @@ class StipConfig(FrozenConfig):
     finetune_noises: tuple[float, ...] = Field((0.0, 0.01, 0.1, 0.5), min_length=1)
     attack_queries: int = Field(64, ge=1)
     stream_tokens: int = Field(20000, ge=100)
-    timing_repeats: int = Field(7, ge=1, description="timing rounds (6 or more: a 95% interval of the median)")
+    timing_repeats: int = Field(8, ge=1, description="timing rounds (6 or more: a 95% interval; even: orders balance)")
     party_timeout_s: float = Field(600.0, gt=0.0)
     seed: int = Field(
         0,

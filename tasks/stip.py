@@ -4,6 +4,9 @@ each attack on the permutation (recovered fraction and what it reveals of the us
 Runs (``technique``): ``stip-<design>`` (tag ``privbench.result_group`` = ``protocol``) and ``attacks-<design>``
 (``attacks``: every attack at every fine-tune noise, rows in ``attack_results`` with ``recovered_fraction``).
 
+Protocol runs are tagged ``privbench.timing_order`` (``abba``: the plaintext model and the protocol are timed in
+alternating order over the rounds, see ``core.stip.evaluate``).
+
 Secrets: every permutation (the protocol's ``pi``, ``rho``, ``sigma`` and each attack's target) is drawn from the OS
 CSPRNG inside ``core.stip`` and never leaves it; ``cfg.seed`` drives only the model, the prompt and the corpus
 split. Each run records where its secrets came from (tag ``privbench.secret_source``), never a secret."""
@@ -63,6 +66,7 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
             repeats=cfg.timing_repeats,
             timeout_s=cfg.party_timeout_s,
         )
+        rec.tag("privbench.timing_order", out["timing_order"])  # plaintext/protocol order over the timing rounds
         rec.metrics(
             {k: v for k, v in out.items() if isinstance(v, int | float)},
             units={"p2_s": "s", "plaintext_s": "s", "three_process_wall_s": "s"},

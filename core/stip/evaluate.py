@@ -4,11 +4,20 @@ correctness and costs, and the three attacks on the permutation with what each r
 * :func:`protocol_costs`: one three-process run (tokens vs plaintext, max logit error, bytes per generated token
   in each direction) plus ``repeats`` in-process runs timing P2's share against the plaintext model on the same
   thread (median of per-repeat ratios) and P3's share of the protocol's work. Each repeat is one round that times
-  the plaintext service and then the protocol, so ``server_over_plaintext_same_work_time`` (P2 against the
+  the plaintext service and the protocol back to back, so ``server_over_plaintext_same_work_time`` (P2 against the
   plaintext time of the work P2 does: the block stack in ``user_embed``, the whole step in ``vocab_perm``) has one
   ratio per round and the sign-test 95% interval of their median (``_lo``/``_hi``; 6 rounds or more).
   ``server_over_plaintext_time`` divides by the whole plaintext step in both designs (in ``user_embed`` that
   includes the LM head, which P3 runs, not P2).
+
+  Like for like (``timing_order`` ``"abba"``): the plaintext side is the same model rebuilt as P2 builds its own
+  (same class, attention implementation, dtype, loading path, fresh instance) running the same step code on the same
+  thread (``parties._plain_service``); every object of a round is built before its timed parts; one untimed round
+  warms both sides up; and the order alternates, plaintext first in even rounds and the protocol first in odd ones
+  (P S S P P S ...), so that an advantage of going first or second (warm caches, the allocator) falls on each side
+  in half the rounds instead of always on the protocol. With an even number of rounds the two orders are balanced;
+  with an odd one, plaintext goes first once more. ``"fixed"`` (plaintext first in every round, the old scheme) is
+  kept for comparison only.
 * :func:`attack_weight_matching`: the deployed model is the public base checkpoint plus a simulated fine-tune
   (Gaussian noise of ``rel_noise`` times each tensor's RMS); P2 holds its transformed blocks (no embedding, no
   head) and matches them to the base with the Hungarian algorithm; the recovered ``pi`` then decodes a user's
@@ -34,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.errors import ConfigError
 from core.order_stats import median_interval
 from core.stip import attacks as A
 from core.stip import keys as K
@@ -61,16 +71,37 @@ def embedding_table(model: nn.Module) -> torch.Tensor:
     return model.get_input_embeddings().weight.detach()
 
 
+TIMING_ORDERS = ("abba", "fixed")
+
+
+def plaintext_first(round_index: int, order: str = "abba") -> bool:
+    """Whether round ``round_index`` (from 0) times the plaintext service before the protocol: in even rounds under
+    ``"abba"`` (the order alternates), in every round under ``"fixed"``."""
+    if order not in TIMING_ORDERS:
+        raise ConfigError(f"timing order must be one of {TIMING_ORDERS}, got {order=!r}")
+    return order == "fixed" or round_index % 2 == 0
+
+
 def protocol_costs(
-    model: nn.Module, prompt: torch.Tensor, n_new: int, *, design: str, repeats: int, timeout_s: float
+    model: nn.Module,
+    prompt: torch.Tensor,
+    n_new: int,
+    *,
+    design: str,
+    repeats: int,
+    timeout_s: float,
+    order: str = "abba",
 ) -> dict[str, Any]:
     """Correctness and costs of one design (see the module docstring); every run draws fresh secrets. Exactness is
     judged in float64 (``exact_float64``: relative logit error <= 1e-9, ``parties.float64_exactness``); the float32
-    errors (``max_abs_err``, ``max_rel_err``) are reported as measured."""
+    errors (``max_abs_err``, ``max_rel_err``) are reported as measured. ``order``: the order of the two timed parts
+    over rounds (``plaintext_first``; ``"fixed"`` for comparison only), recorded as ``timing_order``."""
+    plaintext_first(0, order)  # checks the order before the runs
     res = run_stip(model, prompt, n_new, design=design, timeout_s=timeout_s)
+    run_stip_inprocess(model, prompt, n_new, design=design, plaintext_first=True)  # untimed warm-up of both sides
     ratios, same_work, fractions, p2s, plains = [], [], [], [], []
-    for _ in range(repeats):
-        ip = run_stip_inprocess(model, prompt, n_new, design=design)
+    for r in range(repeats):
+        ip = run_stip_inprocess(model, prompt, n_new, design=design, plaintext_first=plaintext_first(r, order))
         ratios.append(ip.p2_seconds / ip.plain_seconds)
         same_work.append(ip.p2_seconds / ip.plain_same_work_seconds)
         fractions.append(ip.p3_seconds / (ip.p2_seconds + ip.p3_seconds))
@@ -95,6 +126,7 @@ def protocol_costs(
         "server_over_plaintext_same_work_time": same.median,
         **interval,
         "timing_rounds": float(repeats),
+        "timing_order": order,
         "user_overhead_fraction": statistics.median(fractions),
         "p2_s": statistics.median(p2s),
         "plaintext_s": statistics.median(plains),

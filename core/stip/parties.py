@@ -31,6 +31,15 @@ P3's to P3 and P2). Every wait has ``timeout_s``; a party that dies, disconnects
 ``PartyError`` naming it and all processes are terminated. ``run_stip_inprocess`` runs the same party objects and
 frames in one process (for tests and for timing P2 against the plaintext model on the same thread).
 
+Plaintext reference (``_plain_service``, ``_plain_run``): the plaintext model is timed like for like with P2. It is
+rebuilt exactly as P2 builds its own (``Cloud``: the same base-model class from the same config, the model's own
+attention implementation, which P1 ships in P2's package, the same dtype, the same loading path into a fresh
+instance) from the *untransformed* blocks, token table and head, and it runs the same ``Cloud.step`` on the same
+thread: token lookup, block stack with a KV cache, LM head on the last position; the greedy pick is outside the
+timed region of P2's work (``plain_server_seconds``). ``run_stip_inprocess`` builds every object of a run (the
+packages, P2, P3, the plaintext service) before either timed part, then times the plaintext service and the protocol
+back to back in the order ``plaintext_first`` asks (``core.stip.evaluate`` alternates it over rounds).
+
 Exactness (:func:`float64_exactness`): the transform is exact in real arithmetic, so the check runs the protocol
 on a float64 copy of the model and asks for a relative logit error of at most ``rtol`` (1e-9); float32 errors
 grow with the computation (depth, width, prompt length) and are reported as measured, not judged.
@@ -40,7 +49,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +78,8 @@ __all__ = [
     "run_stip_inprocess",
 ]
 
+_clock = time.perf_counter  # every timed region of the parties (tests put a fake clock here)
+
 Design = Literal["user_embed", "vocab_perm"]
 Party = Literal["P1", "P2", "P3"]
 ROLES = {"P1": "model developer", "P2": "cloud", "P3": "user"}
@@ -87,8 +100,11 @@ class PartyTimeoutError(PartyError):
 @dataclass(frozen=True, kw_only=True)
 class StipResult:
     """Outcome of one STIP generation; logits errors are vs the untransformed plaintext model (the relative one
-    divides by the largest plaintext logit magnitude). ``refused_connections``: connections P2 refused for failing
-    authentication; ``holdings``: per party, every tensor its process held at the end (``run_stip(audit=True)``)."""
+    divides by the largest plaintext logit magnitude). Plaintext times are of the plaintext service
+    (``_plain_service``): ``plain_seconds`` the whole greedy generation, ``plain_blocks_seconds`` its block stack,
+    ``plain_server_seconds`` its lookup, blocks and head (P2's ``vocab_perm`` step). ``refused_connections``:
+    connections P2 refused for failing authentication; ``holdings``: per party, every tensor its process held at the
+    end (``run_stip(audit=True)``)."""
 
     design: str
     tokens: list[int]
@@ -106,13 +122,17 @@ class StipResult:
     refused_connections: int = 0
     holdings: dict | None = None
     plain_blocks_seconds: float = float("nan")
+    plain_server_seconds: float = float("nan")
 
     @property
     def plain_same_work_seconds(self) -> float:
         """The plaintext time of the work P2 does under this design: the block stack alone in ``user_embed`` (P3
         embeds and applies the LM head), the whole step in ``vocab_perm`` (P2 looks up, runs the blocks and the
-        head)."""
-        return self.plain_blocks_seconds if self.design == "user_embed" else self.plain_seconds
+        head: ``plain_server_seconds``, without the greedy pick, which is P3's; ``plain_seconds`` where a result
+        has no ``plain_server_seconds``)."""
+        if self.design == "user_embed":
+            return self.plain_blocks_seconds
+        return self.plain_seconds if math.isnan(self.plain_server_seconds) else self.plain_server_seconds
 
     @property
     def tokens_match(self) -> bool:
@@ -160,9 +180,7 @@ class Developer:
         keys = self.keys if self.keys is not None else draw_keys(model, self.design)
         pi = keys.pi
         base = base_model_of(permute_model(model, pi, rho=keys.rho))
-        emb_key = "wte.weight" if self.arch == "gpt2" else "embed_tokens.weight"
-        state = {k: v for k, v in base.state_dict().items() if k != emb_key}
-        p2: dict = {"arch": self.arch, "config": cfg.to_json_string(use_diff=False), "state": state}
+        p2 = _p2_package(self.arch, cfg, base)
         if self.design == "user_embed":
             p2.update(embed=None, head=None)
             p3 = {"pi": pi, "embed": embed.clone(), "head": head.clone(), "sigma": None}
@@ -174,19 +192,37 @@ class Developer:
         return to_bytes(p2), to_bytes(p3)
 
 
-def _build_base(arch: str, config_json: str) -> nn.Module:
+def _p2_package(arch: str, cfg, base: nn.Module) -> dict:
+    """What every P2-style package holds: the architecture, the config (with the model's attention implementation,
+    which ``to_json_string`` leaves out) and the base model's parameters without the token table."""
+    emb_key = "wte.weight" if arch == "gpt2" else "embed_tokens.weight"
+    state = {k: v for k, v in base.state_dict().items() if k != emb_key}
+    attn = getattr(cfg, "_attn_implementation", None)
+    return {"arch": arch, "config": cfg.to_json_string(use_diff=False), "attn": attn, "state": state}
+
+
+def _build_base(arch: str, config_json: str, attn: str | None = None) -> nn.Module:
+    """The base model of ``arch`` from its config, with attention implementation ``attn`` (None: the library's
+    default, which is what a package without one, built before P1 shipped it, gets)."""
     from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 
     cfg_cls, model_cls = (GPT2Config, GPT2Model) if arch == "gpt2" else (LlamaConfig, LlamaModel)
-    return model_cls(cfg_cls.from_dict(json.loads(config_json)))
+    cfg = cfg_cls.from_dict(json.loads(config_json))
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return model_cls(cfg)
 
 
 class Cloud:
-    """P2: transformed base model (+ substituted embedding/head in ``vocab_perm``) and a KV cache."""
+    """P2: transformed base model (+ substituted embedding/head in ``vocab_perm``) and a KV cache.
+
+    ``seconds``: the time of every ``step``; ``blocks_seconds``: of the block stack within it (the base model's
+    forward and the last position's slice). The plaintext service (``_plain_service``) is this class on the
+    untransformed model, so both sides run the same code."""
 
     def __init__(self, package: bytes) -> None:
         pkg = from_bytes(package)
-        self.base = _build_base(pkg["arch"], pkg["config"]).eval()
+        self.base = _build_base(pkg["arch"], pkg["config"], pkg.get("attn")).eval()
         dtype = next(iter(pkg["state"].values())).dtype
         self.base.to(dtype)
         d = self.base.config.hidden_size
@@ -198,19 +234,22 @@ class Cloud:
         self.embed, self.head = pkg["embed"], pkg["head"]
         self.cache = None
         self.seconds = 0.0
+        self.blocks_seconds = 0.0
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (1, T, d) permuted embeddings or (1, T) substituted ids -> (1, d) or (1, V)."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         if self.embed is not None:
             x = self.embed[x]  # (1, T, d), already permuted by pi
+        tb = _clock()
         out = self.base(inputs_embeds=x, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         y = out.last_hidden_state[:, -1]  # (1, d) = h[pi]
+        self.blocks_seconds += _clock() - tb
         if self.head is not None:
             y = y @ self.head.T  # (1, V) substituted logits
-        self.seconds += time.perf_counter() - t0
+        self.seconds += _clock() - t0
         return y
 
 
@@ -225,20 +264,20 @@ class User:
 
     @torch.no_grad()
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = _clock()
         x = self.sigma[ids] if self.sigma is not None else self.embed[ids][..., self.pi]
-        self.seconds += time.perf_counter() - t0
+        self.seconds += _clock() - t0
         return x
 
     @torch.no_grad()
     def decode(self, y: torch.Tensor) -> tuple[int, torch.Tensor]:
-        t0 = time.perf_counter()
+        t0 = _clock()
         if self.sigma is not None:
             logits = y[..., self.sigma]  # logits[t] = logits'[sigma[t]]
         else:
             logits = y[..., self.inv_pi] @ self.head.T  # (1, V)
         tok = int(logits.argmax(-1))
-        self.seconds += time.perf_counter() - t0
+        self.seconds += _clock() - t0
         return tok, logits[0]
 
 
@@ -257,24 +296,35 @@ def _generate(user: User, exchange: Callable[[torch.Tensor], torch.Tensor], prom
 # ---------------------------------------------------------------- plaintext reference
 
 
+def _plain_service(model: nn.Module) -> Cloud:
+    """The plaintext model as P2 would run it (see the module docstring): a ``Cloud`` built from the untransformed
+    blocks, the model's own token table and its LM head, through the same package, class and loading path as P2's
+    (a fresh instance, like P2's)."""
+    arch = _arch(model)
+    embed, head = _embed_and_head(model)
+    pkg = _p2_package(arch, model.config, base_model_of(model))
+    pkg.update(embed=embed, head=head)
+    return Cloud(to_bytes(pkg))
+
+
+@dataclass(frozen=True)
+class _PlainRun:
+    tokens: list[int]
+    seconds: float  # the whole plaintext service: lookup, blocks, head, greedy pick, next input
+    blocks_seconds: float  # the block stack alone (P2's work in ``user_embed``)
+    server_seconds: float  # lookup, blocks and head on the last position (P2's work in ``vocab_perm``)
+
+
 @torch.no_grad()
-def _plain_greedy(model: nn.Module, prompt: torch.Tensor, n_new: int) -> tuple[list[int], float, float]:
-    """The same service in plaintext, same work as the protocol: the block stack with a KV cache and the LM head
-    on the last position only (``model(...)`` would apply the head to every prompt position). Returns the tokens,
-    the whole time and the time of the block stack alone (the part P2 runs in ``user_embed``)."""
-    base = base_model_of(model)
-    _, head = _embed_and_head(model)
-    t0 = time.perf_counter()
-    blocks = 0.0
-    cache, ids, tokens = None, prompt.view(1, -1), []
+def _plain_run(service: Cloud, prompt: torch.Tensor, n_new: int) -> _PlainRun:
+    """Greedy generation in plaintext on ``service`` (``_plain_service``): the same ``Cloud.step`` P2 runs (KV cache,
+    LM head on the last position only), then the greedy token."""
+    t0 = _clock()
+    ids, tokens = prompt.view(1, -1), []
     for _ in range(n_new):
-        tb = time.perf_counter()
-        out = base(input_ids=ids, past_key_values=cache, use_cache=True)
-        blocks += time.perf_counter() - tb
-        cache = out.past_key_values
-        tokens.append(int((out.last_hidden_state[0, -1] @ head.T).argmax()))
+        tokens.append(int(service.step(ids).argmax()))
         ids = torch.tensor([[tokens[-1]]])
-    return tokens, time.perf_counter() - t0, blocks
+    return _PlainRun(tokens, _clock() - t0, service.blocks_seconds, service.seconds)
 
 
 @torch.no_grad()
@@ -301,16 +351,25 @@ def _validate(model: nn.Module, prompt: torch.Tensor, n_new: int, design: str) -
 
 
 def run_stip_inprocess(
-    model: nn.Module, prompt_ids, n_new: int, *, design: Design = "user_embed", keys: StipKeys | None = None
+    model: nn.Module,
+    prompt_ids,
+    n_new: int,
+    *,
+    design: Design = "user_embed",
+    keys: StipKeys | None = None,
+    plaintext_first: bool = True,
 ) -> StipResult:
-    """Algorithm 1 with all three parties in this process (same objects and frames as ``run_stip``).
+    """Algorithm 1 with all three parties in this process (same objects and frames as ``run_stip``), timed against
+    the plaintext service on the same thread.
 
-    ``keys``: None draws fresh secrets (``Developer``); tests may pass their own."""
+    Every object (P1's packages, P2, P3 and the plaintext service, ``_plain_service``) is built before either timed
+    part; then the plaintext generation and the protocol's run back to back, the plaintext one first when
+    ``plaintext_first`` (``core.stip.evaluate`` alternates it from round to round so that neither side always goes
+    first). ``keys``: None draws fresh secrets (``Developer``); tests may pass their own."""
     prompt = _validate(model, prompt_ids, n_new, design)
-    plain_tokens, plain_s, blocks_s = _plain_greedy(model, prompt, n_new)
     pkg2, pkg3 = Developer(model, design=design, keys=keys).packages()
+    plain_service = _plain_service(model)
     cloud, user = Cloud(pkg2), User(pkg3)
-    t_gen = time.perf_counter()
     counts = {"up": 0, "down": 0}
 
     def exchange(x: torch.Tensor) -> torch.Tensor:
@@ -321,19 +380,31 @@ def run_stip_inprocess(
         counts["down"] += len(frame)
         return decode_body(frame[8:])[1]
 
-    tokens, logits = _generate(user, exchange, prompt, n_new)
+    def protocol() -> tuple[list[int], torch.Tensor, float]:
+        t_gen = _clock()
+        tokens, logits = _generate(user, exchange, prompt, n_new)
+        return tokens, logits, _clock() - t_gen
+
+    gc.collect()  # the packaging's garbage, so that neither timed part collects it
+    if plaintext_first:
+        plain = _plain_run(plain_service, prompt, n_new)
+        tokens, logits, wall = protocol()
+    else:
+        tokens, logits, wall = protocol()
+        plain = _plain_run(plain_service, prompt, n_new)
     abs_err, rel_err = _logit_error(model, prompt, tokens, logits)
     return StipResult(
         design=design,
         tokens=tokens,
-        plain_tokens=plain_tokens,
+        plain_tokens=plain.tokens,
         max_abs_logit_error=abs_err,
         max_rel_logit_error=rel_err,
         p2_seconds=cloud.seconds,
         p3_seconds=user.seconds,
-        wall_seconds=time.perf_counter() - t_gen,
-        plain_seconds=plain_s,
-        plain_blocks_seconds=blocks_s,
+        wall_seconds=wall,
+        plain_seconds=plain.seconds,
+        plain_blocks_seconds=plain.blocks_seconds,
+        plain_server_seconds=plain.server_seconds,
         bytes_p3_to_p2=counts["up"],
         bytes_p2_to_p3=counts["down"],
         setup_bytes_p1_to_p2=len(encode_frame("pkg", pkg2)),
@@ -430,19 +501,20 @@ def run_stip(
         wrong_key=_wrong_key,
     )
     p1, p2, p3 = reports["P1"], reports["P2"], reports["P3"]
-    plain_tokens, plain_s, blocks_s = _plain_greedy(model, prompt, n_new)
+    plain = _plain_run(_plain_service(model), prompt, n_new)
     abs_err, rel_err = _logit_error(model, prompt, p3["tokens"], p3["logits"])
     return StipResult(
         design=design,
         tokens=p3["tokens"],
-        plain_tokens=plain_tokens,
+        plain_tokens=plain.tokens,
         max_abs_logit_error=abs_err,
         max_rel_logit_error=rel_err,
         p2_seconds=p2["seconds"],
         p3_seconds=p3["seconds"],
         wall_seconds=p3["wall"],
-        plain_seconds=plain_s,
-        plain_blocks_seconds=blocks_s,
+        plain_seconds=plain.seconds,
+        plain_blocks_seconds=plain.blocks_seconds,
+        plain_server_seconds=plain.server_seconds,
         bytes_p3_to_p2=p3["up"],
         bytes_p2_to_p3=p3["down"],
         setup_bytes_p1_to_p2=p1["to_p2"],
