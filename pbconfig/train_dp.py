@@ -32,12 +32,15 @@ class NonPrivateSchedule(FrozenConfig):
     epochs: int | None = Field(None, ge=1, description="None: train_dp.epochs")
     lr: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="None: each of train_dp.lrs")
     batch_size: int | None = Field(None, ge=1, description="None: each of train_dp.batch_sizes")
+    patience: int | None = Field(
+        None, ge=1, description="stop after this many evaluations without a better validation NDCG@10; None: never"
+    )
 
     @model_validator(mode="after")
     def _not_empty(self) -> NonPrivateSchedule:
-        if self.epochs is None and self.lr is None and self.batch_size is None:
+        if self.epochs is None and self.lr is None and self.batch_size is None and self.patience is None:
             raise ValueError(
-                "nonprivate_schedule sets none of epochs, lr, batch_size; set at least one, "
+                "nonprivate_schedule sets none of epochs, lr, batch_size, patience; set at least one, "
                 "or use nonprivate_schedule=null for the private grid point's schedule"
             )
         return self

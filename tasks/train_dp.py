@@ -70,6 +70,7 @@ class GridPoint:
     lr: float
     batch_size: int
     epochs: int | None = None
+    patience: int | None = None  # early stopping on validation (non-private points: nonprivate_schedule.patience)
     role: str = "final"  # "tuning": a point of the search on validation (TuningConfig), recorded apart
     tuned: Tuned | None = None  # a final point whose lr and batch size the search chose
 
@@ -77,6 +78,7 @@ class GridPoint:
     def label(self) -> str:
         eps = "nonprivate" if self.epsilon is None else f"eps{self.epsilon:g}"
         epochs = "" if self.epochs is None else f":e{self.epochs}"
+        epochs += "" if self.patience is None else f":p{self.patience}"
         role = ":tuning" if self.role == "tuning" else ""
         return f"{self.method}:{self.dataset}:{eps}:seed{self.seed}:lr{self.lr:g}:b{self.batch_size}{epochs}{role}"
 
@@ -201,6 +203,7 @@ def _scheduled(point: GridPoint, cfg: TrainDPConfig) -> GridPoint:
     return replace(
         point,
         epochs=schedule.epochs,
+        patience=schedule.patience,
         lr=point.lr if schedule.lr is None else schedule.lr,
         batch_size=point.batch_size if schedule.batch_size is None else schedule.batch_size,
     )
@@ -294,6 +297,7 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
         "warmup_frac": cfg.warmup_frac,
         "eval_every": cfg.eval_every,
         "seed": point.seed,
+        "patience": point.patience,
     }
     # the Opacus ghost-clipping peer cannot tie embeddings, so it halves d_model to match the
     # parameter count (DPFormer footnote 5)
@@ -364,6 +368,7 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
             "best_epoch_masked": result.best_epoch_masked,
             "n_params": result.n_params,
             "steps": result.steps,
+            "epochs_trained": result.history[-1].epoch,  # fewer than planned where patience stopped it
             "train_wall_s": result.wall_s,
         },
         units={"train_wall_s": "s"},

@@ -98,6 +98,9 @@ class DPTrainConfig:
     decays it linearly to 0; ``eval_every`` (epochs); ``seed``; ``device``; ``max_steps`` caps the
     number of steps (tests, quick profiles) -- the privacy calibration and the learning-rate
     schedule then use the capped number, so the target epsilon is spent by the last step run.
+    ``patience``: stop once this many evaluations in a row bring no better validation NDCG@10 under
+    either protocol (RecBole's ``stopping_step``); None trains every epoch. The schedule stays the
+    planned one, and a private run that stops early has spent less than its target epsilon.
     """
 
     arch: Arch = "transformer"
@@ -126,6 +129,7 @@ class DPTrainConfig:
     seed: int = 0
     device: str = "cpu"
     max_steps: int | None = None
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         self._check_model()
@@ -206,6 +210,8 @@ class DPTrainConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {name}={value!r}")
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
             raise ConfigError(f"max_steps must be a positive integer or None, got max_steps={self.max_steps!r}")
+        if self.patience is not None and (not _is_int(self.patience) or self.patience < 1):
+            raise ConfigError(f"patience must be a positive integer or None, got patience={self.patience!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0, got seed={self.seed!r}")
         if not _is_real(self.lr) or self.lr <= 0:

@@ -596,6 +596,7 @@ def _final_ledger(accountant: PrivacyAccountant, cfg: DPTrainConfig) -> PrivacyL
 def _train(run: _Run, started: float, on_epoch: Callable[[EpochLog], None] | None) -> tuple[EpochLog, ...]:
     history: list[EpochLog] = []
     per_epoch, total = run.plan.steps_per_epoch, run.plan.total_steps
+    best, stale = (-math.inf, -math.inf), 0  # the best validation NDCG@10 (ranked, masked); evaluations since
     for users in run.batches():
         run.train_step(users)
         epoch, at_epoch_end = run.epoch, run.step % per_epoch == 0
@@ -604,4 +605,9 @@ def _train(run: _Run, started: float, on_epoch: Callable[[EpochLog], None] | Non
             history.append(log)
             if on_epoch is not None:
                 on_epoch(log)
+            improved = log.valid_ndcg10 > best[0] or log.valid_ndcg10_masked > best[1]
+            best = (max(best[0], log.valid_ndcg10), max(best[1], log.valid_ndcg10_masked))
+            stale = 0 if improved else stale + 1
+            if run.cfg.patience is not None and stale >= run.cfg.patience:
+                break  # early stopping on validation (the config's patience)
     return tuple(history)

@@ -78,6 +78,11 @@ def test_nonprivate_schedule_applies_to_the_baselines_only() -> None:
     assert baselines[0].label == "transformer:ml-1m-tiny:nonprivate:seed0:lr0.01:b32:e7"
     assert train_overrides(baselines[0], scheduled)["epochs"] == 7
     assert train_overrides(private[0], scheduled)["epochs"] == grid.epochs == 1
+    assert train_overrides(baselines[0], scheduled)["patience"] is None
+    patient = grid.model_validate(grid.model_dump() | {"nonprivate_schedule": {"patience": 10}})
+    points = expand_grid(patient, {"ml-1m-tiny": "/x"})
+    assert {p.epsilon is None: train_overrides(p, patient)["patience"] for p in points} == {True: 10, False: None}
+    assert next(p for p in points if p.epsilon is None).label.endswith(":p10")
 
 
 def test_secure_mode_reaches_the_private_runs_only() -> None:

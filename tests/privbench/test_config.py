@@ -124,7 +124,8 @@ def test_privacy_critical_train_values_are_validated(override: str, expected: st
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("train_dp.nonprivate_schedule={}", "sets none of epochs, lr, batch_size"),
+        ("train_dp.nonprivate_schedule={}", "sets none of epochs, lr, batch_size, patience"),
+        ("train_dp.nonprivate_schedule={patience: 0}", "nonprivate_schedule.patience = 0: Input should be greater"),
         ("train_dp.nonprivate_schedule={epochs: 0}", "nonprivate_schedule.epochs = 0: Input should be greater"),
         ("train_dp.nonprivate_schedule={lr: -1}", "nonprivate_schedule.lr = -1: Input should be greater than 0"),
         ("train_dp.nonprivate_schedule={lr: .inf}", "nonprivate_schedule.lr = inf: Input should be a finite"),

@@ -406,3 +406,18 @@ def test_every_target_trains_on_every_pair_and_last_window_on_fewer() -> None:
         assert run.loss_tokens == expected
     result = train_seqrec(data, method_config("dpformer", **(TINY | {"max_len": 5, "epsilon": 8.0})))
     assert _finite(result) and result.ledger.epsilon <= 8.0 + 1e-6
+
+
+def test_patience_stops_once_validation_stops_improving(data: SequentialDataset) -> None:
+    """lr so small the model cannot move: validation is flat after the first evaluation, so patience 2 stops after
+    the third; without patience every epoch runs. The best epoch is still the first maximum on validation."""
+    cfg = TINY | {"clipping": "nonprivate", "epochs": 6, "lr": 1e-12}
+    full = train_seqrec(data, method_config("transformer", **cfg))
+    early = train_seqrec(data, method_config("transformer", **cfg, patience=2))
+    assert [log.epoch for log in full.history] == [1, 2, 3, 4, 5, 6]
+    assert [log.epoch for log in early.history] == [1, 2, 3] and early.steps < full.steps
+    assert early.best_epoch == full.best_epoch == 1
+    patient = train_seqrec(data, method_config("transformer", **cfg, patience=6))  # more than the epochs left
+    assert len(patient.history) == 6 and patient.steps == full.steps
+    with pytest.raises(ConfigError, match="patience must be a positive integer"):
+        method_config("transformer", **cfg, patience=0)
