@@ -58,7 +58,7 @@ def seed_pass(config: SecureInferenceConfig, profile: str, parent: RunRef | None
             teacher = teacher_of(name, config)
             trained[name] = train_model(name, config, run, teacher=trained[teacher] if teacher else None)
         models = collect_models(config, trained, run)
-        results = [mpc_generation(m, config, models, run) for m in config.methods]
+        results = [mpc_generation(m, config, models, run) for m in config.run_order]
         points = [(m, n, None) for m in config.scaling_methods if m in models.payloads for n in config.scaling_gen_lens]
         points += [(m, config.gen_len, s) for m in config.scaling_methods for s in config.scaling_sizes]
         scaling = [scaling_point(m, n, s, config, models, run) for m, n, s in points]

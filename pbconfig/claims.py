@@ -349,6 +349,10 @@ class Claim(FrozenConfig):
     # registered claim failed); its verdict is shown as "exploratory" with what its rule reads, never counted as
     # reproduced or not (docs/claims.md)
     exploratory: str | None = None
+    # why this is a check privbench adds, not a claim its paper makes (what the paper presupposes, a peer's level, a
+    # design of ours the paper leaves open): its verdict stands in the table, marked ``privbench check``, and the
+    # report counts the papers' own claims apart from the checks
+    check: str | None = None
     registered: Registration
     history: tuple[RuleChange, ...] = ()
 

@@ -125,6 +125,13 @@ class SecureInferenceConfig(SeedPasses):
         return self
 
     @property
+    def run_order(self) -> tuple[SIMethod, ...]:
+        """The order a seed pass runs ``methods`` under MPC: as listed at an even ``seed``, reversed at an odd one,
+        so that over consecutive seeds each pair of methods runs in both orders and a drift of the machine's speed
+        favours neither side of a timing ratio (as the STIP timing alternates its two sides)."""
+        return self.methods if self.seed % 2 == 0 else self.methods[::-1]
+
+    @property
     def pretrain_seed_used(self) -> int:
         """The seed the pretrained GPT-2 is trained with: ``pretrain_seed``, or the pass's ``seed``."""
         return self.seed if self.pretrain_seed is None else self.pretrain_seed

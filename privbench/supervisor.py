@@ -133,19 +133,43 @@ def prefect_api() -> Iterator[Any]:
             return object.__new__(cls)
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-            real_popen = subprocess.Popen
+            """Prefect's own server command (``SubprocessASGIServer._run_uvicorn_command`` in Prefect 3), started
+            in a session of its own that dies with this process: passed to this one ``Popen``, never patched into
+            the ``subprocess`` module, where another thread's ``Popen`` would get it too."""
+            import prefect
+            from prefect.settings import get_current_settings
 
             # its output is not the command's: a server that outlived the command must not hold its pipes open
             quiet = {} if os.environ.get(DEBUG_ENV) else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-
-            def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
-                return real_popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **quiet, **kwargs)
-
-            subprocess.Popen = popen  # type: ignore[misc]
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                subprocess.Popen = real_popen  # type: ignore[misc]
+            server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--app-dir",
+                    str(prefect.__module_path__.parent),
+                    "--factory",
+                    "prefect.server.api.server:create_app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ],
+                env={
+                    **os.environ,
+                    **server_env,
+                    **get_current_settings().to_environment_variables(exclude_unset=True),
+                },
+                start_new_session=True,
+                # only a prctl call, before exec: no lock another thread could hold (as Prefect's own start did)
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+                **quiet,  # type: ignore[arg-type]
+            )
 
         def stop(self) -> None:
             """Terminate, and kill after 2 s (its SQLite database survives that), not Prefect's 5 s wait."""

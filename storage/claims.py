@@ -454,9 +454,9 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
 
 
 def _recipes(rows: pd.DataFrame, m: Any) -> tuple[str, ...]:
-    """``method lr L x B`` of each method the claim's sides select among ``rows`` that names its learning rate and
-    batch size (the train-dp views: a search picks them per method, so the report says which ones the verdict rests
-    on)."""
+    """``method lr L x B for E epochs`` of each method the claim's sides select among ``rows`` that names its
+    learning rate and batch size (the train-dp views: a search picks them per method, so the report says which ones
+    the verdict rests on; the epochs say how far the schedule is from the paper's)."""
     if not {"method", "lr", "batch_size"} <= set(rows.columns):
         return ()
     known = rows.dropna(subset=["lr", "batch_size"])
@@ -464,8 +464,15 @@ def _recipes(rows: pd.DataFrame, m: Any) -> tuple[str, ...]:
     if wanted:
         names = {str(w) for v in wanted for w in (v if isinstance(v, list) else [v])}
         known = known[known["method"].astype(str).isin(names)]
-    pairs = {(str(m), float(lr), int(b)) for m, lr, b in zip(known["method"], known["lr"], known["batch_size"])}
-    return tuple(f"{m} lr {lr:g} x {b}" for m, lr, b in sorted(pairs))
+    epochs = known["epochs"] if "epochs" in known else pd.Series(math.nan, index=known.index)
+    points = {
+        (str(m), float(lr), int(b), None if pd.isna(e) else int(e))
+        for m, lr, b, e in zip(known["method"], known["lr"], known["batch_size"], epochs, strict=True)
+    }
+    return tuple(
+        f"{m} lr {lr:g} x {b}" + (f" for {e} epoch{'s' if e != 1 else ''}" if e is not None else "")
+        for m, lr, b, e in sorted(points, key=lambda p: (p[0], p[1], p[2], -1 if p[3] is None else p[3]))
+    )
 
 
 def _projection(claim: Claim, verdict: str, rows: pd.DataFrame) -> str:
@@ -577,6 +584,7 @@ CLAIM_COLUMNS = [
     "interval",
     "stage",
     "note",
+    "paper_claim",
     "run_ids",
 ]
 
@@ -596,7 +604,7 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
             {
                 "paper": c.paper,
                 "claim": c.id,
-                "source": c.source,
+                "source": f"privbench check ({c.source})" if c.check else c.source,
                 "statement": c.statement,
                 "paper_value": c.paper_value,
                 "ours": r.ours() if r.contexts else "-",
@@ -607,7 +615,10 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
                 "reason": r.reason,
                 "interval": "; ".join(sorted({x.interval for x in r.contexts if x.verdict != NOT_RUN})),
                 "stage": c.stage,
-                "note": c.note,
+                "note": f"{c.note} (privbench check: {c.check})"
+                if c.note and c.check
+                else c.note or (f"privbench check: {c.check}" if c.check else ""),
+                "paper_claim": not c.check,
                 "run_ids": list(r.run_ids),
             }
         )

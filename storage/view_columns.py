@@ -41,6 +41,7 @@ PRIVACY_UTILITY_COLUMNS = [
     "train_wall_s",
     "lr",
     "batch_size",
+    "epochs",
     "epsilon_with_tuning",
     "delta_with_tuning",
     "tuning_points",

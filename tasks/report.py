@@ -81,6 +81,25 @@ class Report:
     def counts(self) -> dict[str, int]:
         return {v: int((self.table["verdict"] == v).sum()) if len(self.table) else 0 for v in VERDICT_ORDER}
 
+    @property
+    def paper_counts(self) -> dict[str, int]:
+        """The counts of the papers' own claims (``counts`` less the checks privbench adds)."""
+        own = self.table[self.table["paper_claim"]] if len(self.table) else self.table
+        return {v: int((own["verdict"] == v).sum()) if len(own) else 0 for v in VERDICT_ORDER}
+
+
+def _paper_count_line(report: Report, total: int) -> list[str]:
+    own = report.paper_counts
+    n = sum(own.values())
+    if n == total:
+        return []
+    return [
+        f"The papers' own claims alone ({n} of the {total}; the other {total - n} are checks privbench adds, marked "
+        "`privbench check` in the source column: what a paper presupposes, a peer's level, a design the paper leaves "
+        "open): " + ", ".join(f"{own[v]} {v}" for v in VERDICT_ORDER) + ".",
+        "",
+    ]
+
 
 def _cell(value: Any) -> str:
     text = "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
@@ -410,6 +429,7 @@ def render_report(
         "",
         "Verdicts: " + ", ".join(f"{counts[v]} {v}" for v in VERDICT_ORDER) + f" (of {len(table)} claims).",
         "",
+        *_paper_count_line(report, len(table)),
         (
             "`underpowered`: at the n that ran the rule could not have reached one of its verdicts (the reason says "
             "the n it needs); `projected`: read from a fit, not a measurement, never counted as reproduced (the "

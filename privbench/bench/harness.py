@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from core.errors import ConfigError, PrivbenchError
 from core.order_stats import CONFIDENCE, MedianInterval, median_interval
+from storage.provenance import cpu_model
 
 PROFILES = ("quick", "paper")
 WORKER_MODULE = "privbench.bench._worker"
@@ -150,19 +151,6 @@ def bench_threads() -> int:
             raise ConfigError(f"{THREADS_ENV} must be a positive int, got {raw!r}")
         return value
     return available_cpus()
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of the processor."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "processor\t: ")) and ":" in line:
-                value = line.split(":", 1)[1].strip()
-                if value and not value.isdigit():
-                    return value
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _memory_total_mb() -> float | None:

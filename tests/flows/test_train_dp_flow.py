@@ -298,12 +298,13 @@ def test_report_shows_the_search(home, prefect_harness, tmp_path) -> None:
 
 
 def test_claims_name_the_recipe_they_rest_on(stage_store, monkeypatch) -> None:
-    """The report's scale column names each judged method's learning rate and batch size (a search may pick them)."""
+    """The report's scale column names each judged method's learning rate, batch size and epochs (a search may pick
+    the first two; the epochs say how far the schedule is from the paper's)."""
     from storage.claims import claims_table, evaluate_claims
 
     stage_store.summary("train-dp")
     stage_store.point_at(monkeypatch)
     table = claims_table(evaluate_claims(profile="tiny"), "tiny").set_index("claim")
     assert table.loc["dpformer-beats-transformer", "scale"] == (
-        "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64, transformer lr 0.005 x 64"
+        "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64 for 1 epoch, transformer lr 0.005 x 64 for 1 epoch"
     )

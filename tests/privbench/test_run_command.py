@@ -101,11 +101,14 @@ def test_the_temporary_api_server_leaves_other_prefect_servers_of_the_process_al
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     # a session's test harness may hold the table's default entry: this test's server must not be that one
     monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
+    real_popen = subprocess.Popen
     outer = SubprocessASGIServer()
     outer.start()
     try:
         with prefect_api() as mine:
             assert mine is not outer and mine.server_process.pid != outer.server_process.pid
+            assert os.getsid(mine.server_process.pid) == mine.server_process.pid  # a session of its own
+            assert subprocess.Popen is real_popen  # passed to its Popen, not patched into the module
         assert mine.server_process is None  # stopped
         assert outer.server_process is not None and outer.server_process.poll() is None  # still serving
         assert SubprocessASGIServer() is outer

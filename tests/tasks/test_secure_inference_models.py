@@ -186,3 +186,18 @@ def test_a_pretrain_seed_shares_one_pretrained_model_across_seed_passes(home: Pa
 def test_a_negative_pretrain_seed_is_refused() -> None:
     with pytest.raises(ValueError, match="pretrain_seed"):
         SecureInferenceConfig(**{**TINY.model_dump(), "pretrain_seed": -1})
+
+
+def test_seed_passes_alternate_the_method_order() -> None:
+    """A timing ratio must not favour the method that always runs first: consecutive seed passes run the methods
+    in opposite orders, so every pair runs both ways."""
+    base = SecureInferenceConfig(
+        **{**TINY.model_dump(), "methods": ("vanilla", "vanilla_kv", "merge"), "seeds": (0, 1, 2)}
+    )
+    orders = [c.run_order for c in base.seed_configs()]
+    assert orders == [("vanilla", "vanilla_kv", "merge"), ("merge", "vanilla_kv", "vanilla"), orders[0]]
+    for a in base.methods:  # every ordered pair of methods appears in both orders over two passes
+        for b in base.methods:
+            if a != b:
+                firsts = {o.index(a) < o.index(b) for o in orders[:2]}
+                assert firsts == {True, False}, (a, b)
