@@ -21,6 +21,7 @@ import streamlit as st
 
 from core.errors import PrivbenchError
 from dashboards import plots, tables
+from pbconfig.claims import Verdict
 from pbconfig.settings import get_settings
 from storage import claims as claim_verdicts
 from storage import leaderboard as ranking
@@ -331,14 +332,14 @@ def attacks(db_url: str, filters: Filters) -> None:
 
 
 VERDICT_ICONS = {
-    "reproduced": "✅",
-    "not reproduced": "❌",
-    "inconclusive": "❔",
-    "underpowered": "🔋",
-    "projected": "📈",
-    "exploratory": "🔎",
-    "not applicable at this scale": "↔",
-    "not run": "⏸",
+    Verdict.REPRODUCED: "✅",
+    Verdict.NOT_REPRODUCED: "❌",
+    Verdict.INCONCLUSIVE: "❔",
+    Verdict.UNDERPOWERED: "🔋",
+    Verdict.PROJECTED: "📈",
+    Verdict.EXPLORATORY: "🔎",
+    Verdict.NOT_APPLICABLE: "↔",
+    Verdict.NOT_RUN: "⏸",
 }
 
 

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,16 +96,23 @@ SOURCES = (
     "membership",
     "metrics",
 )
-VERDICTS = (
-    "reproduced",
-    "not reproduced",
-    "inconclusive",
-    "underpowered",
-    "projected",
-    "exploratory",
-    "not applicable at this scale",
-    "not run",
-)
+
+
+class Verdict(StrEnum):
+    """A claim's verdict, in the order the report counts them (``docs/claims.md`` says when each is given). The one
+    definition: the verdict engine, the report, the CLI's colours and the dashboard's icons all key on it."""
+
+    REPRODUCED = "reproduced"
+    NOT_REPRODUCED = "not reproduced"
+    INCONCLUSIVE = "inconclusive"
+    UNDERPOWERED = "underpowered"
+    PROJECTED = "projected"
+    EXPLORATORY = "exploratory"
+    NOT_APPLICABLE = "not applicable at this scale"
+    NOT_RUN = "not run"
+
+
+VERDICTS = tuple(Verdict)
 Scalar = str | int | float | bool | None
 
 
@@ -441,6 +449,7 @@ __all__ = [
     "Rule",
     "RuleChange",
     "SideSource",
+    "Verdict",
     "dotted_name",
     "load_claims",
     "load_papers",

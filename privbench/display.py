@@ -11,17 +11,20 @@ from rich.table import Table
 from rich.text import Text
 
 from core.redact import redact_url
+from pbconfig.claims import Verdict
 
 if TYPE_CHECKING:
     import pandas as pd
 
 VERDICT_COLOURS = {
-    "reproduced": "green",
-    "not reproduced": "red",
-    "inconclusive": "yellow",
-    "underpowered": "yellow",
-    "projected": "cyan",
-    "not applicable at this scale": "dim",
+    Verdict.REPRODUCED: "green",
+    Verdict.NOT_REPRODUCED: "red",
+    Verdict.INCONCLUSIVE: "yellow",
+    Verdict.UNDERPOWERED: "yellow",
+    Verdict.PROJECTED: "cyan",
+    Verdict.EXPLORATORY: "dim",
+    Verdict.NOT_APPLICABLE: "dim",
+    Verdict.NOT_RUN: "dim",
 }
 
 

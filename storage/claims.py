@@ -34,13 +34,18 @@ import pandas as pd
 from scipy import stats
 
 from core.errors import ConfigError
-from pbconfig.claims import Claim, Measure, Rule, load_claims
+from pbconfig.claims import Claim, Measure, Rule, Verdict, load_claims
 from storage.claim_rows import at_scale, claim_rows, matches, run_configs
 from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
 
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
-UNDERPOWERED, PROJECTED, NOT_APPLICABLE = "underpowered", "projected", "not applicable at this scale"
-EXPLORATORY = "exploratory"
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = (
+    Verdict.REPRODUCED,
+    Verdict.NOT_REPRODUCED,
+    Verdict.INCONCLUSIVE,
+    Verdict.NOT_RUN,
+)
+UNDERPOWERED, PROJECTED, NOT_APPLICABLE = Verdict.UNDERPOWERED, Verdict.PROJECTED, Verdict.NOT_APPLICABLE
+EXPLORATORY = Verdict.EXPLORATORY
 
 
 @dataclass(frozen=True)

@@ -27,18 +27,13 @@ from typing import Any
 import pandas as pd
 from prefect import task
 
-from pbconfig.claims import load_papers
+from pbconfig.claims import Verdict, load_papers
 from storage import views
 from storage.bench_runs import bench_runs
 from storage.claims import (
-    EXPLORATORY,
     INCONCLUSIVE,
-    NOT_APPLICABLE,
     NOT_REPRODUCED,
-    NOT_RUN,
-    PROJECTED,
     REPRODUCED,
-    UNDERPOWERED,
     ClaimResult,
     bench_profile,
     claims_table,
@@ -47,16 +42,7 @@ from storage.claims import (
 from storage.stage_runs import STAGE_FLOWS, stage_runs, unfinished_runs
 
 log = logging.getLogger("privbench.report")
-VERDICT_ORDER = (
-    REPRODUCED,
-    NOT_REPRODUCED,
-    INCONCLUSIVE,
-    UNDERPOWERED,
-    PROJECTED,
-    EXPLORATORY,
-    NOT_APPLICABLE,
-    NOT_RUN,
-)
+VERDICT_ORDER = tuple(Verdict)
 STAGE_TITLES = {
     "prepare": "prepare (datasets)",
     "train-dp": "train-dp (DPFormer)",

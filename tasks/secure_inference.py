@@ -35,8 +35,9 @@ from core.mpc.accounting import CATEGORIES
 from core.mpc.costmodel import Network, project_all
 from core.mpc.finetune import eval_prompts
 from core.mpc.methods import generate_plain, method_spec, run_method_party
-from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, run_local
+from core.mpc.parties import SHARE_RANDOMNESS, run_local
 from core.mpc.quality import quality_drop, text_quality
+from core.secret_source import SECRET_SOURCE_TAG
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from prefect import task
 
+from core.secret_source import SECRET_SOURCE_TAG
 from core.stip import evaluate as E
 from core.stip import recovery as R
-from core.stip.keys import SECRET_SOURCE, SECRET_SOURCE_TAG
+from core.stip.keys import SECRET_SOURCE
 from core.stip.models import build_model
 from pbconfig.stip import StipConfig, StipModelSpec
 from tasks.records import RESUMABLE, task_record

@@ -42,7 +42,6 @@ from core.mpc.crypten_compat import import_crypten, stage_cuda_communication
 
 MODEL_OWNER = 0
 CLIENT = 1
-SECRET_SOURCE_TAG = "privbench.secret_source"
 SHARE_RANDOMNESS = "crypten.init: share generators seeded from os.urandom per run and party, never recorded"
 _ENV_KEYS = ("DISTRIBUTED_BACKEND", "RENDEZVOUS", "WORLD_SIZE", "RANK")
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError
+from core.secret_source import SECRET_SOURCE_TAG
 from core.stip.transform import check_permutation, mlp_hidden_sizes
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 PermutationSource = Callable[[int], torch.Tensor]
-SECRET_SOURCE_TAG = "privbench.secret_source"
 SECRET_SOURCE = "secrets.SystemRandom (OS CSPRNG), fresh per run, never recorded"
 
 

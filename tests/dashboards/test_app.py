@@ -121,3 +121,10 @@ def test_claims_tab_shows_the_report_table(filled_store: FilledStore, monkeypatc
     assert claims["claim"].tolist() == expected["claim"].tolist()
     assert [v.split(" ", 1)[1] for v in claims["verdict"]] == expected["verdict"].tolist()
     assert claims["ours"].tolist() == expected["ours"].tolist()
+
+
+def test_every_verdict_has_an_icon() -> None:
+    from dashboards.app import VERDICT_ICONS
+    from pbconfig.claims import Verdict
+
+    assert set(VERDICT_ICONS) == set(Verdict)

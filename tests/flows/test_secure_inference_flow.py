@@ -11,7 +11,8 @@ import pytest
 
 from core.mpc.crypten_compat import crypten_available
 from core.mpc.methods import run_method_party
-from core.mpc.parties import SECRET_SOURCE_TAG, SHARE_RANDOMNESS, PartyError
+from core.mpc.parties import SHARE_RANDOMNESS, PartyError
+from core.secret_source import SECRET_SOURCE_TAG
 from flows.secure_inference import secure_inference_flow
 from pbconfig.claims import load_claims
 from pbconfig.secure_inference import SecureInferenceConfig

@@ -506,6 +506,10 @@ def test_the_registry_verdicts_are_the_evaluators() -> None:
         sc.NOT_APPLICABLE,
         sc.NOT_RUN,
     ]
+    assert [str(v) for v in VERDICTS] == [v.value for v in VERDICTS]  # shown and stored as the plain text
+    from privbench.display import VERDICT_COLOURS
+
+    assert set(VERDICT_COLOURS) == set(VERDICTS)  # the CLI colours every verdict
 
 
 def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
