@@ -255,7 +255,7 @@ def results_reap(
     """Mark ``failed`` the runs left ``running`` by a killed process or a lost host (store and MLflow), with the
     reason; their Prefect flow runs are set Crashed when PREFECT_API_URL names a server. Every flow start does
     the same."""
-    from storage.recording import reap_stale_runs
+    from storage.recovery import reap_stale_runs
 
     if older_than is not None and older_than < 0:
         _fail(f"--older-than must be >= 0 seconds, got {older_than:g}", code=2)

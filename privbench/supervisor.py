@@ -363,7 +363,7 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_ur
     code = child.returncode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tree.kill()
-    from storage.recording import end_mlflow_runs_of_processes, fail_runs_of_processes
+    from storage.recovery import end_mlflow_runs_of_processes, fail_runs_of_processes
 
     failed = fail_runs_of_processes(tree.pids, f"the flow process {how}", interrupted=False)
     end_mlflow_runs_of_processes(tree.pids, interrupted=False)
@@ -376,7 +376,7 @@ def _outcome(child: subprocess.Popen[bytes], tree: _Tree, out_path: Path, api_ur
 
 def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -> Interrupted:
     """Mark the tree's rows failed, kill the tree, mark again, cancel the Prefect flow runs; within GRACE_S."""
-    from storage.recording import end_mlflow_runs_of_processes, fail_runs_of_processes
+    from storage.recovery import end_mlflow_runs_of_processes, fail_runs_of_processes
 
     name = signal.Signals(signum).name
     watchdog = threading.Timer(GRACE_S, lambda: os._exit(130))

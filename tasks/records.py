@@ -23,16 +23,8 @@ from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
 from core.errors import PrivbenchError
-from storage.recording import (
-    Recorder,
-    RunRef,
-    fail_runs_of_prefect_flow,
-    finish_run,
-    reap_stale_runs,
-    record_run,
-    running_prefect_flow_runs,
-    start_run,
-)
+from storage.recording import Recorder, RunRef, finish_run, record_run, start_run
+from storage.recovery import fail_runs_of_prefect_flow, reap_stale_runs, running_prefect_flow_runs
 
 log = logging.getLogger("privbench.records")
 

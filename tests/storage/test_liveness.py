@@ -16,10 +16,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 from sqlalchemy import select, update
 
-from storage import liveness, provenance, recording
+from storage import liveness, provenance, recording, recovery
 from storage.db import session_scope
 from storage.models import Run
-from storage.recording import fail_run, finish_run, reap_stale_runs, record_run, start_run
+from storage.recording import fail_run, finish_run, record_run, start_run
+from storage.recovery import reap_stale_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"lr": 0.01}
@@ -174,11 +175,11 @@ def test_a_row_failed_by_a_process_killed_before_it_ended_mlflow_gets_its_mlflow
     assert client.get_run(mlflow_run_id).info.status == "RUNNING"
     fail_run(recording.RunRef(run_id, mlflow_run_id, "train-dp", "train-dp", None, True), "late")  # a no-op
     assert client.get_run(mlflow_run_id).info.status == "RUNNING"
-    assert recording.end_mlflow_runs_of_processes({proc.pid}) == [mlflow_run_id]
+    assert recovery.end_mlflow_runs_of_processes({proc.pid}) == [mlflow_run_id]
     ended = client.get_run(mlflow_run_id)
     assert ended.info.status == "KILLED" and ended.data.tags["privbench.error"] == "interrupted (SIGINT)"
-    assert recording.end_mlflow_runs_of_processes({proc.pid}) == []  # idempotent
-    assert recording.end_mlflow_runs_of_processes({proc.pid + 1}) == []  # only the given processes' rows
+    assert recovery.end_mlflow_runs_of_processes({proc.pid}) == []  # idempotent
+    assert recovery.end_mlflow_runs_of_processes({proc.pid + 1}) == []  # only the given processes' rows
 
 
 def test_results_reap_cli_after_a_real_sigkill(home: Path, mlflow_uri: str) -> None:
