@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import select, update
 
+from core.dp.accounting import PrivacyLedger as SpentPrivacy
 from core.errors import StoreError
 from core.redact import redact_url
 from pbconfig import __version__
@@ -156,6 +157,23 @@ class Recorder:
                 unit=unit,
                 neighbouring=neighbouring,
             )
+        )
+
+    def ledger(self, spent: SpentPrivacy, *, unit: str, neighbouring: str) -> None:
+        """The ledger row of a private training run from its accountant's record (``core.dp.accounting``): what it
+        spent, the mechanism's parameters, the protected ``unit`` ("user", "example") and the ``neighbouring``
+        relation its sampling gives (Poisson sampling: ``"add/remove"``). The one way a task writes the ledger."""
+        self.privacy(
+            epsilon=spent.epsilon,
+            delta=spent.delta,
+            noise_multiplier=spent.noise_multiplier,
+            sample_rate=spent.sample_rate,
+            steps=spent.steps,
+            accountant=str(spent.accountant),
+            clip_norm=spent.clip_norm,
+            target_epsilon=spent.target_epsilon,
+            unit=unit,
+            neighbouring=neighbouring,
         )
 
     def attack(self, *, attack: str, target: str, extra: Mapping[str, Any] | None = None, **values: Any) -> None:

@@ -18,7 +18,7 @@ from prefect import task
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
 from core.attacks.membership import split_halves
 from core.data.sequential import SequentialDataset
-from core.dp.trainer import TrainResult, method_config, train_seqrec
+from core.dp.trainer import NEIGHBOURING, PRIVACY_UNIT, TrainResult, method_config, train_seqrec
 from pbconfig.attacks import AuditConfig
 from pbconfig.tangent import TangentConfig
 from pbconfig.train_dp import TrainDPConfig
@@ -128,17 +128,7 @@ def audit_seqrec(
         done = audit_point(load_prepared(path), method, epsilon, cfg, overrides)
         target, results, delta, ledger = done.target, done.results, done.delta, done.target.ledger
         if ledger is not None:
-            rec.privacy(
-                epsilon=ledger.epsilon,
-                delta=ledger.delta,
-                noise_multiplier=ledger.noise_multiplier,
-                sample_rate=ledger.sample_rate,
-                steps=ledger.steps,
-                accountant=str(ledger.accountant),
-                clip_norm=ledger.clip_norm,
-                target_epsilon=ledger.target_epsilon,
-                unit="user",
-            )
+            rec.ledger(ledger, unit=PRIVACY_UNIT, neighbouring=NEIGHBOURING)  # the train-dp trainer's user-level DP
         for name, r in results.items():
             lo, hi = r["empirical_epsilon_ci"]
             rec.attack(

@@ -39,7 +39,7 @@ from core.registry import lookup
 from core.tangent import experiments as X
 from core.tangent.baselines import NonlinearSuffix, train_fc, train_nonlinear
 from core.tangent.model import TangentModel
-from core.tangent.train import TangentTrainConfig, train_tangent
+from core.tangent.train import DP_NEIGHBOURING, DP_PRIVACY_UNIT, TangentTrainConfig, train_tangent
 from pbconfig.settings import get_settings
 from pbconfig.tangent import TangentConfig
 from storage.recording import Recorder, RunRef
@@ -411,26 +411,15 @@ def train_dp_regime(
             batch_size=cfg.eval_batch_size,
             reg_start=dp.reg_start,
         )
-        led = cell.ledger
-        rec.privacy(
-            epsilon=led.epsilon,
-            delta=led.delta,
-            noise_multiplier=led.noise_multiplier,
-            sample_rate=led.sample_rate,
-            steps=led.steps,
-            accountant=led.accountant,
-            clip_norm=dp.clip_norm,
-            target_epsilon=epsilon,
-            unit="example",
-        )
+        rec.ledger(cell.ledger, unit=DP_PRIVACY_UNIT, neighbouring=DP_NEIGHBOURING)
         _record_epochs(rec, cell.stats)
         result = {
             "regime": regime,
             "parameters": kind,
             "target_epsilon": epsilon,
             "test_accuracy": cell.test_accuracy,
-            "epsilon": led.epsilon,
-            "noise_multiplier": led.noise_multiplier,
+            "epsilon": cell.ledger.epsilon,
+            "noise_multiplier": cell.ledger.noise_multiplier,
             "train_s": cell.stats.seconds,
             "trainable_parameters": cell.trainable,
         }

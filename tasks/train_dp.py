@@ -378,18 +378,7 @@ def _record_result(rec: Recorder, result: TrainResult, point: GridPoint) -> None
         rec.metrics(result.correction_sizes, units=nats)
     if result.ledger is not None:
         ledger = result.ledger
-        rec.privacy(
-            epsilon=ledger.epsilon,
-            delta=ledger.delta,
-            noise_multiplier=ledger.noise_multiplier,
-            sample_rate=ledger.sample_rate,
-            steps=ledger.steps,
-            accountant=str(ledger.accountant),
-            clip_norm=ledger.clip_norm,
-            target_epsilon=ledger.target_epsilon,
-            unit=PRIVACY_UNIT,
-            neighbouring=NEIGHBOURING,
-        )
+        rec.ledger(ledger, unit=PRIVACY_UNIT, neighbouring=NEIGHBOURING)
         rec.metric("epsilon", ledger.epsilon)
     if point.tuned is not None:  # the search that chose this point's lr and batch size (TuningConfig)
         protocol = "_masked" if point.tuned.protocol == "masked" else ""

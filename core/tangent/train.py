@@ -42,6 +42,8 @@ from core.tangent.loss import l2_penalty, project_to_ball_, rescaled_square_loss
 from core.tangent.model import TangentModel, force_eager_attention_
 
 __all__ = [
+    "DP_NEIGHBOURING",
+    "DP_PRIVACY_UNIT",
     "EpochStats",
     "TangentTrainConfig",
     "TrainStats",
@@ -55,6 +57,8 @@ __all__ = [
 ]
 
 LossName = Literal["rsl", "ce"]
+# what train_dp protects: one training example, under Poisson sampling's add/remove neighbouring relation
+DP_PRIVACY_UNIT, DP_NEIGHBOURING = "example", "add/remove"
 OptimizerName = Literal["adam", "sgd"]
 
 
