@@ -21,9 +21,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from rich.console import Console, Group, RenderableType
 from rich.spinner import Spinner
@@ -358,59 +358,24 @@ def _redact(text: str) -> str:
 
 def command_rows(pids: set[int], since: datetime, running: set[str]) -> list[RunState]:
     """The rows of this command: opened on this host by one of ``pids`` since ``since``, and (transitively) those
-    nested under ``running`` rows or under the rows found (a remote worker's, say). One query, plus one per
-    level of nesting found."""
-    from sqlalchemy import select
+    nested under ``running`` rows or under the rows found (``storage.process_runs``)."""
+    from storage.process_runs import runs_of_processes
 
-    from pbconfig.settings import get_settings
-    from storage import provenance
-    from storage.db import session_scope
-    from storage.models import Run
-
-    columns = (
-        Run.id,
-        Run.parent_id,
-        Run.flow,
-        Run.stage,
-        Run.technique,
-        Run.dataset,
-        Run.status,
-        Run.started_at,
-        Run.duration_s,
-        Run.error,
-    )
-    found: dict[str, Any] = {}
-    with session_scope(get_settings().db_url) as session:
-        if pids:
-            for row in session.execute(
-                select(*columns).where(Run.host == provenance.host(), Run.pid.in_(sorted(pids)))
-            ):
-                if _utc(row.started_at) >= since:
-                    found[row.id] = row
-        parents = set(running) | {i for i, r in found.items() if r.status == "running"}
-        while parents:
-            children = session.execute(select(*columns).where(Run.parent_id.in_(sorted(parents)))).all()
-            parents = {r.id for r in children if r.id not in found and r.status == "running"}
-            found.update({r.id: r for r in children})
     return [
         RunState(
-            id=r.id,
-            parent_id=r.parent_id,
-            flow=r.flow,
-            stage=r.stage,
-            technique=r.technique,
-            dataset=r.dataset,
-            status=r.status,
-            started=_utc(r.started_at).timestamp(),
-            duration_s=r.duration_s,
-            error=r.error,
+            id=r["id"],
+            parent_id=r["parent_id"],
+            flow=r["flow"],
+            stage=r["stage"],
+            technique=r["technique"],
+            dataset=r["dataset"],
+            status=r["status"],
+            started=r["started_at"].timestamp(),
+            duration_s=r["duration_s"],
+            error=r["error"],
         )
-        for r in found.values()
+        for r in runs_of_processes(pids, since, running)
     ]
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value  # SQLite: naive, written in UTC
 
 
 class Monitor:

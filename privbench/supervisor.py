@@ -397,22 +397,9 @@ def _stop(tree: _Tree, signum: int, api_url: str, echo: Callable[[str], None]) -
 
 def _flow_runs_of(pids: set[int]) -> set[str]:
     """The Prefect flow runs of every row the tree opened (any status): a killed flow process leaves them Running."""
-    from sqlalchemy import select
+    from storage.process_runs import prefect_flow_runs_of_processes
 
-    from pbconfig.settings import get_settings
-    from storage import provenance
-    from storage.db import session_scope
-    from storage.models import Run
-
-    if not pids:
-        return set()
-    with session_scope(get_settings().db_url) as session:
-        ids = session.scalars(
-            select(Run.prefect_flow_run_id)
-            .distinct()
-            .where(Run.host == provenance.host(), Run.pid.in_(sorted(pids)), Run.prefect_flow_run_id.is_not(None))
-        )
-        return set(ids)
+    return prefect_flow_runs_of_processes(pids)
 
 
 def _end_prefect_runs(flow_runs: set[str], reason: str, api_url: str, *, cancelled: bool) -> int:
