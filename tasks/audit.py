@@ -157,6 +157,12 @@ def audit_seqrec(
                     },
                     "auc_lo": r["auc_ci"][0],
                     "auc_hi": r["auc_ci"][1],
+                    # the attack chosen on one half of the audited users, judged on the other
+                    "selected": r["selected"],
+                    "auc_selection": r["auc_selection"],
+                    "auc_heldout": r["auc_heldout"],
+                    "auc_heldout_lo": r["auc_heldout_ci"][0],
+                    "auc_heldout_hi": r["auc_heldout_ci"][1],
                 },
             )
             rec.metrics(

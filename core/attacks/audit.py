@@ -13,6 +13,7 @@ logit-scaled confidence; its distribution over models is close to Gaussian, whic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,7 +110,9 @@ def audit(
     is the point estimate from add-half rates at that threshold (finite even where no non-member passes it).
     ``certifiable_epsilon_max`` is the largest lower bound this estimator could report at these sample sizes,
     ``delta`` and ``alpha`` (a perfect attack, ``membership.certifiable_epsilon_max``): where it does not exceed
-    the accountant's epsilon the audit cannot catch a broken guarantee, whatever the attack.
+    the accountant's epsilon the audit cannot catch a broken guarantee, whatever the attack. One attack is
+    ``selected``: the strongest by AUC on a fixed random half of the examples (``auc_selection``); every attack's
+    AUC on the other half is ``auc_heldout`` (DeLong interval ``auc_heldout_ci``), which judges the selected one.
 
     Raises:
         ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
@@ -140,12 +143,14 @@ def audit(
         )
     n_members, n_nonmembers = int(members.sum()), int((~members).sum())
     power = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha, split=True)
+    choose = selection_half(members, seed=SELECTION_SEED)
     out: dict[str, dict] = {}
     for name in attacks:
         fn = M.get_attack(name)
         target_stat = -stats if name == "loss" else stats  # the loss attack takes losses
         scores = fn(target_stat, shadow_stats=shadow_stats, shadow_in=shadow_in)
         curve = M.roc(scores[members], scores[~members])
+
         eps = M.empirical_epsilon_lower_bound(
             scores[members],
             scores[~members],
@@ -171,8 +176,43 @@ def audit(
             "n_members": n_members,
             "n_nonmembers": n_nonmembers,
             "roc": {"fpr": _thin(curve["fpr"]), "tpr": _thin(curve["tpr"])},
+            **_held_out(scores, members, choose),
         }
+    # the strongest on the selection half, the first of equals in ``attacks`` order (the first where none could be)
+    chosen = max(attacks, key=lambda a: -math.inf if math.isnan(out[a]["auc_selection"]) else out[a]["auc_selection"])
+    for name in attacks:
+        out[name]["selected"] = name == chosen
     return out
+
+
+def _held_out(scores: np.ndarray, members: np.ndarray, choose: np.ndarray | None) -> dict[str, object]:
+    if choose is None:  # too few examples to halve: nothing to choose on, nothing held out
+        return {"auc_selection": math.nan, "auc_heldout": math.nan, "auc_heldout_ci": [math.nan, math.nan]}
+    held = ~choose
+    return {
+        "auc_selection": float(M.roc(scores[choose & members], scores[choose & ~members])["auc"]),
+        "auc_heldout": float(M.roc(scores[held & members], scores[held & ~members])["auc"]),
+        "auc_heldout_ci": list(M.auc_interval(scores[held & members], scores[held & ~members])),
+    }
+
+
+SELECTION_SEED = 20261128  # fixed: the selection half must not depend on any result
+
+
+def selection_half(members: np.ndarray, *, seed: int) -> np.ndarray | None:
+    """A mask of half the examples (half the members and half the non-members, at random with ``seed``) on which
+    the audit chooses its attack, the strongest by AUC there; the other half judges the chosen attack alone
+    (``auc_heldout``), so a claim reads one attack chosen before its own data was seen, not the best of several
+    after the fact (which inflates every side it is applied to). None where either side has fewer than 4
+    examples (each half needs two for an AUC interval)."""
+    members = np.asarray(members, dtype=bool)
+    if min(int(members.sum()), int((~members).sum())) < 4:
+        return None
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(members.size, dtype=bool)
+    for group in (np.flatnonzero(members), np.flatnonzero(~members)):
+        mask[rng.permutation(group)[: group.size // 2]] = True
+    return mask
 
 
 def _point_epsilon(eps: dict, delta: float) -> float:

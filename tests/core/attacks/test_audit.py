@@ -89,6 +89,41 @@ def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
     assert lo < power
 
 
+def test_the_attack_is_chosen_on_one_half_and_judged_on_the_other() -> None:
+    """The planted case again: LiRA is the strongest and is chosen on the selection half; its held-out AUC is the
+    AUC of its scores on the other half alone (recomputed here from the mask), and the halves split members and
+    non-members evenly."""
+    from core.attacks.audit import SELECTION_SEED, selection_half
+    from core.attacks.membership import get_attack, roc
+
+    rng = np.random.default_rng(0)
+    n, k = 400, 8
+    difficulty = rng.normal(0, 2, n)
+    members = split_halves(n, 2, seed=1)[0]
+    shadow_in = split_halves(n, k, seed=2)
+    shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
+    stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
+    kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
+    out = audit(AuditTarget("planted", stats, members), attacks=("loss", "lira_online"), **kw)
+    assert [a for a, r in out.items() if r["selected"]] == ["lira_online"]
+    choose = selection_half(members, seed=SELECTION_SEED)
+    assert choose is not None and (choose & members).sum() == members.sum() // 2
+    assert (choose & ~members).sum() == (~members).sum() // 2
+    scores = get_attack("lira_online")(stats, shadow_stats=shadows, shadow_in=shadow_in)
+    held = ~choose
+    assert out["lira_online"]["auc_heldout"] == pytest.approx(
+        roc(scores[held & members], scores[held & ~members])["auc"]
+    )
+    lo, hi = out["lira_online"]["auc_heldout_ci"]
+    assert lo <= out["lira_online"]["auc_heldout"] <= hi
+    # the order of the attacks does not change the choice; a useless attack listed first is not chosen
+    swapped = audit(AuditTarget("planted", stats, members), attacks=("lira_online", "loss"), **kw)
+    assert swapped["lira_online"]["selected"] and not swapped["loss"]["selected"]
+    # too few examples to halve: nothing is held out, and the first attack stands
+    few = audit(AuditTarget("few", stats[:6], np.array([1, 1, 1, 0, 0, 0], bool)), attacks=("loss",), delta=1e-3)
+    assert few["loss"]["selected"] and np.isnan(few["loss"]["auc_heldout"])
+
+
 def test_audit_refuses_unrecorded_membership_and_mismatched_data() -> None:
     stats = np.zeros(10)
     with pytest.raises(ConfigError, match="membership was not recorded"):
