@@ -78,7 +78,7 @@ def attacks_flow(
         [t[0] for t in targets],
         [t[1] for t in targets],
         [t[2] for t in targets],
-        unmapped(a),
+        [t[3] for t in targets],
         unmapped(train_dp),
         [seqrec[t[0]] for t in targets],
         unmapped(run),

@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from pbconfig.base import Delta, Epsilon, FrozenConfig, ModelShape
+from pbconfig.base import Delta, Epsilon, FrozenConfig, ModelShape, SeedPasses
 from pbconfig.train_dp import TrainMethod
 
 Embedding = Literal["subword", "seb_ar", "seb_cr", "seb_co"]
@@ -233,7 +233,7 @@ MiaAttack = Literal["loss", "lira_online", "lira_offline"]
 MIA_ATTACKS: tuple[str, ...] = get_args(MiaAttack)
 
 
-class AuditConfig(FrozenConfig):
+class AuditConfig(SeedPasses):
     """Part 2: membership-inference audit of the private-training stage's sequential recommenders and of the
     tangent stage's unlearning.
 
@@ -243,6 +243,9 @@ class AuditConfig(FrozenConfig):
     runs each attack of ``attacks`` (loss threshold; LiRA online and offline, Carlini et al. 2022). The member
     unit is a user's sequence, as in user-level DP. ``delta`` for the empirical epsilon: None = the target's
     accountant delta (non-private targets: 1/n users). ``alpha``: 1 - confidence of the Clopper-Pearson bounds.
+    ``seeds`` audits every target once per seed (each seed its own target and shadow models, and its own halves of
+    the users), so a comparison of audited models gets an interval over trainings, not only over users; the
+    TAFT forgetting audit runs at ``seed``.
     """
 
     datasets: tuple[str, ...] = Field(("ml-100k",), min_length=1)
@@ -262,7 +265,6 @@ class AuditConfig(FrozenConfig):
     unlearning_epochs: int | None = Field(
         None, ge=1, description="epochs of the audited TAFT shards (None: tangent.epochs)"
     )
-    seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _enough_shadows(self) -> AuditConfig:

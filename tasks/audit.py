@@ -28,13 +28,14 @@ from tasks.records import RESUMABLE, task_record
 from tasks.train_dp import GridPoint, train_overrides
 
 
-def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None]]:
-    """(dataset, method, epsilon) of every audited target: methods x epsilons, plus the non-private ones
-    (DPFormer without noise would repeat the Transformer, as in the training grid)."""
+def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None, AuditConfig]]:
+    """(dataset, method, epsilon, the seed's config) of every audited target: methods x epsilons, plus the
+    non-private ones (DPFormer without noise would repeat the Transformer, as in the training grid), once per seed
+    of ``cfg.seed_configs()``."""
     points: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
     if cfg.nonprivate:
         points += [(m, None) for m in cfg.methods if m != "dpformer"]
-    return [(d, m, e) for d in cfg.datasets for m, e in points]
+    return [(d, m, e, c) for c in cfg.seed_configs() for d in cfg.datasets for m, e in points]
 
 
 @dataclass(frozen=True)

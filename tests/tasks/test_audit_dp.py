@@ -135,3 +135,19 @@ def test_the_intact_dp_step_holds_the_claim(home: Path, tmp_path: Path) -> None:
     )
     assert (frame["empirical_epsilon_lo"] - frame["accountant_epsilon"] <= 0).all()
     assert (frame["certifiable_epsilon_max"] - frame["accountant_epsilon"] > 0).all()
+
+
+def test_audit_seeds_audit_every_target_once_per_seed() -> None:
+    """``seeds`` gives each target one audit per seed (its own target, shadows and halves of the users): the
+    targets repeat per seed with that seed's config, and the seed is what the claims pair the two sides by."""
+    from storage.leaderboard import config_seed
+    from tasks.audit import audit_targets
+
+    one = audit_targets(AUDIT)
+    assert [(d, m, e, c.seed) for d, m, e, c in one] == [("tiny", "transformer", EPSILON, 0)]
+    seeded = audit_targets(AUDIT.model_copy(update={"seeds": (0, 1, 2), "nonprivate": True}))
+    assert [(m, e, c.seed) for _, m, e, c in seeded] == [
+        (m, e, s) for s in (0, 1, 2) for m, e in (("transformer", EPSILON), ("transformer", None))
+    ]
+    for _, _, _, c in seeded:  # the recorded config's seed (config_seed reads the shallowest) is the pass's
+        assert c.seeds is None and config_seed({"dataset": "tiny", "audit": c.model_dump(mode="json")}) == c.seed
