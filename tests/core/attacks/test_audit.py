@@ -64,14 +64,22 @@ def test_user_statistics_match_a_per_user_loop() -> None:
     assert np.allclose(fast, whole.numpy(), atol=1e-5)
 
 
-def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
+def _planted(n: int, k: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(stats, members, shadow stats, shadow membership) of ``n`` examples whose statistic rises by 1.5 when the
+    example trained the model, around a per-example difficulty: LiRA, which learns the difficulty from ``k``
+    shadows, must beat the loss threshold."""
     rng = np.random.default_rng(0)
-    n, k = 2000, 8
     difficulty = rng.normal(0, 2, n)
     members = split_halves(n, 2, seed=1)[0]
     shadow_in = split_halves(n, k, seed=2)
     shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
     stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
+    return stats, members, shadows, shadow_in
+
+
+def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
+    n = 2000
+    stats, members, shadows, shadow_in = _planted(n)
     out = audit(
         AuditTarget("planted", stats, members, accountant_epsilon=None),
         attacks=("loss", "lira_online"),
@@ -96,13 +104,7 @@ def test_the_attack_is_chosen_on_one_half_and_judged_on_the_other() -> None:
     from core.attacks.audit import SELECTION_SEED, selection_half
     from core.attacks.membership import get_attack, roc
 
-    rng = np.random.default_rng(0)
-    n, k = 400, 8
-    difficulty = rng.normal(0, 2, n)
-    members = split_halves(n, 2, seed=1)[0]
-    shadow_in = split_halves(n, k, seed=2)
-    shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
-    stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
+    stats, members, shadows, shadow_in = _planted(400)
     kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
     out = audit(AuditTarget("planted", stats, members), attacks=("loss", "lira_online"), **kw)
     assert [a for a, r in out.items() if r["selected"]] == ["lira_online"]
