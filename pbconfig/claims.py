@@ -336,6 +336,48 @@ class RuleChange(FrozenConfig):
     reason: str = Field(min_length=20)
 
 
+# the profile section each stage's claims read (bench claims read the bench runs' own configs)
+STAGE_SECTIONS = {
+    "train-dp": "train_dp",
+    "tangent": "tangent",
+    "secure-inference": "secure_inference",
+    "stip": "stip",
+    "attacks": "attacks",
+}
+PROFILE_HISTORY = CLAIMS_DIR.parent / "profile-history.yaml"
+ReportedProfile = Literal["quick", "reference"]
+
+
+class ProfileChange(FrozenConfig):
+    """One change of a reported profile's stage section (``configs/profile-history.yaml``): the data, recipe or
+    budget every claim of that stage reads. Pre-registration covers these too: a change after a report showed the
+    stage's claims carries the verdicts of the time and a reason that cites no result, and the report lists it under
+    the rule history (``tests/test_claims_history.py`` checks every change against git)."""
+
+    date: dt.date
+    commit: str | None = Field(default=None, pattern=r"^[0-9a-f]{7,40}$")  # None: the change not yet committed
+    profiles: tuple[ReportedProfile, ...] = Field(min_length=1)
+    section: Literal["train_dp", "tangent", "secure_inference", "stip", "attacks"]
+    change: dict[str, tuple[Any, Any]] = Field(min_length=1)  # dotted key within the section -> (old, new)
+    verdict_before: str  # the stage's claims' verdicts in the committed reports of the time ("none": no report)
+    reason: str = Field(min_length=20)
+
+
+class _ProfileHistory(FrozenConfig):
+    changes: tuple[ProfileChange, ...] = ()
+
+
+def load_profile_history(path: Path | None = None) -> tuple[ProfileChange, ...]:
+    """Every recorded change of a reported profile's stage sections, oldest first."""
+    path = path or PROFILE_HISTORY
+    if not path.exists():
+        return ()
+    try:
+        return _ProfileHistory.model_validate(yaml.safe_load(path.read_text()) or {}).changes
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"profile history {path.name}: {exc}") from None
+
+
 class Claim(FrozenConfig):
     """One headline claim of one paper."""
 
@@ -439,12 +481,15 @@ def _parse(path: Path) -> ClaimsFile:
 
 __all__ = [
     "CLAIMS_DIR",
+    "PROFILE_HISTORY",
     "SOURCES",
+    "STAGE_SECTIONS",
     "VERDICTS",
     "AppliesAt",
     "Claim",
     "ClaimsFile",
     "Measure",
+    "ProfileChange",
     "Registration",
     "Rule",
     "RuleChange",
@@ -453,4 +498,5 @@ __all__ = [
     "dotted_name",
     "load_claims",
     "load_papers",
+    "load_profile_history",
 ]

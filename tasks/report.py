@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 from prefect import task
 
-from pbconfig.claims import Verdict, load_papers
+from pbconfig.claims import STAGE_SECTIONS, Verdict, load_papers, load_profile_history
 from storage import views
 from storage.bench_runs import bench_runs
 from storage.claims import (
@@ -312,9 +312,10 @@ def _reattention_section(sizes: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
-def _history_section(results: list[ClaimResult]) -> list[str]:
+def _history_section(results: list[ClaimResult], profile: str | None = None) -> list[str]:
     """Pre-registration: the commit that registered each claim's rule, and every change to a rule since (the old
-    and new value, the verdict the old rule gave in the reports of the time, the reason)."""
+    and new value, the verdict the old rule gave in the reports of the time, the reason); then every recorded
+    change of the profile's stage sections, which every claim of that stage reads."""
     lines = [
         "## Rule history",
         "",
@@ -334,8 +335,9 @@ def _history_section(results: list[ClaimResult]) -> list[str]:
         )
     lines += [f"- {when}: {', '.join(ids)}" for when, ids in by_commit.items()]
     changed = [(r.claim, h) for r in results for h in r.claim.history]
+    profile_lines = _profile_history(results, profile)
     if not changed:
-        return [*lines, "", "No registered rule has changed.", ""]
+        return [*lines, "", "No registered rule has changed.", "", *profile_lines]
     lines += [
         "",
         "| claim | date | commit | change (old -> new) | the old rule's verdict | reason |",
@@ -346,6 +348,35 @@ def _history_section(results: list[ClaimResult]) -> list[str]:
         commit = f"`{h.commit}`" if h.commit else "this change"
         lines.append(
             f"| `{claim.id}` | {h.date} | {commit} | {_cell(what)} | {_cell(h.verdict_before)} | {_cell(h.reason)} |"
+        )
+    return [*lines, "", *profile_lines]
+
+
+def _profile_history(results: list[ClaimResult], profile: str | None) -> list[str]:
+    """The recorded changes of the profile's stage sections (``configs/profile-history.yaml``), each against the
+    claims of its stage in this report."""
+    stages = {section: stage for stage, section in STAGE_SECTIONS.items()}
+    present = {r.claim.stage for r in results}
+    changes = [
+        c for c in load_profile_history() if (profile is None or profile in c.profiles) and stages[c.section] in present
+    ]
+    if not changes:
+        return []
+    lines = [
+        (
+            "Changes of the profile's stage sections (the data, recipe or budget every claim of the stage reads; "
+            "`configs/profile-history.yaml`):"
+        ),
+        "",
+        "| claims | profiles | date | commit | change (old -> new) | the verdicts before | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in changes:
+        what = "; ".join(f"{c.section}.{k}: {_shown(old)} -> {_shown(new)}" for k, (old, new) in c.change.items())
+        commit = f"`{c.commit}`" if c.commit else "this change"
+        lines.append(
+            f"| every `{stages[c.section]}` claim | {', '.join(c.profiles)} | {c.date} | {commit} | {_cell(what)} | "
+            f"{_cell(c.verdict_before)} | {_cell(c.reason)} |"
         )
     return [*lines, ""]
 
@@ -444,7 +475,7 @@ def render_report(
     lines += _reattention_section(views.reattention_sizes(db_url, **filters))
     # the benchmarks have only the quick and paper profiles: a reference report shows (and judges) the paper ones
     lines += _bench_section(bench_runs(db_url, profile=bench_profile(profile) if profile else None, root=root))
-    lines += _history_section(results)
+    lines += _history_section(results, profile)
     if written:
         lines += ["## Figures", ""]
         for path in written:
