@@ -210,22 +210,10 @@ def _translation(lr: float) -> None:
 
 
 def _tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from core.models.gpt2 import tiny_gpt2
 
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=50,
-        n_positions=16,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2(50, n_layer=1, n_embd=16, n_head=2, n_positions=16, dropout=0.0, eos_token_id=0).eval()
 
 
 def _batches() -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from core.attacks.federated import (
     FedSGDSimulation,
@@ -19,23 +19,17 @@ from core.attacks.federated import (
     pad_sequences,
 )
 from core.errors import ConfigError, DataError
+from core.models.gpt2 import tiny_gpt2 as build_tiny_gpt2
 
 V, EOS, PAD = 500, 499, 498
 
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=V,
-        n_positions=32,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        tie_word_embeddings=False,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
+    model = build_tiny_gpt2(
+        V, n_layer=1, n_embd=32, n_head=2, n_positions=32, eos_token_id=EOS, tie_word_embeddings=False
     )
-    return GPT2LMHeadModel(cfg).eval()
+    return model.eval()
 
 
 def batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.errors import ConfigError
+from core.models.gpt2 import tiny_gpt2 as build_tiny_gpt2
 from core.mpc.merge import (
     ERConfig,
     MergeModel,
@@ -35,19 +36,8 @@ N_MAX = 12
 
 def tiny_gpt2(dtype=torch.float64, seed=0, d=16) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=100,
-        n_positions=32,
-        n_embd=d,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg).to(dtype).eval()
+    model = build_tiny_gpt2(100, n_layer=2, n_embd=d, n_head=2, n_positions=32, dropout=0.0, eos_token_id=0)
+    return model.to(dtype).eval()
 
 
 def synthetic_batches(n=4, b=4, length=10, seed=1) -> list[torch.Tensor]:

@@ -23,21 +23,10 @@ from core.stip.vocab_attack import token_frequency_attack
 
 
 def _tiny_gpt2(seed: int = 0, n_embd: int = 32):
-    transformers = pytest.importorskip("transformers")
+    from core.models.gpt2 import tiny_gpt2
+
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(
-        vocab_size=97,
-        n_positions=64,
-        n_embd=n_embd,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2(97, n_layer=2, n_embd=n_embd, n_head=2, n_positions=64, dropout=0.0, eos_token_id=0).eval()
 
 
 def _noisy(state, rel_std, gen):
