@@ -81,8 +81,9 @@ def _paper_count_line(report: Report, total: int) -> list[str]:
         return []
     return [
         f"The papers' own claims alone ({n} of the {total}; the other {total - n} are checks privbench adds, marked "
-        "`privbench check` in the source column: what a paper presupposes, a peer's level, a design the paper leaves "
-        "open): " + ", ".join(f"{own[v]} {v}" for v in VERDICT_ORDER) + ".",
+        "`privbench check` in the source column, each with its reason in the notes): "
+        + ", ".join(f"{own[v]} {v}" for v in VERDICT_ORDER)
+        + ".",
         "",
     ]
 

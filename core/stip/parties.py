@@ -243,8 +243,9 @@ class Cloud:
         if self.embed is not None:
             x = self.embed[x]  # (1, T, d), already permuted by pi
         tb = _clock()
-        out = self.base(inputs_embeds=x, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        # transformers 5 names the KV cache `cache` (`past_key_values` is deprecated and warns in every worker)
+        out = self.base(inputs_embeds=x, cache=self.cache, use_cache=True)
+        self.cache = out.cache
         y = out.last_hidden_state[:, -1]  # (1, d) = h[pi]
         self.blocks_seconds += _clock() - tb
         if self.head is not None:
