@@ -224,8 +224,8 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     frame["lr"] = [p.get("lr", math.nan) for p in points]
     frame["batch_size"] = [p.get("batch_size", math.nan) for p in points]
     configs = [_config(c) for c in frame["config_json"]]
-    frame["epochs"] = [  # the point's own schedule (a non-private baseline's), else the run's
-        p["epochs"] if p.get("epochs") is not None else c.get("epochs", math.nan)
+    frame["epochs"] = [  # the epochs the run trained for: its training config's (a baseline's own schedule included)
+        (c.get("train") or {}).get("epochs", p.get("epochs") if p.get("epochs") is not None else math.nan)
         for p, c in zip(points, configs, strict=True)
     ]
     frame["tuning_run_id"] = [(p.get("tuned") or {}).get("run_id") for p in points]
