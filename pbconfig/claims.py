@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,6 +81,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from core.errors import ConfigError
 from pbconfig.base import FrozenConfig
+from pbconfig.verdicts import Verdict
 
 CLAIMS_DIR = Path(__file__).resolve().parent.parent / "configs" / "claims"
 SOURCES = (
@@ -96,20 +96,6 @@ SOURCES = (
     "membership",
     "metrics",
 )
-
-
-class Verdict(StrEnum):
-    """A claim's verdict, in the order the report counts them (``docs/claims.md`` says when each is given). The one
-    definition: the verdict engine, the report, the CLI's colours and the dashboard's icons all key on it."""
-
-    REPRODUCED = "reproduced"
-    NOT_REPRODUCED = "not reproduced"
-    INCONCLUSIVE = "inconclusive"
-    UNDERPOWERED = "underpowered"
-    PROJECTED = "projected"
-    EXPLORATORY = "exploratory"
-    NOT_APPLICABLE = "not applicable at this scale"
-    NOT_RUN = "not run"
 
 
 VERDICTS = tuple(Verdict)
@@ -344,12 +330,12 @@ STAGE_SECTIONS = {
     "stip": "stip",
     "attacks": "attacks",
 }
-PROFILE_HISTORY = CLAIMS_DIR.parent / "profile-history.yaml"
+PROFILE_HISTORY = CLAIMS_DIR.parent / "history" / "profiles.yaml"
 ReportedProfile = Literal["quick", "reference"]
 
 
 class ProfileChange(FrozenConfig):
-    """One change of a reported profile's stage section (``configs/profile-history.yaml``): the data, recipe or
+    """One change of a reported profile's stage section (``configs/history/profiles.yaml``): the data, recipe or
     budget every claim of that stage reads. Pre-registration covers these too: a change after a report showed the
     stage's claims carries the verdicts of the time and a reason that cites no result, and the report lists it under
     the rule history (``tests/test_claims_history.py`` checks every change against git)."""

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.redact import redact_url
-from pbconfig.claims import Verdict
+from pbconfig.verdicts import Verdict
 
 if TYPE_CHECKING:
     import pandas as pd

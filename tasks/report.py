@@ -354,7 +354,7 @@ def _history_section(results: list[ClaimResult], profile: str | None = None) -> 
 
 
 def _profile_history(results: list[ClaimResult], profile: str | None) -> list[str]:
-    """The recorded changes of the profile's stage sections (``configs/profile-history.yaml``), each against the
+    """The recorded changes of the profile's stage sections (``configs/history/profiles.yaml``), each against the
     claims of its stage in this report."""
     stages = {section: stage for stage, section in STAGE_SECTIONS.items()}
     present = {r.claim.stage for r in results}
@@ -366,7 +366,7 @@ def _profile_history(results: list[ClaimResult], profile: str | None) -> list[st
     lines = [
         (
             "Changes of the profile's stage sections (the data, recipe or budget every claim of the stage reads; "
-            "`configs/profile-history.yaml`):"
+            "`configs/history/profiles.yaml`):"
         ),
         "",
         "| claims | profiles | date | commit | change (old -> new) | the verdicts before | reason |",

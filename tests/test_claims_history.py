@@ -168,7 +168,7 @@ def test_the_check_catches_an_unrecorded_change() -> None:
 
 
 # Profile data: every change of a reported profile's stage section (the data, recipe or budget each claim of the stage
-# reads) after this commit is in configs/profile-history.yaml. Earlier changes were recorded by hand where a review
+# reads) after this commit is in configs/history/profiles.yaml. Earlier changes were recorded by hand where a review
 # found one after a result (the claims' own history entries name them).
 PROFILE_GUARD_FROM = "535135a"
 REPORTED_PROFILES = ("quick", "reference")
@@ -217,7 +217,7 @@ def unrecorded_profile_changes(
 def test_every_profile_change_since_the_guard_is_recorded(profile: str) -> None:
     missing = unrecorded_profile_changes(profile, profile_versions(profile), load_profile_history())
     assert not missing, (
-        f"changes of the {profile} profile's stage sections with no entry in configs/profile-history.yaml (date, "
+        f"changes of the {profile} profile's stage sections with no entry in configs/history/profiles.yaml (date, "
         f"commit, profiles, section, the changed keys old -> new, the stage's verdicts before, a reason citing no "
         f"result): {missing}"
     )
