@@ -20,6 +20,8 @@ repository imports the specific submodule (``from pbconfig.train_dp import Train
 | `canon`            | ``canonical_json``, ``config_hash``, ``flatten``                         |
 | `settings`         | ``get_settings`` (paths and URLs from the environment)                   |
 | `env`              | the offline environment defaults                                         |
+| `claims`           | the claims registry (``load_claims``) and the profile history            |
+| `verdicts`         | ``Verdict``, the verdict classes (no pydantic: the CLI colours them)     |
 """
 
 from __future__ import annotations
