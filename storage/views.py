@@ -220,14 +220,12 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for column in names:  # a metric no run recorded (e.g. epsilon_with_tuning without a search) is NaN
         if column not in frame:
             frame[column] = math.nan
-    points = [_config(c).get("point", {}) for c in frame["config_json"]]
+    configs = [_config(c) for c in frame["config_json"]]
+    points = [c.get("point", {}) for c in configs]
     frame["lr"] = [p.get("lr", math.nan) for p in points]
     frame["batch_size"] = [p.get("batch_size", math.nan) for p in points]
-    configs = [_config(c) for c in frame["config_json"]]
-    frame["epochs"] = [  # the epochs the run trained for: its training config's (a baseline's own schedule included)
-        (c.get("train") or {}).get("epochs", p.get("epochs") if p.get("epochs") is not None else math.nan)
-        for p, c in zip(points, configs, strict=True)
-    ]
+    # the epochs the run trained for: its training config's (a non-private baseline's own schedule included)
+    frame["epochs"] = [(c.get("train") or {}).get("epochs", math.nan) for c in configs]
     frame["tuning_run_id"] = [(p.get("tuned") or {}).get("run_id") for p in points]
     ledger = _read(
         engine,

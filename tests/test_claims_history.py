@@ -251,3 +251,22 @@ def test_the_profile_check_catches_an_unrecorded_change() -> None:
     assert unrecorded_profile_changes("reference", versions, (other,)) != []
     quick_only = ProfileChange.model_validate(entry | {"profiles": ["quick"]})
     assert unrecorded_profile_changes("reference", versions, (quick_only,)) != []
+
+
+def test_a_bad_profile_history_is_refused_by_name(tmp_path: Path) -> None:
+    """An entry without a reason (or with an unknown section) is refused with the file's name, not half-loaded."""
+    from core.errors import ConfigError
+
+    bad = tmp_path / "profiles.yaml"
+    bad.write_text(
+        "changes:\n  - {date: 2026-11-28, profiles: [reference], section: train_dp, change: {epochs: [20, 10]}, "
+        "verdict_before: none}\n"
+    )
+    with pytest.raises(ConfigError, match=r"(?s)profile history profiles\.yaml: .*reason"):
+        load_profile_history(bad)
+    bad.write_text(
+        "changes:\n  - {date: 2026-11-28, profiles: [reference], section: training, change: {epochs: [20, 10]}, "
+        "verdict_before: none, reason: the two-hour budget of the whole profile}\n"
+    )
+    with pytest.raises(ConfigError, match="section"):
+        load_profile_history(bad)

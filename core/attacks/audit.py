@@ -150,7 +150,6 @@ def audit(
         target_stat = -stats if name == "loss" else stats  # the loss attack takes losses
         scores = fn(target_stat, shadow_stats=shadow_stats, shadow_in=shadow_in)
         curve = M.roc(scores[members], scores[~members])
-
         eps = M.empirical_epsilon_lower_bound(
             scores[members],
             scores[~members],
