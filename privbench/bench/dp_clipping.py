@@ -127,11 +127,12 @@ class Setting:
     name: str = "recsys"
     methods: tuple[str, ...] = ("nonprivate", "phantom", "opacus_hooks", "opacus_ghost_untied")
     max_batch_start: int | None = None  # first batch the max-batch search tries (None: ``batch``)
+    kernel_profile: bool = False  # each method's first process profiles one extra step (``kernel_profile``)
 
 
 PROFILES: dict[str, Setting] = {
     "quick": Setting(seq_len=50, batch=64, repeats=ROUNDS, warmup=1, steps=3, timeout_s=300.0),
-    "paper": Setting(repeats=ROUNDS, warmup=2, steps=3, timeout_s=900.0, max_batch_mem_mb=None),
+    "paper": Setting(repeats=ROUNDS, warmup=2, steps=3, timeout_s=900.0, max_batch_mem_mb=None, kernel_profile=True),
 }
 
 LARGE_VOCAB_METHODS = ("nonprivate", "phantom", "opacus_hooks", "ghost_tied")
@@ -143,7 +144,7 @@ LARGE_VOCAB: dict[str, Setting] = {
     ),
     "paper": Setting(
         name="large_vocab", items=50257, seq_len=128, batch=1, repeats=ROUNDS, warmup=1, steps=2, timeout_s=900.0,
-        methods=LARGE_VOCAB_METHODS, max_batch_mem_mb=LARGE_VOCAB_CAP_MB, max_batch_start=8,
+        methods=LARGE_VOCAB_METHODS, max_batch_mem_mb=LARGE_VOCAB_CAP_MB, max_batch_start=8, kernel_profile=True,
     ),
 }  # fmt: skip
 
@@ -263,6 +264,7 @@ def _worker_kwargs(
     steps: int,
     fit_trial: bool = False,
     mem_cap_mb: float | None = None,
+    kernel_profile: bool = False,
 ) -> dict[str, Any]:
     m = METHODS[method]
     return {
@@ -283,6 +285,7 @@ def _worker_kwargs(
         "threads": threads,
         "fit_trial": fit_trial,
         "mem_cap_mb": mem_cap_mb,
+        "kernel_profile": kernel_profile,
     }
 
 
@@ -339,7 +342,11 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
         f"{setting.repeats} rounds x {len(names)} fresh processes"
     )
 
+    profiled: set[str] = set()  # kernel_profile: each method's first process only
+
     def measure(method: str) -> dict[str, Any]:
+        profile = setting.kernel_profile and method not in profiled
+        profiled.add(method)
         kwargs = _worker_kwargs(
             setting,
             method,
@@ -348,6 +355,7 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
             threads=threads,
             warmup=setting.warmup,
             steps=setting.steps,
+            kernel_profile=profile,
         )
         return run_in_fresh_process(
             WORKER_TARGET,
@@ -385,6 +393,9 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
         }
         if "layers_s" in first:
             methods[name]["layers_s"] = _median_dict([r[name]["layers_s"] for r in runs.rounds])
+        profiles = [r[name]["kernel_profile"] for r in runs.rounds if "kernel_profile" in r[name]]
+        if profiles:
+            methods[name]["kernel_profile"] = profiles[0]
     ratios_spec = {key: spec for key, spec in RATIOS.items() if spec[0] in names and spec[1] in names}
     intervals = {key: runs.ratio_interval(*spec) for key, spec in ratios_spec.items() if spec[2] == "step_s"}
     result: dict[str, Any] = {
@@ -401,7 +412,9 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
             "median from the order statistics of the per-round ratios (sign test; lo/hi absent below 6 rounds), "
             "rounds: the rounds it is over, coverage: its exact coverage; peak_mem_mb: growth over the state after "
             "model/data setup; phases_s / layers_s: seconds per step (median over rounds) of the step's phases and "
-            "of the book-keeping clippers' output-grad backward, norms and weighted sums"
+            "of the book-keeping clippers' output-grad backward, norms and weighted sums; kernel_profile: one extra "
+            "step of the method's first process under torch.profiler (top ops by self device time; kernels launched on "
+            "CUDA), after its timed steps"
         ),
     }
     if setting.max_batch_mem_mb != 0:

@@ -83,6 +83,35 @@ def _layer_times(timings: dict[str, float], model: Any, steps: int) -> dict[str,
     return out
 
 
+def _kernel_profile(step: Any, *, cuda: bool, top: int = 12) -> dict[str, Any]:
+    """One ``step()`` under ``torch.profiler``: the ``top`` ops by self time on the device that runs them (CUDA
+    kernels' time on a GPU, CPU time otherwise), their calls, the total, and on CUDA the kernels launched."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)
+    out: dict[str, Any] = {
+        "activity": "cuda" if cuda else "cpu",
+        "self_time_ms": sum(getattr(e, attr) for e in averages) / 1e3,
+        "top": [
+            {"op": e.key, "calls": int(e.count), "self_ms": getattr(e, attr) / 1e3}
+            for e in rows[:top]
+            if getattr(e, attr) > 0
+        ],
+    }
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["kernels"] = len(kernels)
+    return out
+
+
 def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any, Any]:
     """Left-padded random sequences: inputs (B, L) and next-item targets (B, L), 0 = padding."""
     import torch
@@ -133,8 +162,13 @@ def measure_step(
     threads: int,
     fit_trial: bool = False,
     mem_cap_mb: float | None = None,
+    kernel_profile: bool = False,
 ) -> dict[str, Any]:
     """Worker side: time ``steps`` DP-SGD steps of one method after ``warmup``; peak memory growth.
+
+    ``kernel_profile``: after the timed steps and the memory reading, one more step under ``torch.profiler``
+    (:func:`_kernel_profile`): where a step's time goes, op by op, and on CUDA how many kernels it launches. The
+    phases and layer timings are those of the timed steps only.
 
     ``fit_trial`` (max-batch search): an out-of-memory error is reported as ``ok: False`` instead of
     raised, and ``mem_cap_mb`` is enforced: on CPU by an address-space limit of about 1.5 x cap above the
@@ -249,6 +283,17 @@ def measure_step(
         hwm = _status_mb("VmHWM") if mem_source.startswith("VmHWM") else None
         peak_total = hwm if hwm is not None else _maxrss_mb()
         peak = max(peak_total - baseline, 0.0)
+    profiled: dict[str, Any] | None = None
+    if kernel_profile and times:
+        kept_phases = dict(phases)
+        kept_layers = dict(book_keeping.timings) if book_keeping is not None else None
+        try:
+            profiled = _kernel_profile(step, cuda=cuda)
+        except Exception as exc:  # noqa: BLE001 - auxiliary: a profiler failure must not lose the measurement
+            profiled = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+        phases.update(kept_phases)
+        if book_keeping is not None:
+            book_keeping.timings = kept_layers
     clipper.close()
     out: dict[str, Any] = {
         "method": method,
@@ -275,6 +320,8 @@ def measure_step(
             out["layers_s"] = _layer_times(book_keeping.timings, model, n)
     elif error is None:
         raise BenchmarkError(f"method {method!r}: no measured step (steps={steps})")
+    if profiled is not None:
+        out["kernel_profile"] = profiled
     stats = getattr(getattr(torch, "cpu", None), "memory_stats", None)  # a CPU allocator's stats, if any
     if not cuda and callable(stats):
         out["cpu_allocator_peak_mb"] = stats().get("allocated_bytes.all.peak", 0) / 2**20

@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -355,3 +356,25 @@ def test_a_max_batch_trial_under_a_memory_cap_runs_on_cuda() -> None:
         n_heads=1, dropout=0.0, warmup=1, steps=1, seed=0, device="cuda", threads=1, fit_trial=True, mem_cap_mb=512.0,
     )  # fmt: skip
     assert out["ok"] is True
+
+
+def test_a_kernel_profile_step_names_where_the_time_goes_and_leaves_the_timed_phases_alone() -> None:
+    from privbench.bench.dp_clipping_worker import measure_step
+
+    kwargs: dict[str, Any] = {
+        "method": "phantom", "clipping": "phantom", "tied": True, "d_model": 16.0, "items": 50, "seq_len": 8,
+        "batch": 4, "n_layers": 1, "n_heads": 1, "dropout": 0.0, "warmup": 1, "steps": 2, "seed": 0,
+        "device": "cpu", "threads": 1,
+    }  # fmt: skip
+    plain = measure_step(**kwargs)
+    out = measure_step(**kwargs, kernel_profile=True)
+    assert "kernel_profile" not in plain
+    profile = out["kernel_profile"]
+    assert profile["activity"] == "cpu" and "kernels" not in profile  # kernels are counted on CUDA only
+    times = [row["self_ms"] for row in profile["top"]]
+    assert times and times == sorted(times, reverse=True) and sum(times) <= profile["self_time_ms"] + 1e-9
+    assert any("mm" in row["op"] or "linear" in row["op"] for row in profile["top"])
+    # the profiled step is not a timed one: the phases are still means over warm-up + steps (3 steps), so they
+    # add up to no more than the three timed-loop steps took
+    assert sum(out["phases_s"].values()) * 3 <= sum(out["step_samples_s"]) * 3 + 1.0
+    assert set(out["layers_s"]) == set(plain["layers_s"])
