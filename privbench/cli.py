@@ -145,7 +145,8 @@ def bench(
             "-s",
             help="override one setting (repeatable): mpc-generation secure_inference.KEY=VALUE, e.g. "
             "secure_inference.n_layer=4 or secure_inference.methods=vanilla,merge; recbole-sasrec recbole.KEY=VALUE, "
-            "e.g. recbole.seed=1 or recbole.epochs=2",
+            "e.g. recbole.seed=1 or recbole.epochs=2; dp-clipping dp_clipping.settings=recsys|large_vocab, "
+            "dp_clipping.parts=rounds|search, dp_clipping.max_batch_mem_mb=MB",
         ),
     ] = None,
 ) -> None:

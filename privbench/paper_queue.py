@@ -6,8 +6,10 @@ each sized to fit one call. :func:`run_queue` runs the items not yet measured on
 ``privbench bench NAME --profile paper --no-record --json`` process under its own time limit, and stops before the
 budget runs out. A finished item's JSON (the bench's provenance inside: device, host, commit, config, start and
 finish) is written whole, by an atomic rename, to ``<root>/<device kind>/<item>-<key>.json``; an item cut short by
-its limit or failing writes nothing and is retried by the next call. ``key`` hashes what the item measures (its
-bench, options and the paper profile's resolved setting), so a change of the profile's setting queues it again.
+its limit or failing writes no result and is retried by the next call. Each item's progress (the bench's stderr)
+goes to ``<root>/<device kind>/logs/<item>-<key>.log`` as it runs, so that a cut item still shows how far it got.
+``key`` hashes what the item measures (its bench, options and the paper profile's resolved setting), so a change of
+the profile's setting queues it again.
 
 The committed files are the record: ``privbench results import-bench docs/results/raw/<device kind>`` rebuilds the
 store's bench runs from them (skipping those already imported) and ``privbench report --profile paper`` renders
@@ -33,6 +35,7 @@ from core.errors import ConfigError
 from pbconfig.paper_queue import PaperQueue, QueueItem
 
 RAW_DIR = Path("docs/results/raw")
+LOG_DIR = "logs"  # <root>/<kind>/logs/<item>-<key>.log: each item's progress, kept when it is cut (not a result)
 MARGIN_S = 20.0  # kept back from the budget: process start and the write of the last result
 Command = Callable[[QueueItem, str], Sequence[str]]
 
@@ -121,19 +124,22 @@ class Outcome:
     detail: str = ""
 
 
-def _run(command: Sequence[str], *, timeout: float, env: dict[str, str]) -> tuple[int | None, str, str]:
-    """Run ``command`` in its own process group; on the timeout kill the whole group. ``(returncode or None when
-    cut, stdout, stderr)``."""
-    proc = subprocess.Popen(
-        list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return None, out, err
-    return proc.returncode, out, err
+def _run(command: Sequence[str], *, timeout: float, env: dict[str, str], log: Path) -> tuple[int | None, str, str]:
+    """Run ``command`` in its own process group, its stderr (the bench's progress) written to ``log`` as it comes;
+    on the timeout kill the whole group. ``(returncode or None when cut, stdout, stderr)``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as progress:
+        proc = subprocess.Popen(
+            list(command), stdout=subprocess.PIPE, stderr=progress, text=True, env=env, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            code = None
+    return code, out, log.read_text(errors="replace")
 
 
 def _checked(item: QueueItem, stdout: str) -> dict[str, Any]:
@@ -198,7 +204,8 @@ def run_queue(
         limit = min(item.time_limit_s, left)
         log(f"{item.name}: running (limit {limit:.0f} s)")
         began = clock()
-        code, out, err = _run(command(item, device), timeout=limit, env=env)
+        log_path = folder / LOG_DIR / f"{path.stem}.log"
+        code, out, err = _run(command(item, device), timeout=limit, env=env, log=log_path)
         took = clock() - began
         if code is None:
             detail = f"cut at {limit:.0f} s; nothing written, retried by the next call"

@@ -70,6 +70,13 @@ to 5 %; a trial fits if it raises no out-of-memory error and (CPU) its peak RSS 
 cap (default 8192 MB; an address-space limit a bit above the cap guards the machine) or (CUDA) it does
 not exceed the cap enforced with ``torch.cuda.set_per_process_memory_fraction`` (default: the whole
 device). ``--max-batch-mem-mb 0`` skips the search.
+
+Parts of a run (``--set``, so that a lent GPU measures the paper profile in calls that each fit its time limit;
+every fresh process there costs seconds of start-up): ``dp_clipping.settings=recsys`` (or ``large_vocab``, or
+both, the default) runs only the named settings; ``dp_clipping.parts=rounds`` (or ``search``, or both, the
+default) runs only the timed rounds or only the max-batch search; ``dp_clipping.max_batch_mem_mb=MB`` is
+``--max-batch-mem-mb``. The exactness check runs with the recsys setting's rounds. The top-level keys are the
+recsys setting's only where it ran.
 """
 
 from __future__ import annotations
@@ -215,12 +222,60 @@ def bench_device_name() -> str:
     return str(out["device_name"])
 
 
+SETTING_NAMES = ("recsys", "large_vocab")
+PARTS = ("rounds", "search")
+OVERRIDE_KEYS = ("settings", "parts", "max_batch_mem_mb")
+
+
+def _names(key: str, value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        raise ConfigError(
+            f"--set dp_clipping.{key}={value!r}: name one or more of {', '.join(known)} (comma-separated), "
+            f"e.g. dp_clipping.{key}={known[0]}"
+        )
+    return tuple(n for n in known if n in names)
+
+
+def parse_overrides(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options["overrides"]`` (``--set dp_clipping.KEY=VALUE``) as ``{"settings", "parts",
+    "max_batch_mem_mb"}`` (only those given); ConfigError naming a bad item and the keys it may use."""
+    out: dict[str, Any] = {}
+    for item in options.get("overrides") or ():
+        key, sep, value = str(item).partition("=")
+        section, _, name = key.strip().partition(".")
+        if not sep or section != "dp_clipping" or name not in OVERRIDE_KEYS:
+            raise ConfigError(
+                f"dp-clipping --set {item!r}: the keys are dp_clipping.{', dp_clipping.'.join(OVERRIDE_KEYS)}, "
+                "e.g. --set dp_clipping.settings=recsys --set dp_clipping.parts=rounds"
+            )
+        value = value.strip()
+        if name == "settings":
+            out[name] = _names(name, value, SETTING_NAMES)
+        elif name == "parts":
+            out[name] = _names(name, value, PARTS)
+        else:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                raise ConfigError(
+                    f"--set dp_clipping.max_batch_mem_mb={value!r}: give megabytes (a number >= 0; 0 = no search)"
+                ) from None
+    return out
+
+
+def _cap_option(options: Mapping[str, Any]) -> Any:
+    """The max-batch cap asked for: ``--set dp_clipping.max_batch_mem_mb`` over ``--max-batch-mem-mb``."""
+    return parse_overrides(options).get("max_batch_mem_mb", options.get("max_batch_mem_mb"))
+
+
 def resolve_setting(profile: str, options: Mapping[str, Any]) -> Setting:
     """The profile's setting with the CLI options applied (``max_batch_mem_mb``)."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r} for {NAME}; known: {', '.join(PROFILES)}")
     setting = PROFILES[profile]
-    cap = options.get("max_batch_mem_mb")
+    cap = _cap_option(options)
     if cap is not None:
         if isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap) or cap < 0:
             raise ConfigError(f"max_batch_mem_mb must be a number >= 0 (0 = no search), got {cap!r}")
@@ -295,17 +350,32 @@ def resolve_settings(profile: str, options: Mapping[str, Any]) -> list[Setting]:
     A ``max_batch_mem_mb`` option of 0 skips both max-batch searches; a positive one is the budget of both."""
     primary = resolve_setting(profile, options)
     second = LARGE_VOCAB[profile]
-    cap = options.get("max_batch_mem_mb")
+    cap = _cap_option(options)
     if cap is not None:
         second = replace(second, max_batch_mem_mb=float(cap))
-    return [primary, second]
+    chosen = parse_overrides(options).get("settings", SETTING_NAMES)
+    return [s for s in (primary, second) if s.name in chosen]
+
+
+def resolve_parts(options: Mapping[str, Any]) -> tuple[str, ...]:
+    """``rounds``, ``search`` or both (``--set dp_clipping.parts``); ``search`` needs a search to run."""
+    parts = parse_overrides(options).get("parts", PARTS)
+    return parts
 
 
 def _setting_jsons(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
     device, threads = bench_device(), bench_threads()
-    primary, *others = resolve_settings(profile, options)
-    out = _setting_json(primary, device, threads)
-    out["settings"] = {s.name: _setting_json(s, device, threads) for s in [primary, *others]}
+    chosen = resolve_settings(profile, options)
+    parts = resolve_parts(options)
+    if parts == ("search",) and not any(s.max_batch_mem_mb != 0 for s in chosen):
+        raise ConfigError("dp_clipping.parts=search with no max-batch search (max_batch_mem_mb 0): nothing to run")
+    if chosen[0].name == SETTING_NAMES[0]:
+        out = _setting_json(chosen[0], device, threads)
+    else:
+        out = {"device": device, "device_name": bench_device_name(), "threads": threads}
+    out["settings"] = {s.name: _setting_json(s, device, threads) for s in chosen}
+    if parts != PARTS:
+        out["parts"] = list(parts)
     return out
 
 
@@ -314,27 +384,40 @@ def _setting_jsons(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
     "one DP-SGD step per clipping method (nonprivate, phantom, opacus hooks, opacus ghost untied; the "
     "paper's ghost-clipping baseline at a large vocabulary): time and peak memory, fresh process each, "
     "interleaved rounds (paper Fig. 3)",
-    options=("max_batch_mem_mb",),
+    options=("max_batch_mem_mb", "overrides"),
     setting=_setting_jsons,
 )
 def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[str, Any]:
     device, threads = bench_device(), bench_threads()
-    primary, *others = resolve_settings(profile, options)
-    result = _run_setting(primary, device, threads, progress)
-    result["exactness"] = norm_exactness(primary)  # privbench.bench.dp_exactness
-    progress.print(
-        f"  exactness: Phantom per-sample norms vs a per-sample backward loop (float64, batch "
-        f"{result['exactness']['batch']}): max relative error {result['exactness']['phantom_norm_max_rel_err']:.1e}"
-    )
-    settings = {primary.name: {k: v for k, v in result.items() if k != "exactness"}}
-    for setting in others:
-        settings[setting.name] = _run_setting(setting, device, threads, progress)
+    parts = resolve_parts(options)
+    result: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    for setting in resolve_settings(profile, options):
+        settings[setting.name] = _run_setting(setting, device, threads, progress, parts=parts)
+        if setting.name == SETTING_NAMES[0]:  # the top-level keys: the recsys setting's
+            result.update(settings[setting.name])
+            if "rounds" in parts:
+                result["exactness"] = norm_exactness(setting)  # privbench.bench.dp_exactness
+                progress.print(
+                    "  exactness: Phantom per-sample norms vs a per-sample backward loop (float64, batch "
+                    f"{result['exactness']['batch']}): max relative error "
+                    f"{result['exactness']['phantom_norm_max_rel_err']:.1e}"
+                )
     result["settings"] = settings
     return result
 
 
-def _run_setting(setting: Setting, device: str, threads: int, progress: Progress) -> dict[str, Any]:
-    """One setting: interleaved rounds of its methods, ratios, and (if asked) the max-batch search."""
+def _run_setting(
+    setting: Setting, device: str, threads: int, progress: Progress, *, parts: tuple[str, ...] = PARTS
+) -> dict[str, Any]:
+    """One setting: interleaved rounds of its methods and their ratios, and (if asked) the max-batch search;
+    ``parts`` drops one of the two (``rounds``, ``search``)."""
+    if "rounds" not in parts:
+        result: dict[str, Any] = {"setting": _setting_json(setting, device, threads), "ratios": {}}
+        if setting.max_batch_mem_mb != 0:
+            result.update(_max_batch_search(setting, device, threads, progress))
+            result["ratios"].update(_max_batch_ratios(result["max_batch"]))
+        return result
     names = list(setting.methods)
     progress.print(
         f"[bold]{NAME}[/] {setting.name}: items={setting.items} L={setting.seq_len} "
@@ -417,7 +500,7 @@ def _run_setting(setting: Setting, device: str, threads: int, progress: Progress
             "CUDA), after its timed steps"
         ),
     }
-    if setting.max_batch_mem_mb != 0:
+    if setting.max_batch_mem_mb != 0 and "search" in parts:
         result.update(_max_batch_search(setting, device, threads, progress))
         result["ratios"].update(_max_batch_ratios(result["max_batch"]))
     return result

@@ -378,3 +378,68 @@ def test_a_kernel_profile_step_names_where_the_time_goes_and_leaves_the_timed_ph
     # add up to no more than the three timed-loop steps took
     assert sum(out["phases_s"].values()) * 3 <= sum(out["step_samples_s"]) * 3 + 1.0
     assert set(out["layers_s"]) == set(plain["layers_s"])
+
+
+def _scripted_worker(calls: list[tuple[str, int, bool]]) -> Callable[..., dict]:
+    def worker(target: str, kwargs: dict, **_: object) -> dict:
+        calls.append((kwargs["method"], kwargs["batch"], kwargs["fit_trial"]))
+        fits = kwargs["batch"] <= 64
+        return {
+            "ok": fits, "step_s": 1.0, "peak_mem_mb": 1.0 * kwargs["batch"], "n_params": 1, "d_model": 16,
+            "mem_source": "scripted", "step_samples_s": [1.0], "phases_s": {}, "error": None if fits else "OOM",
+        }  # fmt: skip
+
+    return worker
+
+
+def test_a_run_can_be_split_by_setting_and_part_so_each_call_fits_a_lent_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--set dp_clipping.settings`` / ``parts``: only the named settings and parts run; the top-level keys (what
+    the phantom claims read) are the recsys setting's only where its rounds ran."""
+    calls: list[tuple[str, int, bool]] = []
+    monkeypatch.setattr(dp_clipping, "run_in_fresh_process", _scripted_worker(calls))
+    monkeypatch.setitem(dp_clipping.PROFILES, "paper", replace(TINY, max_batch_mem_mb=100.0, max_batch_limit=256))
+    monkeypatch.setitem(dp_clipping.LARGE_VOCAB, "paper", replace(TINY_LARGE_VOCAB, max_batch_mem_mb=100.0))
+    monkeypatch.setattr(dp_clipping, "norm_exactness", lambda setting: {"batch": 1, "phantom_norm_max_rel_err": 0.0})
+
+    only_vocab = {"overrides": ("dp_clipping.settings=large_vocab", "dp_clipping.parts=rounds")}
+    out = dp_clipping.run("paper", _Quiet(), only_vocab)
+    assert set(out) == {"settings"} and set(out["settings"]) == {"large_vocab"}
+    assert "max_batch" not in out["settings"]["large_vocab"] and not any(fit for _, _, fit in calls)
+    assert {m for m, _, _ in calls} == set(dp_clipping.LARGE_VOCAB_METHODS)
+    config = dp_clipping._setting_jsons("paper", only_vocab)
+    assert config["device_name"] and config["parts"] == ["rounds"] and set(config["settings"]) == {"large_vocab"}
+
+    calls.clear()
+    search = {"overrides": ("dp_clipping.settings=recsys", "dp_clipping.parts=search")}
+    out = dp_clipping.run("paper", _Quiet(), search)
+    assert all(fit for _, _, fit in calls)  # trials only, no timed rounds
+    assert out["max_batch"] == {m: 64 for m in TINY.methods} and "exactness" not in out and "methods" not in out
+    assert out["ratios"]["phantom_over_nonprivate_max_batch"] == 1.0
+
+    calls.clear()
+    out = dp_clipping.run("paper", _Quiet(), {"overrides": ("dp_clipping.settings=recsys",)})
+    assert "exactness" in out and "max_batch" in out and set(out["methods"]) == set(TINY.methods)
+    # the default is the whole bench, the same key as before the split existed
+    whole = dp_clipping._setting_jsons("paper", {})
+    assert set(whole["settings"]) == {"recsys", "large_vocab"} and "parts" not in whole
+
+
+@pytest.mark.parametrize(
+    ("item", "named"),
+    [
+        ("dp_clipping.setting=recsys", "the keys are dp_clipping.settings"),
+        ("dp_clipping.settings=imagenet", "name one or more of recsys, large_vocab"),
+        ("dp_clipping.parts=", "name one or more of rounds, search"),
+        ("dp_clipping.max_batch_mem_mb=lots", "give megabytes"),
+        ("secure_inference.n_layer=2", "the keys are dp_clipping.settings"),
+    ],
+)
+def test_a_bad_split_is_refused_by_name_before_anything_runs(item: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        dp_clipping._setting_jsons("paper", {"overrides": (item,)})
+
+
+def test_a_search_only_part_with_the_search_switched_off_is_refused() -> None:
+    bad = {"overrides": ("dp_clipping.parts=search", "dp_clipping.max_batch_mem_mb=0")}
+    with pytest.raises(ConfigError, match="nothing to run"):
+        dp_clipping._setting_jsons("paper", bad)

@@ -28,6 +28,7 @@ result, mode, calls = (pathlib.Path(a) for a in sys.argv[1:4])
 with calls.open("a") as f:
     f.write(sys.argv[4] + "\\n")
 what = mode.read_text().strip() if mode.exists() else "ok"
+print(f"stand-in {sys.argv[4]} started", file=sys.stderr, flush=True)
 if what == "slow":
     time.sleep(60)
 if what == "fail":
@@ -85,9 +86,12 @@ def test_items_run_in_order_a_cut_leaves_nothing_and_the_next_call_resumes(toy: 
     queue, stand_in, root = _queue("a", "b", "c", limit=1.5), StandIn(tmp_path), tmp_path / "raw"
     stand_in.mode("b", "slow")  # b runs past its limit
     assert _run(queue, stand_in, root) == {"a": "measured", "b": "cut", "c": "measured"}
-    files = sorted(p.name for p in (root / "cpu-test").iterdir())
+    files = sorted(p.name for p in (root / "cpu-test").iterdir() if p.is_file())
     key = pq.item_key(queue.items[0])[:12]
-    assert files == [f"a-{key}.json", f"c-{key}.json"]  # b: nothing, not even a temporary file
+    assert files == [f"a-{key}.json", f"c-{key}.json"]  # b: no result, not even a temporary file
+    logs = root / "cpu-test" / pq.LOG_DIR
+    assert sorted(p.name for p in logs.iterdir()) == [f"{n}-{key}.log" for n in "abc"]
+    assert "stand-in b started" in (logs / f"b-{key}.log").read_text()  # the cut item shows how far it got
     written = json.loads((root / "cpu-test" / files[0]).read_text())
     assert written["benchmark"] == "toy" and written["run_id"] is None and "machine" in written
     assert stand_in.called() == ["a", "b", "c"]
@@ -117,14 +121,16 @@ def test_the_budget_stops_before_an_item_that_cannot_finish(toy: str, tmp_path: 
         pq.run_queue(queue, budget_s=0, device="cpu", root=root, command=stand_in)
 
 
-@pytest.mark.parametrize(("mode", "detail"), [("fail", "exit 1: the bench failed"), ("garbage", "output unreadable")])
+@pytest.mark.parametrize(
+    ("mode", "detail"), [("fail", "exit 1: stand-in a started the bench failed"), ("garbage", "output unreadable")]
+)
 def test_a_failed_item_writes_nothing_and_is_retried(toy: str, tmp_path: Path, mode: str, detail: str) -> None:
     queue, stand_in, root = _queue("a", "b"), StandIn(tmp_path), tmp_path / "raw"
     stand_in.mode("a", mode)
     outcomes = pq.run_queue(queue, budget_s=60.0, device="cpu", root=root, kind="k", command=stand_in)
     assert [(o.item, o.status) for o in outcomes] == [("a", "failed"), ("b", "measured")]
     assert detail in outcomes[0].detail
-    assert sorted(p.name.split("-")[0] for p in (root / "k").iterdir()) == ["b"]
+    assert sorted(p.name.split("-")[0] for p in (root / "k").iterdir() if p.is_file()) == ["b"]
 
 
 def test_the_listing_says_what_is_measured_where_and_what_is_left(toy: str, tmp_path: Path) -> None:
