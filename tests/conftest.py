@@ -13,6 +13,17 @@ import pytest
 import pbconfig  # noqa: F401  - offline defaults before prefect/mlflow are imported
 
 PG_ENV = "PRIVBENCH_TEST_PG_URL"
+# fixtures that run real tiny stage flows (minutes, on first use in a session): a test using one is `integration`
+STORE_FIXTURES = {"stage_store", "filled_store", "prefect_harness"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that fills or reads the session's stage store ``integration``, so that e.g.
+    ``pytest tests/storage -m 'not integration and not slow and not gpu and not system'`` runs the unit tests alone
+    and no stage flow starts unasked."""
+    for item in items:
+        if STORE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
