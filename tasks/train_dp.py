@@ -12,6 +12,7 @@ import torch
 from prefect import task
 
 from core.data.sequential import SequentialDataset
+from core.dp.methods import method_d_model
 from core.dp.trainer import (
     EVAL_PROTOCOL,
     NEIGHBOURING,
@@ -299,9 +300,7 @@ def train_overrides(point: GridPoint, cfg: TrainDPConfig) -> dict[str, Any]:
         "seed": point.seed,
         "patience": point.patience,
     }
-    # the Opacus ghost-clipping peer cannot tie embeddings, so it halves d_model to match the
-    # parameter count (DPFormer footnote 5)
-    common["d_model"] = cfg.d_model // 2 if point.method == "transformer_opacus_ghost_untied" else cfg.d_model
+    common["d_model"] = method_d_model(point.method, cfg.d_model)  # the untied Opacus peer's is halved
     if point.epsilon is None:
         return common | {"clipping": "nonprivate", "epsilon": None}
     return common | {

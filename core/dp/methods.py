@@ -56,7 +56,7 @@ from core.dp.reattention import (
 from core.errors import ConfigError, DataError
 from core.models import PADDING_ID, TransformerSeqRec
 
-__all__ = ["METHODS", "DPTrainConfig", "build_reattention", "method_config"]
+__all__ = ["METHODS", "WIDTH_FACTOR", "DPTrainConfig", "build_reattention", "method_config", "method_d_model"]
 
 Arch = Literal["transformer", "gru", "lstm"]
 
@@ -256,7 +256,22 @@ METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     }
 )
 
+#: A method's model width relative to the width the comparison is run at: the Opacus ghost-clipping peer refuses
+#: tied parameters, so its untied model halves ``d_model`` and its two embedding tables hold about as many
+#: parameters as the others' one shared table (DPFormer footnote 5). Every other method: 1.
+WIDTH_FACTOR: Mapping[str, float] = MappingProxyType({"transformer_opacus_ghost_untied": 0.5})
+
 _FIELDS = frozenset(f.name for f in fields(DPTrainConfig))
+
+
+def method_d_model(name: str, d_model: int) -> int:
+    """The ``d_model`` method ``name`` runs at when the comparison's width is ``d_model`` (:data:`WIDTH_FACTOR`);
+    ConfigError for an unknown method or a width that is not a positive int."""
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    if not _is_int(d_model) or d_model < 1:
+        raise ConfigError(f"d_model must be a positive int, got {d_model!r}")
+    return max(1, int(d_model * WIDTH_FACTOR.get(name, 1.0)))
 
 
 def method_config(name: str, **overrides: Any) -> DPTrainConfig:

@@ -421,3 +421,16 @@ def test_patience_stops_once_validation_stops_improving(data: SequentialDataset)
     assert len(patient.history) == 6 and patient.steps == full.steps
     with pytest.raises(ConfigError, match="patience must be a positive integer"):
         method_config("transformer", **cfg, patience=0)
+
+
+def test_only_the_untied_opacus_peer_runs_at_half_width() -> None:
+    """DPFormer footnote 5: the peer that cannot tie its embeddings halves d_model, so its two tables hold about as
+    many parameters as one shared table; every other method runs at the comparison's width."""
+    from core.dp.methods import method_d_model
+
+    widths = {name: method_d_model(name, 64) for name in METHODS}
+    assert widths.pop("transformer_opacus_ghost_untied") == 32 and set(widths.values()) == {64}
+    with pytest.raises(ConfigError, match="unknown method 'sasrec'"):
+        method_d_model("sasrec", 64)
+    with pytest.raises(ConfigError, match="d_model must be a positive int, got 0"):
+        method_d_model("transformer", 0)
