@@ -26,7 +26,7 @@ from privbench.display import literal as _literal
 from privbench.display import seconds as _secs
 from privbench.display import shown as _shown
 from privbench.display import verdict_table
-from privbench.results_cli import JsonOpt, _fail, _repo, _store_call, err, results_app
+from privbench.results_cli import JsonOpt, err, fail, repo_root, results_app, store_call
 
 # the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
 FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
@@ -76,11 +76,11 @@ def run(
     from pbconfig.benchmark import load_config
 
     if flow not in FLOWS:
-        _fail(f"unknown flow {flow!r}; known flows: {', '.join(FLOWS)}", code=2)
+        fail(f"unknown flow {flow!r}; known flows: {', '.join(FLOWS)}", code=2)
     try:
         cfg = load_config(profile, config_file=config, overrides=tuple(set_ or ()))
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     from privbench.progress import LiveView, PlainView, Progress
     from privbench.supervisor import FlowFailed, Interrupted, hide_third_party_warnings, run_supervised
 
@@ -104,9 +104,9 @@ def run(
     except FlowFailed as exc:
         kind = f"{exc.kind}: " if exc.kind else ""
         hint = "" if os.environ.get("PRIVBENCH_DEBUG") else "; set PRIVBENCH_DEBUG=1 for the traceback"
-        _fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`{hint})")
+        fail(f"flow {flow} failed: {kind}{exc}\n(failed runs: `privbench results list --status failed`{hint})")
     except PrivbenchError as exc:  # the store is unreachable, a bad setting: before anything ran
-        _fail(str(exc))
+        fail(str(exc))
     _print_summary(flow, summary)
 
 
@@ -159,23 +159,23 @@ def bench(
             err.print(f"[cyan]{_shown(key)}[/]: {_shown(spec.description)}")
         return
     if name not in BENCHMARKS:
-        _fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
+        fail(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", code=2)
     options: dict[str, object] = {} if max_batch_mem_mb is None else {"max_batch_mem_mb": max_batch_mem_mb}
     if methods:
         options["methods"] = tuple(m.strip() for m in methods.split(",") if m.strip())
     if set_:
         if "overrides" not in BENCHMARKS[name].options:
             takers = [k for k, s in BENCHMARKS.items() if "overrides" in s.options]
-            _fail(f"benchmark {name} takes no --set overrides; --set works for: {', '.join(takers)}", code=2)
+            fail(f"benchmark {name} takes no --set overrides; --set works for: {', '.join(takers)}", code=2)
         options["overrides"] = tuple(set_)
     try:
         resolve_benchmark(name, profile, options)  # a bad profile, option or --set: refused before anything runs
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     try:
         result = run_benchmark(name, profile=profile, progress=err, record=not no_record, **options)
     except PrivbenchError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -203,7 +203,7 @@ def paper_queue(
         queue = load_queue(queue_file)
         resolved = resolve_device(device)
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     if list_:
         rows = queue_status(queue, root=out, device=resolved)
         if as_json:
@@ -236,7 +236,7 @@ def paper_queue(
             log=lambda line: err.print(_literal(line), highlight=False),
         )
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     if as_json:
         print(json.dumps([o.__dict__ for o in outcomes], indent=2))
     if any(o.status == "failed" for o in outcomes):
@@ -271,7 +271,7 @@ def report(
     from tasks.report import render_report
 
     if source is not None and not source.is_dir():
-        _fail(f"--from {source} is not a folder; give one written by `privbench results export --out DIR`", code=2)
+        fail(f"--from {source} is not a folder; give one written by `privbench results export --out DIR`", code=2)
     target = out or Path("docs") / "results" / f"{profile or 'all'}.md"
 
     def render() -> Any:
@@ -279,9 +279,9 @@ def report(
             return render_report(target, profile=profile, root=root, figures=figures, db_url=db_url)
 
     try:
-        result = _store_call(render)
+        result = store_call(render)
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     table = result.table
     if as_json:
         print(table.to_json(orient="records", indent=2))
@@ -332,7 +332,7 @@ def serve(
         path = spec_file or d.DEFAULT_SPEC
         deps = d.select(d.load_spec(path), only or (), pool or ())
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     for dep in deps:
         crons = ", ".join(s["cron"] for s in dep.get("schedules") or ()) if schedules else ""
         err.print(
@@ -376,7 +376,7 @@ def deploy(
         d.register(path, deps, repo=repo)
         zombie = d.ensure_zombie_automation(within)
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        fail(str(exc), code=2)
     for name in created:
         err.print(f"created work pool [cyan]{_shown(name)}[/] (type process)")
     for dep in deps:
@@ -454,7 +454,7 @@ def mlflow_ui_command(*, port: int, host: str) -> list[str]:
 
 def _print_summary(flow: str, summary: dict[str, Any]) -> None:
     settings = get_settings()
-    repo = _repo()
+    repo = repo_root()
     rows = repo.list_runs(limit=None)
     ids = {summary["run_id"]}
     mine = []

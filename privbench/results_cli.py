@@ -1,6 +1,6 @@
 """``privbench results``: query the results store (list, show, query), write it to files and load them back
 (export, restore), end stale runs (reap) and record benchmark results measured on another machine (import-bench);
-and the helpers every command shares (the error console, :func:`_fail`, the store calls). Everything shown is shown
+and the helpers every command shares (the error console, :func:`fail`, the store calls). Everything shown is shown
 literally and redacted (``privbench.display``)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def results_import_bench(
     for given in files:
         found = sorted(given.glob("*.json")) if given.is_dir() else [given]
         if not found:
-            _fail(f"{given} holds no *.json file; give files printed by `privbench bench NAME --no-record --json`", 2)
+            fail(f"{given} holds no *.json file; give files printed by `privbench bench NAME --no-record --json`", 2)
         paths += found
         if given.is_dir():
             from_folder.update(found)
@@ -60,20 +60,20 @@ def results_import_bench(
         try:
             read.append((path, json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as exc:
-            _fail(f"cannot read {path}: {exc}; give a file printed by `privbench bench NAME --no-record --json`", 2)
+            fail(f"cannot read {path}: {exc}; give a file printed by `privbench bench NAME --no-record --json`", 2)
     results = []
     for path, data in read:
         try:
             recorded = import_benchmark_result(data)
         except AlreadyImported as exc:
             if path not in from_folder:
-                _fail(f"{path}: {exc}", code=2)
+                fail(f"{path}: {exc}", code=2)
             err.print(f"{_shown(str(path))}: already in the store; skipped")
             continue
         except ConfigError as exc:
-            _fail(f"{path}: {exc}", code=2)
+            fail(f"{path}: {exc}", code=2)
         except PrivbenchError as exc:
-            _fail(f"{path}: {exc}")
+            fail(f"{path}: {exc}")
         results.append({"file": str(path), "run_id": recorded["run_id"], "benchmark": recorded["benchmark"]})
         err.print(f"{_shown(str(path))}: recorded as run {recorded['run_id']} ({_shown(recorded['benchmark'])})")
     if as_json:
@@ -92,9 +92,9 @@ def results_list(
     from storage.models import RUN_STATUSES
 
     if status is not None and status not in RUN_STATUSES:
-        _fail(f"unknown --status {status!r}; use one of {', '.join(RUN_STATUSES)}", code=2)
-    repo = _repo()
-    rows = _store_call(lambda: repo.list_runs(stage=stage, flow=flow, status=status, limit=limit or None))
+        fail(f"unknown --status {status!r}; use one of {', '.join(RUN_STATUSES)}", code=2)
+    repo = repo_root()
+    rows = store_call(lambda: repo.list_runs(stage=stage, flow=flow, status=status, limit=limit or None))
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -120,8 +120,8 @@ def results_show(
     run_id: Annotated[str, typer.Argument(help="run id or a unique prefix")], as_json: JsonOpt = False
 ) -> None:
     """One run with its metrics, privacy ledger, MPC costs, attack results and child runs."""
-    repo = _repo()
-    data = _store_call(lambda: repo.get_run(run_id))
+    repo = repo_root()
+    data = store_call(lambda: repo.get_run(run_id))
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -162,9 +162,9 @@ def results_query(
     ``--format csv`` and ``--format json`` write to stdout (pipe them into pandas, jq or a spreadsheet)."""
     fmt = "json" if as_json else fmt
     if fmt not in ("table", "csv", "json"):
-        _fail(f"--format must be table, csv or json, got {fmt!r}", code=2)
-    repo = _repo()
-    columns, rows = _store_call(lambda: repo.query(sql))
+        fail(f"--format must be table, csv or json, got {fmt!r}", code=2)
+    repo = repo_root()
+    columns, rows = store_call(lambda: repo.query(sql))
     if fmt == "json":
         print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], indent=2, default=str))
     elif fmt == "csv":
@@ -202,12 +202,12 @@ def results_export(
     from storage.archive import export_store
 
     if fmt not in ("csv", "parquet"):
-        _fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
+        fail(f"--format must be csv or parquet, got {fmt!r}", code=2)
     try:
-        done = _store_call(lambda: export_store(out, fmt, profile=profile))  # type: ignore[arg-type]
+        done = store_call(lambda: export_store(out, fmt, profile=profile))  # type: ignore[arg-type]
     except OSError as exc:
         where = exc.filename if exc.filename is not None else out
-        _fail(
+        fail(
             f"cannot write the export to {str(where)!r}: {exc.strerror or exc}; pass --out a folder you can "
             "create and write to (e.g. --out ./privbench-export)"
         )
@@ -231,8 +231,8 @@ def results_restore(
     from storage.archive import restore_store
 
     if not src.is_dir():
-        _fail(f"{src} is not a folder; give the folder `privbench results export --out DIR` wrote", code=2)
-    counts = _store_call(lambda: restore_store(src, db))
+        fail(f"{src} is not a folder; give the folder `privbench results export --out DIR` wrote", code=2)
+    counts = store_call(lambda: restore_store(src, db))
     if as_json:
         print(json.dumps(counts, indent=2))
     err.print(_literal(f"restored {src}: " + ", ".join(f"{n} {t}" for t, n in counts.items())))
@@ -258,8 +258,8 @@ def results_reap(
     from storage.recovery import reap_stale_runs
 
     if older_than is not None and older_than < 0:
-        _fail(f"--older-than must be >= 0 seconds, got {older_than:g}", code=2)
-    stale = _store_call(lambda: reap_stale_runs(older_than))
+        fail(f"--older-than must be >= 0 seconds, got {older_than:g}", code=2)
+    stale = store_call(lambda: reap_stale_runs(older_than))
     crashed = 0
     flow_runs = {s.prefect_flow_run_id for s in stale if s.prefect_flow_run_id}
     if flow_runs and os.environ.get("PREFECT_API_URL"):
@@ -295,20 +295,20 @@ def results_reap(
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _repo():
+def repo_root():
     from storage.repository import ResultsRepository
 
     return ResultsRepository()
 
 
-def _store_call(fn):
+def store_call(fn):
     try:
         return fn()
     except PrivbenchError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
-def _fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> None:
     """Print ``message`` literally (redacted) as the error and exit with ``code``."""
     err.print(Text.assemble(("error", "bold red"), ": ", _literal(message)), highlight=False)
     raise typer.Exit(code)

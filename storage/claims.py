@@ -36,7 +36,7 @@ from scipy import stats
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Measure, Rule, Verdict, load_claims
 from storage.claim_rows import at_scale, claim_rows, matches, run_configs
-from storage.leaderboard import CONFIDENCE, _run_meta, seed_interval
+from storage.leaderboard import CONFIDENCE, run_meta, seed_interval
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = (
     Verdict.REPRODUCED,
@@ -413,7 +413,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     rows = claim_rows(db_url, claim, **filters)
     if rows.empty:
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
-    meta = _run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
+    meta = run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
     rows = rows.drop(columns=[c for c in ("started_at", "git_commit") if c in rows]).merge(
         meta[["run_id", "started_at", "git_commit"]], on="run_id", how="left"

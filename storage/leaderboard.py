@@ -280,7 +280,7 @@ def config_seed(config: dict[str, Any]) -> int | None:
     return None
 
 
-def _run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
+def run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per run: started_at, git commit, MLflow ids, config (parsed) and seed (its own, else the nearest ancestor's)."""
     engine = views._engine(db_url)
     columns = [
@@ -430,7 +430,7 @@ def leaderboard(db_url: str | None = None, *, boards: Sequence[str] | None = Non
         frame = board.rows(db_url, **filters)
         if frame.empty:
             continue
-        meta = _run_meta(db_url, frame["run_id"].drop_duplicates().tolist())
+        meta = run_meta(db_url, frame["run_id"].drop_duplicates().tolist())
         frame = frame.drop(columns=[c for c in meta.columns if c != "run_id" and c in frame.columns])
         frame = frame.merge(meta, on="run_id", how="left")
         frame = _with_variants(frame, board)

@@ -217,7 +217,7 @@ def audit_unlearning(
     from core.tangent.baselines import train_shards
     from core.tangent.compose import compose, remove_component
     from core.tangent.experiments import logits_of, shard_index
-    from tasks.tangent import _features, cache_features, tangent_model, train_config
+    from tasks.tangent import cache_features, load_features, tangent_model, train_config
 
     torch.set_num_threads(tangent.threads_per_worker)
     n_shards = tangent.fig1_n_shards
@@ -237,7 +237,7 @@ def audit_unlearning(
     ) as rec:
         rec.tag("privbench.result_group", "audit")
         inputs = cache_features.fn(tangent, images_path, model_path, parent)
-        f = _features(inputs.features_path)
+        f = load_features(inputs.features_path)
         split = shard_index(inputs.n_train, n_shards, tangent.seed)
         model = tangent_model(inputs, tangent)
         tcfg = replace(train_config(tangent, "taft"), epochs=cfg.unlearning_epochs or tangent.epochs)

@@ -56,7 +56,7 @@ def _backbone(model_path: str) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=2)
-def _features(features_path: str) -> dict[str, Tensor]:
+def load_features(features_path: str) -> dict[str, Tensor]:
     return torch.load(features_path, mmap=True, weights_only=True)
 
 
@@ -129,7 +129,7 @@ def cache_features(cfg: TangentConfig, images_path: str, model_path: str, parent
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # complete file or none: rename is atomic
             torch.save(out, tmp)
             os.replace(tmp, path)
-        feats = _features(str(path))
+        feats = load_features(str(path))
         rec.metrics(
             {
                 "n_train": feats["train_h"].shape[0],
@@ -208,7 +208,7 @@ def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: R
     ``fc``)."""
     name, train = lookup("Table 1 method", TABLE1, method)
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     technique = name.format(k=cfg.k)
     tcfg = train_config(cfg, method)
     with task_record(
@@ -243,7 +243,7 @@ def _cfg_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
 def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
     """One shard model (TAFT delta or NLFT suffix) of a split into ``job.n_shards``, saved for composition."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     idx = X.shard_index(inputs.n_train, job.n_shards, cfg.seed).shards[job.index]
     tcfg = replace(train_config(cfg, job.kind), seed=cfg.seed + job.index)
     h, y = f["train_h"][idx], f["train_y"][idx]
@@ -305,7 +305,7 @@ def compose_shards(
     """Table 2 for one shard count: TAFT composed by averaging deltas (eq. 13, one forward per input) vs
     Model Soup (weight average of the non-linear shard models) and SISA (output ensemble, N forwards)."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     mean_shard_s = {k: sum(s["train_s"] for s in shards if s["kind"] == k) / n_shards for k in ("taft", "nlft")}
     mean_acc = {k: sum(s["test_accuracy"] for s in shards if s["kind"] == k) / n_shards for k in ("taft", "nlft")}
@@ -366,7 +366,7 @@ def train_dp_regime(
         raise ConfigError("tangent.dp is not set; add a dp section to run Table 3")
     _set_threads(cfg)
     dp = cfg.dp
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     n = inputs.n_train if dp.n_train is None else min(dp.n_train, inputs.n_train)
     tcfg = TangentTrainConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, loss="ce", seed=cfg.seed)
     kind = "ours" if tangent else "reg"

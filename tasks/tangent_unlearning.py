@@ -27,10 +27,10 @@ from tasks.records import RESUMABLE, task_record
 from tasks.tangent import (
     _backbone,
     _cfg_json,
-    _features,
     _load_deltas,
     _load_suffixes,
     _set_threads,
+    load_features,
     nonlinear_model,
     tangent_model,
 )
@@ -48,7 +48,7 @@ def forget_by_subtraction_curve(
     against the mean of the remaining shard models' logits, each shard model evaluated on its own; the claim
     ``forgetting-exact`` reads it)."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     with task_record(
         parent=parent,
@@ -85,7 +85,7 @@ def forget_one_by_retraining(
     """Fig. 1(c), one request: forget a random training image by retraining its shard without it, next to the
     paragon (retraining TAFT from scratch on the other n-1 images); both timed in this task, side by side."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     sample = X.forget_sample(inputs.n_train, cfg.seed)
     tcfg = train_config(cfg, "taft")
@@ -120,7 +120,7 @@ def forget_fraction(
     """Fig. 1(c), many requests: forget a random ``fraction`` of the training images by retraining every shard
     that held one on its remaining images, then recompose; accuracy before and after."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     forget = X.forget_set(inputs.n_train, fraction, cfg.seed)
     with task_record(
@@ -169,7 +169,7 @@ def forget_request_costs(n_shards: int, cfg: TangentConfig, inputs: TangentInput
     non-linear suffix on the same batches, timed just before each pass). Inference reads the cached prefix,
     common to every method."""
     _set_threads(cfg)
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     request = U.forget_request(index, cfg.forget_request_examples, cfg.forget_request_shards, cfg.seed)
@@ -238,7 +238,7 @@ def _serve_request(
     composed tangent model, SISA's ensemble members, or the retrained model), its cost, and method-specific
     metrics (TAFT: ``components_after_forget`` and ``forget_max_abs_err``, the largest difference between the
     forgotten composition and the remaining components composed from scratch)."""
-    f = _features(inputs.features_path)
+    f = load_features(inputs.features_path)
     new_model = functools.partial(tangent_model, inputs, cfg)
     if kind == "taft":
         delta, parts, cost = U.forget_taft(

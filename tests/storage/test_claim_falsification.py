@@ -105,7 +105,7 @@ def _evaluate(claim: Claim, monkeypatch: pytest.MonkeyPatch, frame: pd.DataFrame
     """``evaluate_claim`` with ``frame`` as the store's rows, ``meta`` as its runs' seeds, commits and start times
     and every run at the scale of the claim's ``applies_at``."""
     monkeypatch.setattr(sc, "claim_rows", lambda db_url, c, **filters: frame.copy())
-    monkeypatch.setattr(sc, "_run_meta", lambda db_url, run_ids: meta[meta["run_id"].isin(run_ids)].copy())
+    monkeypatch.setattr(sc, "run_meta", lambda db_url, run_ids: meta[meta["run_id"].isin(run_ids)].copy())
     at = {k: _first(v) for k, v in claim.applies_at.where.items()} if claim.applies_at is not None else {}
     monkeypatch.setattr(claim_rows, "run_configs", lambda db_url, run_ids: {r: dict(at) for r in run_ids})
     return sc.evaluate_claim(None, claim)
