@@ -20,6 +20,15 @@ def require_crypten() -> None:
         pytest.skip("CrypTen is not installed (pip install --no-deps crypten==0.4.1)", allow_module_level=True)
 
 
+def tiny_gpt2(dtype: torch.dtype = torch.float64, seed: int = 0, d: int = 16):
+    """The approximation and merge tests' GPT-2: 100 tokens, 2 layers of width ``d``, no dropout, eval mode."""
+    from core.models.gpt2 import tiny_gpt2 as build
+
+    torch.manual_seed(seed)
+    model = build(100, n_layer=2, n_embd=d, n_head=2, n_positions=32, dropout=0.0, eos_token_id=0)
+    return model.to(dtype).eval()
+
+
 def tiny_hf():
     transformers = pytest.importorskip("transformers")
     GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel

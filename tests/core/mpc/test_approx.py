@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
 
 from core.errors import ConfigError
-from core.models.gpt2 import tiny_gpt2 as build_tiny_gpt2
 from core.mpc.approx import (
     APPROXIMATIONS,
     ApproxGPT2,
@@ -18,12 +16,7 @@ from core.mpc.approx import (
     logits_kd_loss,
 )
 from core.mpc.merge_spec import activation
-
-
-def tiny_gpt2(dtype=torch.float64, seed=0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    model = build_tiny_gpt2(100, n_layer=2, n_embd=16, n_head=2, n_positions=32, dropout=0.0, eos_token_id=0)
-    return model.to(dtype).eval()
+from tests.core.mpc.conftest import tiny_gpt2
 
 
 def test_registry_names_and_unknown_name():

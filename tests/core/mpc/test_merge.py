@@ -7,7 +7,6 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.errors import ConfigError
-from core.models.gpt2 import tiny_gpt2 as build_tiny_gpt2
 from core.mpc.merge import (
     ERConfig,
     MergeModel,
@@ -30,14 +29,9 @@ from core.mpc.merge_spec import (
     merged_logits,
     mm_generate_plain,
 )
+from tests.core.mpc.conftest import tiny_gpt2
 
 N_MAX = 12
-
-
-def tiny_gpt2(dtype=torch.float64, seed=0, d=16) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    model = build_tiny_gpt2(100, n_layer=2, n_embd=d, n_head=2, n_positions=32, dropout=0.0, eos_token_id=0)
-    return model.to(dtype).eval()
 
 
 def synthetic_batches(n=4, b=4, length=10, seed=1) -> list[torch.Tensor]:
