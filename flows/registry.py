@@ -1,15 +1,104 @@
-"""The flow registry: which flows ``privbench run`` (and the deployments of ``flows.deployments``) know, and how
-a profile config is handed to each. Each flow module is imported only when its flow runs."""
+"""The flow registry: the chain's stages declared once (:class:`Stage`, :data:`STAGES`, in the order they run),
+and from them which flows ``privbench run`` (and the deployments of ``flows.deployments``) know, how a profile
+config is handed to each, the runs each records (:func:`plan`) and the benchmark chain (:func:`run_stages`). Each
+flow module is imported only when its flow runs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from core.errors import ConfigError
 from core.registry import lookup
 from pbconfig.benchmark import BenchmarkConfig
 from pbconfig.data import PrepareConfig
+
+if TYPE_CHECKING:
+    from storage.recording import RunRef
+
+Prepared = dict[str, Any]  # what the chain's prepare flow returned (``prepare_flow``)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the chain, declared once: ``name`` (the flow's name, as its rows carry it), ``section`` (its
+    ``BenchmarkConfig`` section: None there, the stage does not run), ``runs`` (the runs it records, told from the
+    config), ``prepare_runs`` (the runs of the prepare flow it starts when it runs on its own; None: it prepares
+    nothing) and ``start(cfg, parent, prepared)``: its flow under ``parent`` on the chain's prepared data, or on
+    its own (``parent`` and ``prepared`` None: it prepares what it reads). ``privbench run``, ``registry.plan``
+    and the benchmark chain are derived from :data:`STAGES`; a new stage is one more entry."""
+
+    name: str
+    section: str
+    runs: Callable[[BenchmarkConfig], int]
+    prepare_runs: Callable[[BenchmarkConfig], int] | None
+    start: Callable[[BenchmarkConfig, RunRef | None, Prepared | None], dict[str, Any]]
+
+    def config(self, cfg: BenchmarkConfig) -> Any:
+        """The stage's section of ``cfg``; ConfigError naming the profile where it has none."""
+        section = getattr(cfg, self.section)
+        if section is None:
+            raise ConfigError(f"profile {cfg.profile!r} has no {self.section} section; add one or use --profile quick")
+        return section
+
+
+def _paths(prepared: Prepared | None, kind: str) -> dict[str, str] | None:
+    return None if prepared is None else {name: d["path"] for name, d in prepared.get(kind, {}).items()}
+
+
+def _start_train_dp(cfg: BenchmarkConfig, parent: RunRef | None, prepared: Prepared | None) -> dict[str, Any]:
+    from flows.train_dp import train_dp_flow, train_dp_runner
+
+    t = STAGE["train-dp"].config(cfg)
+    flow = train_dp_flow.with_options(task_runner=train_dp_runner(t))
+    return flow(t, cfg.prepare, profile=cfg.profile, parent=parent, prepared=_paths(prepared, "datasets"))
+
+
+def _vision(cfg: BenchmarkConfig, prepared: Prepared | None) -> dict[str, str] | None:
+    """The tangent stage's prepared image dataset and pretrained model."""
+    t = cfg.tangent
+    if prepared is None or t is None:
+        return None
+    return {"images": prepared["images"][t.dataset]["path"], "model": prepared["models"][t.model]["path"]}
+
+
+def _start_tangent(cfg: BenchmarkConfig, parent: RunRef | None, prepared: Prepared | None) -> dict[str, Any]:
+    from flows.tangent import tangent_flow, tangent_runner
+
+    t = STAGE["tangent"].config(cfg)
+    flow = tangent_flow.with_options(task_runner=tangent_runner(t))
+    return flow(t, cfg.prepare, profile=cfg.profile, parent=parent, prepared=_vision(cfg, prepared))
+
+
+def _start_secure_inference(cfg: BenchmarkConfig, parent: RunRef | None, prepared: Prepared | None) -> dict[str, Any]:
+    from flows.secure_inference import secure_inference_flow
+
+    return secure_inference_flow(STAGE["secure-inference"].config(cfg), profile=cfg.profile, parent=parent)
+
+
+def _start_stip(cfg: BenchmarkConfig, parent: RunRef | None, prepared: Prepared | None) -> dict[str, Any]:
+    from flows.stip import stip_flow
+
+    return stip_flow(STAGE["stip"].config(cfg), profile=cfg.profile, parent=parent)
+
+
+def _start_attacks(cfg: BenchmarkConfig, parent: RunRef | None, prepared: Prepared | None) -> dict[str, Any]:
+    from flows.attacks import attacks_flow, attacks_runner
+
+    a = STAGE["attacks"].config(cfg)
+    flow = attacks_flow.with_options(task_runner=attacks_runner(a))
+    return flow(
+        a,
+        cfg.prepare,
+        profile=cfg.profile,
+        parent=parent,
+        prepared=_paths(prepared, "texts"),
+        train_dp=cfg.train_dp,
+        seqrec=_paths(prepared, "datasets"),
+        tangent=cfg.tangent,
+        vision=_vision(cfg, prepared),
+    )
 
 
 def _prepare(cfg: BenchmarkConfig) -> dict[str, Any]:
@@ -18,70 +107,27 @@ def _prepare(cfg: BenchmarkConfig) -> dict[str, Any]:
     return prepare_flow(cfg.prepare, profile=cfg.profile)
 
 
-def _train_dp(cfg: BenchmarkConfig) -> dict[str, Any]:
-    from flows.train_dp import train_dp_flow, train_dp_runner
-
-    if cfg.train_dp is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no train_dp section; add one or use --profile quick")
-    flow = train_dp_flow.with_options(task_runner=train_dp_runner(cfg.train_dp))
-    return flow(cfg.train_dp, cfg.prepare, profile=cfg.profile)
-
-
-def _tangent(cfg: BenchmarkConfig) -> dict[str, Any]:
-    from flows.tangent import tangent_flow, tangent_runner
-
-    if cfg.tangent is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no tangent section; add one or use --profile quick")
-    return tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
-        cfg.tangent, cfg.prepare, profile=cfg.profile
-    )
-
-
-def _secure_inference(cfg: BenchmarkConfig) -> dict[str, Any]:
-    from flows.secure_inference import secure_inference_flow
-
-    if cfg.secure_inference is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no secure_inference section; add one or use --profile quick")
-    return secure_inference_flow(cfg.secure_inference, profile=cfg.profile)
-
-
-def _stip(cfg: BenchmarkConfig) -> dict[str, Any]:
-    from flows.stip import stip_flow
-
-    if cfg.stip is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no stip section; add one or use --profile quick")
-    return stip_flow(cfg.stip, profile=cfg.profile)
-
-
-def _attacks(cfg: BenchmarkConfig) -> dict[str, Any]:
-    from flows.attacks import attacks_flow, attacks_runner
-
-    if cfg.attacks is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no attacks section; add one or use --profile quick")
-    return attacks_flow.with_options(task_runner=attacks_runner(cfg.attacks))(
-        cfg.attacks, cfg.prepare, profile=cfg.profile, train_dp=cfg.train_dp, tangent=cfg.tangent
-    )
-
-
 def _benchmark(cfg: BenchmarkConfig) -> dict[str, Any]:
     from flows.benchmark import benchmark_flow
 
     return benchmark_flow(cfg)
 
 
-FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
-    "prepare": _prepare,
-    "train-dp": _train_dp,
-    "tangent": _tangent,
-    "secure-inference": _secure_inference,
-    "stip": _stip,
-    "attacks": _attacks,
-    "benchmark": _benchmark,
-}
+def _alone(stage: Stage) -> Callable[[BenchmarkConfig], dict[str, Any]]:
+    def run(cfg: BenchmarkConfig) -> dict[str, Any]:
+        stage.config(cfg)  # no section: refused before anything runs
+        return stage.start(cfg, None, None)
+
+    return run
 
 
 def run_flow(name: str, cfg: BenchmarkConfig) -> dict[str, Any]:
     return lookup("flow", FLOWS, name)(cfg)
+
+
+def run_stages(cfg: BenchmarkConfig, parent: RunRef, prepared: Prepared) -> dict[str, Any]:
+    """Every stage ``cfg`` configures, in the chain's order, under ``parent`` on the chain's ``prepared`` data."""
+    return {s.name: s.start(cfg, parent, prepared) for s in STAGES if getattr(cfg, s.section) is not None}
 
 
 # ------------------------------------------------------------------------------------- the runs to expect
@@ -163,31 +209,44 @@ def _attacks_prepare_runs(cfg: BenchmarkConfig) -> int:
 def _section(cfg: BenchmarkConfig, name: str) -> Any:
     section = getattr(cfg, name)
     if section is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no {name} section")
+        raise ConfigError(f"profile {cfg.profile!r} has no {name} section; add one or use --profile quick")
     return section
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("train-dp", "train_dp", _train_dp_runs, lambda cfg: 1 + len(_section(cfg, "train_dp").datasets),
+          _start_train_dp),
+    Stage("tangent", "tangent", _tangent_runs, lambda cfg: 3, _start_tangent),  # its image dataset and model
+    Stage("secure-inference", "secure_inference", _secure_inference_runs, None, _start_secure_inference),
+    Stage("stip", "stip", _stip_runs, None, _start_stip),
+    Stage("attacks", "attacks", _attacks_runs, _attacks_prepare_runs, _start_attacks),
+)  # fmt: skip
+STAGE: dict[str, Stage] = {s.name: s for s in STAGES}
+
+FLOWS: dict[str, Callable[[BenchmarkConfig], dict[str, Any]]] = {
+    "prepare": _prepare,
+    **{s.name: _alone(s) for s in STAGES},
+    "benchmark": _benchmark,
+}
 
 
 def _benchmark_runs(cfg: BenchmarkConfig) -> dict[str, int | None]:
     """Each configured stage under the benchmark's run, on the prepared data of one prepare flow."""
     stages: dict[str, int | None] = {"benchmark": 1, "prepare": _prepare_runs(cfg.prepare)}
-    for flow, section, count in (
-        ("train-dp", "train_dp", _train_dp_runs),
-        ("tangent", "tangent", _tangent_runs),
-        ("secure-inference", "secure_inference", _secure_inference_runs),
-        ("stip", "stip", _stip_runs),
-        ("attacks", "attacks", _attacks_runs),
-    ):
-        if getattr(cfg, section) is not None:
-            stages[flow] = count(cfg)
+    stages.update({s.name: s.runs(cfg) for s in STAGES if getattr(cfg, s.section) is not None})
     return stages
+
+
+def _alone_runs(stage: Stage) -> Callable[[BenchmarkConfig], dict[str, int | None]]:
+    def runs(cfg: BenchmarkConfig) -> dict[str, int | None]:
+        prepare = {} if stage.prepare_runs is None else {"prepare": stage.prepare_runs(cfg)}
+        return prepare | {stage.name: stage.runs(cfg)}
+
+    return runs
 
 
 PLANS: dict[str, Callable[[BenchmarkConfig], dict[str, int | None]]] = {
     "prepare": lambda cfg: {"prepare": _prepare_runs(cfg.prepare)},
-    "train-dp": lambda cfg: {"prepare": 1 + len(_section(cfg, "train_dp").datasets), "train-dp": _train_dp_runs(cfg)},
-    "tangent": lambda cfg: {"prepare": 3, "tangent": _tangent_runs(cfg)},  # its image dataset and model
-    "secure-inference": lambda cfg: {"secure-inference": _secure_inference_runs(cfg)},
-    "stip": lambda cfg: {"stip": _stip_runs(cfg)},
-    "attacks": lambda cfg: {"prepare": _attacks_prepare_runs(cfg), "attacks": _attacks_runs(cfg)},
+    **{s.name: _alone_runs(s) for s in STAGES},
     "benchmark": _benchmark_runs,
 }
