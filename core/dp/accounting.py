@@ -26,6 +26,7 @@ from typing import Any
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
+from core.dp.noise import check_clip_norm, check_noise_multiplier
 from core.errors import ConfigError, PrivacyError
 
 __all__ = [
@@ -101,16 +102,6 @@ def _check_sample_rate(sample_rate: float) -> None:
 def _check_steps(steps: int) -> None:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ConfigError(f"steps must be an integer >= 1, got steps={steps!r}")
-
-
-def check_noise_multiplier(noise_multiplier: float) -> None:
-    if not (isinstance(noise_multiplier, numbers.Real) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ConfigError(f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}")
-
-
-def check_clip_norm(clip_norm: float) -> None:
-    if not (isinstance(clip_norm, numbers.Real) and math.isfinite(clip_norm) and clip_norm > 0):
-        raise ConfigError(f"clip_norm must be a finite number > 0, got clip_norm={clip_norm!r}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ from enum import Enum
 from typing import Protocol, runtime_checkable
 
 import torch
-from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 from torch import Tensor, nn
 
 from core.dp.ghost_tied import GhostTiedClipping
@@ -244,6 +243,8 @@ class OpacusHooksClipper(_DPClipper):
 
     def __init__(self, model: nn.Module, **settings: float) -> None:
         super().__init__(model, **settings)
+        from opacus.grad_sample import GradSampleModule  # imported where used: a second of start-up otherwise
+
         self.model = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
 
     def backward(self, per_sample_loss: Tensor) -> Tensor:
@@ -282,6 +283,8 @@ class OpacusGhostClipper(_DPClipper):
 
     def __init__(self, model: nn.Module, **settings: float) -> None:
         super().__init__(model, **settings)
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping  # imported where used
+
         tied = tied_parameter_names(model, tuple(GradSampleModuleFastGradientClipping.NORM_SAMPLERS))
         if tied:
             raise ConfigError(

@@ -31,7 +31,6 @@ from typing import Literal
 
 import torch
 
-from core.dp.accounting import check_clip_norm, check_noise_multiplier
 from core.errors import ConfigError, PrivacyError
 
 __all__ = ["NOISE_SOURCES", "NoiseSource", "add_gaussian_noise_", "noise_source", "privatize_grads_"]
@@ -45,6 +44,16 @@ NOISE_SOURCES: dict[str, str] = {
         "not a CSPRNG stream; sum of 4 Gaussians against floating-point attacks)"
     ),
 }
+
+
+def check_noise_multiplier(noise_multiplier: float) -> None:
+    if not (isinstance(noise_multiplier, numbers.Real) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ConfigError(f"noise_multiplier must be a finite number >= 0, got noise_multiplier={noise_multiplier!r}")
+
+
+def check_clip_norm(clip_norm: float) -> None:
+    if not (isinstance(clip_norm, numbers.Real) and math.isfinite(clip_norm) and clip_norm > 0):
+        raise ConfigError(f"clip_norm must be a finite number > 0, got clip_norm={clip_norm!r}")
 
 
 def noise_source(secure_mode: bool) -> str:
