@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import select
 
+from core.errors import ConfigError
 from pbconfig.claims import Claim, SideSource, dotted_name
 from storage import views
 
@@ -95,7 +96,7 @@ def _source_rows(
         frame = getattr(views, source)(db_url, **filters)
     missing = sorted(c for c in columns if c not in frame.columns)
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"claim {claim_id!r}: source {source!r} has no column(s) {', '.join(missing)}; "
             f"its columns: {', '.join(map(str, frame.columns))}"
         )

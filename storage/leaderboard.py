@@ -34,6 +34,7 @@ import pandas as pd
 from scipy import stats
 from sqlalchemy import select
 
+from core.errors import ConfigError
 from storage import views
 from storage.models import Run
 
@@ -81,7 +82,7 @@ def seed_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> Se
     """Mean and t-interval of ``values`` (one per seed; NaN ignored). Three seeds 1, 2, 3: mean 2, sample std 1,
     half-width t(0.975, 2) / sqrt(3) = 4.303 / 1.732 = 2.484."""
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+        raise ConfigError(f"confidence must be in (0, 1), got {confidence}")
     xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     n = len(xs)
     if n == 0:

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from sqlalchemy import select, update
 
 from core.dp.accounting import PrivacyLedger as SpentPrivacy
-from core.errors import StoreError
+from core.errors import ConfigError, DataError, StoreError
 from core.redact import redact_url
 from pbconfig import __version__
 from pbconfig.canon import canonical_json, config_hash, flatten
@@ -90,13 +90,13 @@ class Recorder:
 
     def metric(self, name: str, value: float, *, step: int | None = None, unit: str | None = None) -> None:
         if not _METRIC_NAME.fullmatch(name):
-            raise ValueError(
+            raise ConfigError(
                 f"metric name {name!r} may only contain letters, digits, _ - . : / and spaces "
                 "(the same name goes to MLflow); e.g. 'ndcg_at_10' instead of 'ndcg@10'"
             )
         value = float(value)
         if not math.isfinite(value):
-            raise ValueError(f"metric {name!r} has non-finite value {value}; fix the computation or skip it")
+            raise DataError(f"metric {name!r} has non-finite value {value}; fix the computation or skip it")
         self._metrics.append(Metric(name=name, value=value, step=step, unit=unit))
 
     def metrics(
@@ -179,7 +179,7 @@ class Recorder:
     def attack(self, *, attack: str, target: str, extra: Mapping[str, Any] | None = None, **values: Any) -> None:
         unknown = set(values) - _ATTACK_FIELDS
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown attack-result fields {sorted(unknown)}; known: {sorted(_ATTACK_FIELDS)} "
                 "(put anything else in extra=)"
             )
@@ -207,9 +207,7 @@ class Recorder:
             return int(stats[key]) if key in stats else None
 
         if kind == "seqrec" and any(count(k) is None for k in ("n_users", "n_items", "n_interactions")):
-            raise ValueError(
-                f"a seqrec dataset needs n_users, n_items and n_interactions in stats, got {sorted(stats)}"
-            )
+            raise DataError(f"a seqrec dataset needs n_users, n_items and n_interactions in stats, got {sorted(stats)}")
         self._rows.append(
             Dataset(
                 name=name,

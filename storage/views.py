@@ -26,6 +26,7 @@ import pandas as pd
 from sqlalchemy import Select, func, select
 from sqlalchemy.engine import Engine
 
+from core.errors import ConfigError
 from pbconfig.settings import get_settings
 from storage.db import get_engine
 from storage.models import AttackResult, Metric, MpcCost, PrivacyLedger, Run
@@ -63,7 +64,7 @@ class Filters:
 
     def __post_init__(self) -> None:
         if self.since is not None and self.until is not None and _utc(self.since) > _utc(self.until):
-            raise ValueError(
+            raise ConfigError(
                 f"since must not be after until, got since={self.since!r}, until={self.until!r}; swap them"
             )
 
