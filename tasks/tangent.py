@@ -51,7 +51,7 @@ FEATURES_VERSION = "tangent-features-v1"
 
 
 @functools.lru_cache(maxsize=2)
-def _backbone(model_path: str) -> nn.Module:
+def load_backbone(model_path: str) -> nn.Module:
     return load_pretrained(model_path)
 
 
@@ -61,7 +61,7 @@ def load_features(features_path: str) -> dict[str, Tensor]:
 
 
 def tangent_model(inputs: TangentInputs, cfg: TangentConfig, *, predict_jvp_only: bool = False) -> TangentModel:
-    backbone = _backbone(inputs.model_path)
+    backbone = load_backbone(inputs.model_path)
     head = X.make_head(backbone.config.hidden_size, inputs.n_classes, cfg.seed)
     return TangentModel(
         backbone,
@@ -76,11 +76,11 @@ def tangent_model(inputs: TangentInputs, cfg: TangentConfig, *, predict_jvp_only
 
 
 def nonlinear_model(inputs: TangentInputs, cfg: TangentConfig) -> NonlinearSuffix:
-    backbone = _backbone(inputs.model_path)
+    backbone = load_backbone(inputs.model_path)
     return NonlinearSuffix(backbone, X.make_head(backbone.config.hidden_size, inputs.n_classes, cfg.seed), cfg.k)
 
 
-def _set_threads(cfg: TangentConfig) -> None:
+def set_threads(cfg: TangentConfig) -> None:
     torch.set_num_threads(cfg.threads_per_worker)
 
 
@@ -116,7 +116,7 @@ def cache_features(cfg: TangentConfig, images_path: str, model_path: str, parent
     with task_record(parent=parent, technique="feature-cache", config=spec, dataset=cfg.dataset) as rec:
         cached = path.is_file()
         if not cached:
-            backbone = _backbone(model_path)
+            backbone = load_backbone(model_path)
             probe = TangentModel(backbone, n_classes, cfg.k)
             t0 = time.perf_counter()
             out = {}
@@ -170,7 +170,7 @@ def _table1_nlft(
     inputs: TangentInputs, cfg: TangentConfig, f: dict[str, Tensor], tcfg: TangentTrainConfig
 ) -> tuple[Any, float, float, int]:
     model, stats = train_nonlinear(
-        _backbone(inputs.model_path), nonlinear_model(inputs, cfg).head, f["train_h"], f["train_y"], tcfg, k=cfg.k
+        load_backbone(inputs.model_path), nonlinear_model(inputs, cfg).head, f["train_h"], f["train_y"], tcfg, k=cfg.k
     )
     return stats, *_suffix_accuracies(model, f, cfg), sum(p.numel() for p in model.parameters())
 
@@ -207,14 +207,14 @@ def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: R
     """Table 1: one method on the whole training set; ``method`` is one of :data:`TABLE1` (``taft``, ``nlft``,
     ``fc``)."""
     name, train = lookup("Table 1 method", TABLE1, method)
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     technique = name.format(k=cfg.k)
     tcfg = train_config(cfg, method)
     with task_record(
         parent=parent,
         technique=technique,
-        config={"method": method, **_cfg_json(tcfg), "k": cfg.k},
+        config={"method": method, **config_json(tcfg), "k": cfg.k},
         dataset=cfg.dataset,
     ) as rec:
         rec.tag("privbench.result_group", "table1")
@@ -232,7 +232,7 @@ def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: R
     return result
 
 
-def _cfg_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
+def config_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in tcfg.__dict__.items()}
 
 
@@ -242,12 +242,12 @@ def _cfg_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
 @task(name="tangent-shard", **RESUMABLE)
 def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
     """One shard model (TAFT delta or NLFT suffix) of a split into ``job.n_shards``, saved for composition."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     idx = X.shard_index(inputs.n_train, job.n_shards, cfg.seed).shards[job.index]
     tcfg = replace(train_config(cfg, job.kind), seed=cfg.seed + job.index)
     h, y = f["train_h"][idx], f["train_y"][idx]
-    config = {"kind": job.kind, "n_shards": job.n_shards, "shard": job.index, "k": cfg.k, **_cfg_json(tcfg)}
+    config = {"kind": job.kind, "n_shards": job.n_shards, "shard": job.index, "k": cfg.k, **config_json(tcfg)}
     with task_record(
         parent=parent,
         technique=f"{job.kind}-shard",
@@ -262,7 +262,7 @@ def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent
             state = model.get_delta()
         else:
             model, stats = train_nonlinear(
-                _backbone(inputs.model_path), nonlinear_model(inputs, cfg).head, h, y, tcfg, k=cfg.k
+                load_backbone(inputs.model_path), nonlinear_model(inputs, cfg).head, h, y, tcfg, k=cfg.k
             )
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save(state, _delta_path(inputs, job))
@@ -282,11 +282,11 @@ def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent
     return result
 
 
-def _load_deltas(inputs: TangentInputs, n_shards: int) -> list[dict[str, Tensor]]:
+def load_deltas(inputs: TangentInputs, n_shards: int) -> list[dict[str, Tensor]]:
     return [torch.load(_delta_path(inputs, ShardJob("taft", n_shards, j)), weights_only=True) for j in range(n_shards)]
 
 
-def _load_suffixes(inputs: TangentInputs, cfg: TangentConfig, n_shards: int) -> list[NonlinearSuffix]:
+def load_suffixes(inputs: TangentInputs, cfg: TangentConfig, n_shards: int) -> list[NonlinearSuffix]:
     models = []
     for j in range(n_shards):
         m = nonlinear_model(inputs, cfg)
@@ -304,7 +304,7 @@ def compose_shards(
 ) -> dict[str, Any]:
     """Table 2 for one shard count: TAFT composed by averaging deltas (eq. 13, one forward per input) vs
     Model Soup (weight average of the non-linear shard models) and SISA (output ensemble, N forwards)."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     mean_shard_s = {k: sum(s["train_s"] for s in shards if s["kind"] == k) / n_shards for k in ("taft", "nlft")}
@@ -320,12 +320,12 @@ def compose_shards(
     ) as rec:
         rec.tag("privbench.result_group", "table2")
         out["taft"] = {
-            **X.compose_and_check(tangent_model(inputs, cfg), _load_deltas(inputs, n_shards), h, y, batch_size=bs),
+            **X.compose_and_check(tangent_model(inputs, cfg), load_deltas(inputs, n_shards), h, y, batch_size=bs),
             "mean_shard_train_s": mean_shard_s["taft"],
             "mean_component_accuracy": mean_acc["taft"],
         }
         rec.metrics(out["taft"], units={"compose_s": "s", "inference_s": "s", "mean_shard_train_s": "s"})
-    suffixes = _load_suffixes(inputs, cfg, n_shards)
+    suffixes = load_suffixes(inputs, cfg, n_shards)
     with task_record(
         parent=parent,
         technique="model-soup",
@@ -364,7 +364,7 @@ def train_dp_regime(
     ``epsilon`` (:func:`core.tangent.experiments.dp_regime_cell`), with the privacy ledger recorded."""
     if cfg.dp is None:
         raise ConfigError("tangent.dp is not set; add a dp section to run Table 3")
-    _set_threads(cfg)
+    set_threads(cfg)
     dp = cfg.dp
     f = load_features(inputs.features_path)
     n = inputs.n_train if dp.n_train is None else min(dp.n_train, inputs.n_train)
@@ -380,7 +380,7 @@ def train_dp_regime(
         "accountant": dp.accountant,
         "delta": dp.delta,
         "reg_start": dp.reg_start,
-        **_cfg_json(tcfg),
+        **config_json(tcfg),
     }
     with task_record(
         parent=parent,
@@ -391,7 +391,7 @@ def train_dp_regime(
     ) as rec:
         rec.tag("privbench.result_group", "table3")
         rec.tag("privbench.parameters", kind)
-        backbone = _backbone(inputs.model_path)
+        backbone = load_backbone(inputs.model_path)
         head = X.make_head(backbone.config.hidden_size, inputs.n_classes, cfg.seed)
         cell = X.dp_regime_cell(
             backbone,

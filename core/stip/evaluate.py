@@ -48,7 +48,7 @@ from core.order_stats import median_interval
 from core.stip import attacks as A
 from core.stip import keys as K
 from core.stip.parties import float64_exactness, run_stip, run_stip_inprocess
-from core.stip.transform import _arch, base_model_of, check_permutation
+from core.stip.transform import arch_of, base_model_of, check_permutation
 from core.stip.vocab_attack import token_frequency_attack
 
 __all__ = [
@@ -174,7 +174,7 @@ def _target(pi: torch.Tensor | None, d: int) -> torch.Tensor:
 def attack_weight_matching(
     base: nn.Module, *, rel_noise: float, seed: int, pi: torch.Tensor | None = None
 ) -> dict[str, Any]:
-    arch = _arch(base)
+    arch = arch_of(base)
     deployed = simulate_finetune(base, rel_noise, seed)
     d = model_dim(base)
     pi = _target(pi, d)

@@ -62,7 +62,7 @@ from torch import nn
 
 from core.errors import ConfigError, PrivbenchError
 from core.stip.keys import StipKeys, draw_keys
-from core.stip.transform import _arch, base_model_of, inverse_permutation, permute_model, permute_vocab
+from core.stip.transform import arch_of, base_model_of, inverse_permutation, permute_model, permute_vocab
 from core.stip.wire import decode_body, encode_frame, from_bytes, to_bytes
 
 __all__ = [
@@ -172,7 +172,7 @@ class Developer:
         if keys is not None and (keys.sigma is None) != (design == "user_embed"):
             raise ConfigError(f"keys {keys!r} do not fit design {design!r} (sigma exactly for vocab_perm)")
         self.model, self.design, self.keys = model, design, keys
-        self.arch = _arch(model)
+        self.arch = arch_of(model)
 
     def packages(self) -> tuple[bytes, bytes]:
         model, cfg = self.model, self.model.config
@@ -282,7 +282,7 @@ class User:
         return tok, logits[0]
 
 
-def _generate(user: User, exchange: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, n_new: int):
+def user_generate(user: User, exchange: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, n_new: int):
     tokens, logits = [], []
     x = user.encode(prompt.view(1, -1))
     for step in range(n_new):
@@ -301,7 +301,7 @@ def _plain_service(model: nn.Module) -> Cloud:
     """The plaintext model as P2 would run it (see the module docstring): a ``Cloud`` built from the untransformed
     blocks, the model's own token table and its LM head, through the same package, class and loading path as P2's
     (a fresh instance, like P2's)."""
-    arch = _arch(model)
+    arch = arch_of(model)
     embed, head = _embed_and_head(model)
     pkg = _p2_package(arch, model.config, base_model_of(model))
     pkg.update(embed=embed, head=head)
@@ -340,7 +340,7 @@ def _logit_error(
 
 
 def _validate(model: nn.Module, prompt: torch.Tensor, n_new: int, design: str) -> torch.Tensor:
-    _arch(model)
+    arch_of(model)
     if design not in get_args(Design):
         raise ConfigError(f"design must be one of {get_args(Design)}, got {design=!r}")
     if not isinstance(n_new, int) or n_new < 1:
@@ -383,7 +383,7 @@ def run_stip_inprocess(
 
     def protocol() -> tuple[list[int], torch.Tensor, float]:
         t_gen = _clock()
-        tokens, logits = _generate(user, exchange, prompt, n_new)
+        tokens, logits = user_generate(user, exchange, prompt, n_new)
         return tokens, logits, _clock() - t_gen
 
     gc.collect()  # the packaging's garbage, so that neither timed part collects it

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from core.stip.keys import StipKeys
-from core.stip.parties import ROLES, Cloud, Developer, PartyError, PartyTimeoutError, User, _generate
+from core.stip.parties import ROLES, Cloud, Developer, PartyError, PartyTimeoutError, User, user_generate
 from core.stip.wire import (
     AuthenticationError,
     Link,
@@ -183,7 +183,7 @@ def _p3(server, port2, prompt_ids, n_new, key1, timeout_s, crash, wrong_key, aud
         _maybe_crash("P3", crash)
         return to2.recv()[1]
 
-    tokens, logits = _generate(user, exchange, torch.tensor(prompt_ids, dtype=torch.long), n_new)
+    tokens, logits = user_generate(user, exchange, torch.tensor(prompt_ids, dtype=torch.long), n_new)
     wall = time.perf_counter() - t0
     to2.send("stop")
     report = {

@@ -38,7 +38,7 @@ from core.errors import ConfigError
 from core.stip import checkpoint_attack as C
 from core.stip.evaluate import attack_activation_stats, embedding_table, simulate_finetune
 from core.stip.keys import StipKeys, draw_keys
-from core.stip.transform import _arch, base_model_of, permute_model, permute_vocab
+from core.stip.transform import arch_of, base_model_of, permute_model, permute_vocab
 from core.stip.vocab_attack import fixed_code_frequency_attack, token_frequency_attack
 
 __all__ = [
@@ -114,7 +114,7 @@ def _checkpoint_rows(
     match_layers: int | None,
 ) -> list[dict[str, Any]]:
     tuned, keys, blocks, tables = _deploy(base, design, noise, seed)
-    arch = _arch(base)
+    arch = arch_of(base)
     t0 = time.perf_counter()
     pm = C.match_pi(blocks, _blocks(base), arch, true_pi=keys.pi, layers=match_layers)
     layers = min(rho_layers, len(keys.rho))
@@ -282,7 +282,7 @@ def model_streams(model: nn.Module, stream_tokens: int, seed: int) -> tuple[torc
     from core.stip.evaluate import corpus_streams
 
     vocab = int(embedding_table(model).shape[0])
-    if vocab == 49152 and _arch(model) == "llama":
+    if vocab == 49152 and arch_of(model) == "llama":
         return corpus_streams(stream_tokens, seed, encode=_smollm2_tokenizer().encode)[:2]
     user, public, _ = corpus_streams(stream_tokens, seed)
     if vocab != GPT2_VOCAB:

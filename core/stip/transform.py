@@ -91,7 +91,7 @@ def inverse_permutation(pi: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _arch(model: nn.Module) -> str:
+def arch_of(model: nn.Module) -> str:
     from transformers import GPT2LMHeadModel, GPT2Model, LlamaForCausalLM, LlamaModel
 
     if isinstance(model, (GPT2LMHeadModel, GPT2Model)):
@@ -106,7 +106,7 @@ def _arch(model: nn.Module) -> str:
 
 def base_model_of(model: nn.Module) -> nn.Module:
     """The ``GPT2Model``/``LlamaModel`` inside ``model`` (or ``model`` itself)."""
-    arch = _arch(model)
+    arch = arch_of(model)
     if arch == "gpt2":
         return getattr(model, "transformer", model)
     return model.model if hasattr(model, "lm_head") else model
@@ -234,7 +234,7 @@ def _check_all_done(module: nn.Module, done: set[int], where: str) -> None:
 def mlp_hidden_sizes(model: nn.Module) -> list[int]:
     """The MLP hidden size ``m`` of every block, in order (one ``rho`` of this size per block)."""
     base = base_model_of(model)
-    if _arch(model) == "gpt2":
+    if arch_of(model) == "gpt2":
         return [int(block.mlp.c_fc.weight.shape[1]) for block in base.h]  # Conv1D (d, m)
     return [int(layer.mlp.gate_proj.weight.shape[0]) for layer in base.layers]  # Linear (m, d)
 
@@ -261,7 +261,7 @@ def permute_model(model: nn.Module, pi: torch.Tensor, *, rho: Sequence[torch.Ten
     The token embedding table and LM head are left as in ``model`` (see ``permute_vocab``).
     Raises ``ConfigError`` for another model type, a bad ``pi`` or ``rho``, or an unknown module in a block.
     """
-    arch = _arch(model)
+    arch = arch_of(model)
     d = model.config.hidden_size
     pi = check_permutation(pi, d)
     rhos = _check_rho(rho, model)

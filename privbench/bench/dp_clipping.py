@@ -404,6 +404,8 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
                     f"{result['exactness']['phantom_norm_max_rel_err']:.1e}"
                 )
     result["settings"] = settings
+    # without the recsys setting: the device and threads at the top all the same (the run's machine and tags)
+    result.setdefault("setting", {"device": device, "device_name": bench_device_name(), "threads": threads})
     return result
 
 

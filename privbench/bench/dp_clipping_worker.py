@@ -84,8 +84,10 @@ def _layer_times(timings: dict[str, float], model: Any, steps: int) -> dict[str,
 
 
 def _kernel_profile(step: Any, *, cuda: bool, top: int = 12) -> dict[str, Any]:
-    """One ``step()`` under ``torch.profiler``: the ``top`` ops by self time on the device that runs them (CUDA
-    kernels' time on a GPU, CPU time otherwise), their calls, the total, and on CUDA the kernels launched."""
+    """One ``step()`` under ``torch.profiler``: where its time goes. On CUDA the device's own events only (each
+    kernel, memcpy and memset once, grouped by name; the aten ops that launched them carry the same time again
+    and are left out): ``top`` by device time, their total, the kernels launched and the memory copies and sets.
+    On the CPU: the ``top`` ops by self CPU time and the total over all ops."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,25 +96,38 @@ def _kernel_profile(step: Any, *, cuda: bool, top: int = 12) -> dict[str, Any]:
         step()
         if cuda:
             torch.cuda.synchronize()
-    averages = prof.key_averages()
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)
-    out: dict[str, Any] = {
-        "activity": "cuda" if cuda else "cpu",
-        "self_time_ms": sum(getattr(e, attr) for e in averages) / 1e3,
-        "top": [
-            {"op": e.key, "calls": int(e.count), "self_ms": getattr(e, attr) / 1e3}
-            for e in rows[:top]
-            if getattr(e, attr) > 0
-        ],
+    if not cuda:
+        averages = prof.key_averages()
+        rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+        return {
+            "activity": "cpu",
+            "self_time_ms": sum(e.self_cpu_time_total for e in averages) / 1e3,
+            "top": [
+                {"op": e.key, "calls": int(e.count), "self_ms": e.self_cpu_time_total / 1e3}
+                for e in rows[:top]
+                if e.self_cpu_time_total > 0
+            ],
+        }
+    device = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    grouped: dict[str, list[float]] = {}
+    for e in device:
+        grouped.setdefault(e.name, []).append(e.device_time_total)
+    copies = sum(len(v) for name, v in grouped.items() if name.startswith(("Memcpy", "Memset")))
+    ranked = sorted(grouped.items(), key=lambda kv: sum(kv[1]), reverse=True)
+    return {
+        "activity": "cuda",
+        "self_time_ms": sum(sum(v) for v in grouped.values()) / 1e3,
+        "kernels": len(device) - copies,
+        "memcpy_memset": copies,
+        "top": [{"op": name, "calls": len(v), "self_ms": sum(v) / 1e3} for name, v in ranked[:top] if sum(v) > 0],
     }
-    if cuda:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        out["kernels"] = len(kernels)
-    return out
 
 
-def _random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any, Any]:
+def random_batch(items: int, seq_len: int, batch: int, seed: int) -> tuple[Any, Any]:
     """Left-padded random sequences: inputs (B, L) and next-item targets (B, L), 0 = padding."""
     import torch
 
@@ -203,7 +218,7 @@ def measure_step(
         book_keeping.timings = {}
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=1e-3)
-    inputs, targets = (t.to(dev) for t in _random_batch(items, seq_len, batch, seed))
+    inputs, targets = (t.to(dev) for t in random_batch(items, seq_len, batch, seed))
     generator = torch.Generator(device=dev).manual_seed(seed + 1)
     private = clipping != "nonprivate"
 

@@ -17,7 +17,7 @@ def norm_exactness(setting: Setting, batch: int = 4) -> dict[str, Any]:
 
     from core.dp.phantom import PhantomClipping
     from core.models import SeqRecConfig, build_seqrec, sequence_loss
-    from privbench.bench.dp_clipping_worker import _random_batch as random_batch
+    from privbench.bench.dp_clipping_worker import random_batch
 
     torch.manual_seed(setting.seed)
     cfg = SeqRecConfig(

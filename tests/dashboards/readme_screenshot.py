@@ -26,7 +26,9 @@ def take(export: Path, out: Path, *, min_charts: int = 3) -> str:
         raise SystemExit(f"{export} is not a store export (no manifest.json); give e.g. docs/results/data/reference")
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
-        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {
+        # this temporary store only: no configured database, MLflow store or other privbench setting reaches it
+        keep = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI" and not k.startswith("PRIVBENCH_")}
+        env = keep | {
             "PRIVBENCH_HOME": str(where / ".privbench"),
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),

@@ -66,7 +66,7 @@ def test_a_run_builds_everything_then_times_the_two_sides_in_the_order_asked(mon
     monkeypatch.setattr(P.Cloud, "__init__", record("build", P.Cloud.__init__))
     monkeypatch.setattr(P.User, "__init__", record("build", P.User.__init__))
     monkeypatch.setattr(P, "_plain_run", record("plaintext", P._plain_run))
-    monkeypatch.setattr(P, "_generate", record("protocol", P._generate))
+    monkeypatch.setattr(P, "user_generate", record("protocol", P.user_generate))
     r = run_stip_inprocess(stip_gpt2(), PROMPT, N_NEW, design="vocab_perm", plaintext_first=plaintext_first)
     timed = ["plaintext", "protocol"] if plaintext_first else ["protocol", "plaintext"]
     assert events == ["package", "build", "build", "build", *timed]  # P2, P3, the plaintext service; then timing
@@ -113,7 +113,7 @@ def biased(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(P, "_clock", clock)
             m.setattr(P, "_plain_run", timed("plaintext", P._plain_run))
-            m.setattr(P, "_generate", timed("protocol", P._generate))
+            m.setattr(P, "user_generate", timed("protocol", P.user_generate))
             out = E.protocol_costs(model, torch.tensor(PROMPT), N_NEW, design="vocab_perm", repeats=rounds,
                                    timeout_s=1.0, order=order)  # fmt: skip
         return out, parts

@@ -1,0 +1,94 @@
+"""The stage declarations of ``flows/registry.py``: the benchmark chain starts every configured stage, in order, under
+its run and on its prepared data; a stage run on its own gets no parent and prepares what it reads. The flows are
+replaced by recorders (no Prefect, no store): this checks the wiring, the flow tests check the flows."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+
+from core.errors import ConfigError
+from flows import registry
+from pbconfig.benchmark import load_config
+
+FLOW_MODULES = {
+    "train-dp": ("flows.train_dp", "train_dp_flow", "train_dp_runner"),
+    "tangent": ("flows.tangent", "tangent_flow", "tangent_runner"),
+    "secure-inference": ("flows.secure_inference", "secure_inference_flow", None),
+    "stip": ("flows.stip", "stip_flow", None),
+    "attacks": ("flows.attacks", "attacks_flow", "attacks_runner"),
+}
+
+
+class Recorder:
+    """Stands in for a Prefect flow: ``with_options`` returns itself, a call is recorded."""
+
+    def __init__(self, name: str, calls: list[tuple[str, tuple, dict]]) -> None:
+        self.name, self.calls = name, calls
+
+    def with_options(self, **_: Any) -> Recorder:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append((self.name, args, kwargs))
+        return {"stage": self.name}
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
+    made: list[tuple[str, tuple, dict]] = []
+    for stage, (module, flow, runner) in FLOW_MODULES.items():
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, flow, Recorder(stage, made))
+        if runner:
+            monkeypatch.setattr(mod, runner, lambda cfg: None)
+    return made
+
+
+def _prepared(cfg: Any) -> dict[str, Any]:
+    """What the chain's prepare flow returns, with a path per prepared item."""
+    p = cfg.prepare
+    return {
+        kind: {d.name: {"path": f"/prepared/{kind}/{d.name}"} for d in getattr(p, kind)}
+        for kind in ("datasets", "images", "models", "texts")
+    }
+
+
+def test_the_chain_starts_every_configured_stage_in_order_on_its_prepared_data(calls: list) -> None:
+    cfg = load_config("quick")
+    prepared = _prepared(cfg)
+    out = registry.run_stages(cfg, "PARENT", prepared)  # type: ignore[arg-type]
+    assert [name for name, _, _ in calls] == [s.name for s in registry.STAGES] == list(out)
+    kw = {name: kwargs for name, _, kwargs in calls}
+    assert all(k["parent"] == "PARENT" and k["profile"] == "quick" for k in kw.values())
+    datasets = {n: d["path"] for n, d in prepared["datasets"].items()}
+    assert kw["train-dp"]["prepared"] == datasets
+    vision = {"images": f"/prepared/images/{cfg.tangent.dataset}", "model": f"/prepared/models/{cfg.tangent.model}"}
+    assert kw["tangent"]["prepared"] == vision
+    a = kw["attacks"]
+    assert a["prepared"] == {n: d["path"] for n, d in prepared["texts"].items()} and a["seqrec"] == datasets
+    assert a["vision"] == vision and a["train_dp"] == cfg.train_dp and a["tangent"] == cfg.tangent
+    assert "prepared" not in kw["secure-inference"] and "prepared" not in kw["stip"]
+    # each flow gets its own section
+    assert [args[0] for _, args, _ in calls] == [getattr(cfg, s.section) for s in registry.STAGES]
+
+
+def test_a_stage_left_out_of_the_profile_is_skipped_by_the_chain_and_refused_on_its_own(calls: list) -> None:
+    cfg = load_config("quick").model_copy(update={"stip": None})
+    registry.run_stages(cfg, "PARENT", _prepared(cfg))  # type: ignore[arg-type]
+    assert "stip" not in [name for name, _, _ in calls]
+    with pytest.raises(ConfigError, match="profile 'quick' has no stip section; add one or use --profile quick"):
+        registry.run_flow("stip", cfg)
+
+
+@pytest.mark.parametrize("stage", list(FLOW_MODULES))
+def test_a_stage_on_its_own_has_no_parent_and_prepares_what_it_reads(calls: list, stage: str) -> None:
+    cfg = load_config("quick")
+    registry.run_flow(stage, cfg)
+    ((name, args, kwargs),) = calls
+    assert name == stage and args[0] == registry.STAGE[stage].config(cfg) and kwargs["parent"] is None
+    assert all(kwargs.get(k) is None for k in ("prepared", "seqrec", "vision"))
+    if stage == "attacks":
+        assert kwargs["train_dp"] == cfg.train_dp and kwargs["tangent"] == cfg.tangent
