@@ -87,15 +87,29 @@ def item_options(item: QueueItem) -> dict[str, Any]:
 
 
 def item_key(item: QueueItem) -> str:
-    """sha256 of what the item measures: bench, options and the paper profile's resolved setting (validated)."""
+    """sha256 of what the item measures: bench, options and the paper profile's resolved setting (validated), less
+    the machine it is computed on (:func:`_without_machine`)."""
     from privbench.bench.harness import resolve_benchmark
 
     try:
         setting = resolve_benchmark(item.bench, "paper", item_options(item))
     except ConfigError as exc:
         raise ConfigError(f"queue item {item.name!r}: {exc}") from None
-    what = {"bench": item.bench, "options": item_options(item), "setting": setting}
+    what = {"bench": item.bench, "options": item_options(item), "setting": _without_machine(setting)}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+MACHINE_KEYS = frozenset({"device", "device_name", "threads", "worker_env"})
+
+
+def _without_machine(value: Any) -> Any:
+    """``value`` without what names the machine that computes it (``MACHINE_KEYS``, at any depth): the device kind is
+    the results' folder, so the key is the same on the lent GPU and on the machine that lists or imports them."""
+    if isinstance(value, dict):
+        return {k: _without_machine(v) for k, v in value.items() if k not in MACHINE_KEYS}
+    if isinstance(value, list | tuple):
+        return [_without_machine(v) for v in value]
+    return value
 
 
 def result_name(item: QueueItem, key: str) -> str:

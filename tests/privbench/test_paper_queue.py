@@ -151,6 +151,20 @@ def test_a_changed_setting_queues_the_item_again(toy: str, tmp_path: Path, monke
     assert pq.item_key(item.model_copy(update={"methods": ("x",)})) != pq.item_key(item)
 
 
+def test_the_key_is_the_same_on_every_machine(toy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device kind is the results' folder: a key computed on the lent GPU is found by `--list` and by the next
+    call on another machine, so the machine (device, its name, threads, worker env) is not part of it."""
+    item = _queue("a").items[0]
+    keys = set()
+    for device, threads in (("cuda", 16), ("cpu", 2)):
+        setting = {"n": 3, "device": device, "device_name": f"{device} model", "threads": threads,
+                   "settings": {"s": {"n": 3, "device": device, "worker_env": {"X": device}}}}  # fmt: skip
+        spec = harness.BenchmarkSpec("toy", "a toy benchmark", _toy, setting=lambda p, o, s=setting: s)
+        monkeypatch.setitem(harness.BENCHMARKS, "toy", spec)
+        keys.add(pq.item_key(item))
+    assert len(keys) == 1
+
+
 def test_the_bench_command_is_the_no_record_call() -> None:
     item = QueueItem(
         name="m", bench="mpc-generation", methods=("vanilla", "merge"), sets=("a.b=1",), time_limit_s=9, why="x" * 10
