@@ -269,16 +269,7 @@ def _lookup(config: dict[str, Any], path: str) -> Any:
     return value
 
 
-def config_seed(config: dict[str, Any]) -> int | None:
-    """The shallowest integer ``seed`` of a run's config (breadth first, keys in order), None if it has none."""
-    level: list[dict[str, Any]] = [config]
-    while level:
-        for node in level:
-            seed = node.get("seed")
-            if isinstance(seed, int) and not isinstance(seed, bool):
-                return seed
-        level = [v for node in level for v in node.values() if isinstance(v, dict)]
-    return None
+config_seed = views.config_seed  # a run's seed from its config (storage.views, where the membership view needs it)
 
 
 def run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:

@@ -452,9 +452,23 @@ def stip_overhead(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     return _finish(frame, STIP_OVERHEAD_COLUMNS, ["model", "design", "started_at"])
 
 
+def config_seed(config: dict[str, Any]) -> int | None:
+    """The shallowest integer ``seed`` of a run's config (breadth first, keys in order), None if it has none."""
+    level: list[dict[str, Any]] = [config]
+    while level:
+        for node in level:
+            seed = node.get("seed")
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                return seed
+        level = [v for node in level for v in node.values() if isinstance(v, dict)]
+    return None
+
+
 def _attacks(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
     stmt = (
-        select(AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id, Run.parent_id)
+        select(
+            AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id, Run.parent_id, Run.config_json
+        )
         .join(Run, Run.id == AttackResult.run_id)
         .where(Run.status == "finished", *conditions)
     )
@@ -547,11 +561,15 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     # the attacks' own reach: the strongest empirical_epsilon_lo the same audit (same attacks run, same dataset)
     # certified on its non-private model, which no noise protects; a DP model audited at an accountant epsilon
     # above it could not have been caught over-spending by these attacks (NaN: the audit had no such model)
+    # (same seed: with several audit seeds under one parent, each DP model against its own seed's control, not the
+    # strongest of them)
     dp = frame["audit"] == "dp"
-    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset"])["empirical_epsilon_lo"].max()
+    frame["_seed"] = [config_seed(_config(c)) for c in frame["config_json"]]
+    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"], dropna=False)
+    best = control["empirical_epsilon_lo"].max()
     frame["nonprivate_epsilon_lo"] = [
-        float(control.get((parent, ds), math.nan)) if is_dp else math.nan
-        for parent, ds, is_dp in zip(frame["parent_id"], frame["dataset"], dp, strict=True)
+        float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan
+        for parent, ds, seed, is_dp in zip(frame["parent_id"], frame["dataset"], frame["_seed"], dp, strict=True)
     ]
     return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
