@@ -564,8 +564,9 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     # (same seed: with several audit seeds under one parent, each DP model against its own seed's control, not the
     # strongest of them)
     dp = frame["audit"] == "dp"
-    frame["_seed"] = [config_seed(_config(c)) for c in frame["config_json"]]
-    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"], dropna=False)
+    seeds = [config_seed(_config(c)) for c in frame["config_json"]]
+    frame["_seed"] = [-1 if seed is None else seed for seed in seeds]  # a run without a seed: one group, not NaN
+    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"])
     best = control["empirical_epsilon_lo"].max()
     frame["nonprivate_epsilon_lo"] = [
         float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan

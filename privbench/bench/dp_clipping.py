@@ -358,9 +358,9 @@ def resolve_settings(profile: str, options: Mapping[str, Any]) -> list[Setting]:
 
 
 def resolve_parts(options: Mapping[str, Any]) -> tuple[str, ...]:
-    """``rounds``, ``search`` or both (``--set dp_clipping.parts``); ``search`` needs a search to run."""
-    parts = parse_overrides(options).get("parts", PARTS)
-    return parts
+    """``rounds``, ``search`` or both (``--set dp_clipping.parts``; :func:`_setting_jsons` refuses a search-only run
+    whose search is switched off)."""
+    return parse_overrides(options).get("parts", PARTS)
 
 
 def _setting_jsons(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
