@@ -19,7 +19,7 @@ from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
-from tasks.audit import audit_seqrec, audit_targets, audit_unlearning
+from tasks.audit import audit_recipes, audit_seqrec, audit_targets, audit_unlearning
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
 STAGE = "attacks"
@@ -74,6 +74,7 @@ def attacks_flow(
         }
         cov = seb_coverage.submit(config, run)
     targets = audit_targets(a) if a is not None else []
+    recipes = audit_recipes(train_dp, a, profile) if targets else {}
     audits = audit_seqrec.map(
         [t[0] for t in targets],
         [t[1] for t in targets],
@@ -83,6 +84,7 @@ def attacks_flow(
         [seqrec[t[0]] for t in targets],
         unmapped(run),
         threads=unmapped(config.threads_per_worker),
+        recipes=unmapped(recipes),
     )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
     seeds = list(u.run_seeds) if u else []

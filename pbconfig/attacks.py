@@ -239,7 +239,9 @@ class AuditConfig(SeedPasses):
 
     For every dataset x (method x epsilon [+ non-private]) the audit trains a target on a random half of the
     users and ``shadows`` shadow models on random halves (every user in exactly half of them), with the same
-    training code and the ``train_dp`` section's hyperparameters (``epochs`` overrides its epoch count), then
+    training code at the recipe of the ``train_dp`` section's runs (the searched (lr, batch size) where
+    ``train_dp.tuning`` is set, the non-private schedule for the non-private model; ``epochs`` overrides the epoch
+    count), then
     runs each attack of ``attacks`` (loss threshold; LiRA online and offline, Carlini et al. 2022). The member
     unit is a user's sequence, as in user-level DP. ``delta`` for the empirical epsilon: None = the target's
     accountant delta (non-private targets: 1/n users). ``alpha``: 1 - confidence of the Clopper-Pearson bounds.

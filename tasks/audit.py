@@ -19,13 +19,15 @@ from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_use
 from core.attacks.membership import split_halves
 from core.data.sequential import SequentialDataset
 from core.dp.trainer import NEIGHBOURING, PRIVACY_UNIT, TrainResult, method_config, train_seqrec
+from core.errors import ConfigError
 from pbconfig.attacks import AuditConfig
 from pbconfig.tangent import TangentConfig
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
+from storage.views import train_search
 from tasks.prepare import load_prepared
 from tasks.records import RESUMABLE, task_record
-from tasks.train_dp import GridPoint, train_overrides
+from tasks.train_dp import PEER_BASE, GridPoint, Recipes, at_recipe, recipe_key, select_recipes, train_overrides
 
 
 def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None, AuditConfig]]:
@@ -36,6 +38,62 @@ def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None, AuditC
     if cfg.nonprivate:
         points += [(m, None) for m in cfg.methods if m != "dpformer"]
     return [(d, m, e, c) for c in cfg.seed_configs() for d in cfg.datasets for m, e in points]
+
+
+def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None, db_url: str | None = None) -> Recipes:
+    """The recipe of each audited (dataset, method, private or not) that ``train_dp.tuning`` searched: the point
+    train-dp's search on validation chose (:func:`tasks.train_dp.select_recipes`), read from the store's search runs
+    of ``profile`` that match the current search (its learning rates, batch sizes, epsilon and seed; the latest run
+    of each point), so the audit attacks the models the stage reports rather than the grid's first point. Without
+    ``tuning`` the grid has one recipe and this is empty. A searched key with no recorded search is a ConfigError
+    that says to run train-dp first."""
+    t = train.tuning
+    if t is None:
+        return {}
+    searched = set(t.methods or train.methods)
+    wanted = [
+        recipe_key(d, PEER_BASE.get(m, m), e is not None)
+        for d, m, e, _ in audit_targets(cfg)
+        if PEER_BASE.get(m, m) in searched and (e is not None or t.nonprivate)
+    ]
+    if not wanted:
+        return {}
+    frame = train_search(db_url, profile=profile)
+    rows = []
+    for r in frame.sort_values("started_at").to_dict("records"):
+        private = r["epsilon"] is not None and r["epsilon"] == r["epsilon"]  # NaN: non-private
+        if (
+            r["seed"] == t.seed
+            and (not private or float(r["epsilon"]) == t.epsilon)
+            and float(r["lr"]) in train.lrs
+            and int(r["batch_size"]) in train.batch_sizes
+        ):
+            rows.append(
+                {
+                    **r,
+                    "epsilon": float(r["epsilon"]) if private else None,
+                    "lr": float(r["lr"]),
+                    "batch_size": int(r["batch_size"]),
+                    "status": "finished",
+                }
+            )
+    latest = {(r["dataset"], r["method"], r["epsilon"], r["lr"], r["batch_size"]): r for r in rows}  # time order
+    chosen = select_recipes(train, list(latest.values()))
+    missing = sorted(set(wanted) - set(chosen))
+    if missing:
+        raise ConfigError(
+            f"attacks.audit trains each model at the recipe train-dp's search chose on validation, and the store has "
+            f"no finished search run for {missing} (profile {profile!r}, tuning seed {t.seed}, epsilon {t.epsilon:g}, "
+            f"lrs {list(train.lrs)} x batch sizes {list(train.batch_sizes)}): run `privbench run train-dp --profile "
+            f"{profile}` first (the benchmark chain does), or set train_dp.tuning: null to audit the grid's one recipe"
+        )
+    return {k: chosen[k] for k in wanted}
+
+
+@task(name="mia-audit-recipes")
+def audit_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None) -> Recipes:
+    """:func:`searched_recipes` as a task (the attacks flow runs it once, before the audits)."""
+    return searched_recipes(train, cfg, profile)
 
 
 @dataclass(frozen=True)
@@ -102,12 +160,18 @@ def audit_seqrec(
     path: str,
     parent: RunRef,
     threads: int = 1,
+    recipes: Recipes | None = None,
 ) -> dict[str, Any]:
     """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target
-    (``audit_point``); record one attack row per attack with the audit's power, ``certifiable_epsilon_max``."""
+    (``audit_point``); record one attack row per attack with the audit's power, ``certifiable_epsilon_max``.
+
+    The models train at the recipe of the train-dp grid's runs of the same method and privacy
+    (:func:`tasks.train_dp.at_recipe`): the non-private schedule, and the (lr, batch size) of ``recipes``
+    (:func:`searched_recipes`) where the search chose one; ``config.recipe`` records which."""
     torch.set_num_threads(threads)
     spec = next(d for d in train.datasets if d.name == dataset)
-    point = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
+    first = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
+    point = at_recipe(first, train, recipes or {})
     overrides = train_overrides(point, train) | ({"epochs": cfg.epochs} if cfg.epochs else {})
     label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
     config = {
@@ -116,6 +180,12 @@ def audit_seqrec(
         "epsilon": epsilon,
         "audit": cfg.model_dump(mode="json"),
         "train": overrides,
+        "recipe": {
+            "source": "search" if point.tuned is not None else "grid",
+            "lr": point.lr,
+            "batch_size": point.batch_size,
+            "tuning_run_id": point.tuned.run_id if point.tuned is not None else None,
+        },
     }
     with task_record(
         parent=parent,

@@ -130,16 +130,21 @@ def expand_grid(cfg: TrainDPConfig, prepared: dict[str, str], chosen: Recipes | 
     out = []
     for d in cfg.datasets:
         for (method, eps), seed in itertools.product(runs, cfg.seeds):
-            point = _scheduled(GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, cfg.lrs[0],
-                                         cfg.batch_sizes[0]), cfg)  # fmt: skip
-            pick = chosen.get(recipe_key(d.name, PEER_BASE.get(method, method), eps is not None))
-            if pick is not None:
-                tuned = Tuned(
-                    pick["points"], pick["epsilon"], pick["seed"], pick["protocol"], pick["valid"], pick["run_id"]
-                )
-                point = replace(point, lr=pick["lr"], batch_size=pick["batch_size"], tuned=tuned)
-            out.append(point)
+            point = GridPoint(d.name, prepared[d.name], d.dropout, method, eps, seed, cfg.lrs[0], cfg.batch_sizes[0])
+            out.append(at_recipe(point, cfg, chosen))
     return list(dict.fromkeys(out))
+
+
+def at_recipe(point: GridPoint, cfg: TrainDPConfig, chosen: Recipes) -> GridPoint:
+    """``point`` (built at the grid's first learning rate and batch size) at its recipe: the non-private schedule
+    where it applies, then the (lr, batch size) the search chose for its (dataset, method, private or not) in
+    ``chosen``, if any, with the search recorded (``tuned``). The grid and the membership audit both use it."""
+    point = _scheduled(point, cfg)
+    pick = chosen.get(recipe_key(point.dataset, PEER_BASE.get(point.method, point.method), point.epsilon is not None))
+    if pick is None:
+        return point
+    tuned = Tuned(pick["points"], pick["epsilon"], pick["seed"], pick["protocol"], pick["valid"], pick["run_id"])
+    return replace(point, lr=pick["lr"], batch_size=pick["batch_size"], tuned=tuned)
 
 
 def expand_tuning(cfg: TrainDPConfig, prepared: dict[str, str]) -> list[GridPoint]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -10,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from core.dp.noise import NOISE_SOURCES
 from core.dp.trainer import EVAL_PROTOCOL
+from core.errors import ConfigError
 from core.models.popularity import popularity_metrics
 from pbconfig.benchmark import BenchmarkConfig, validate
 from storage import views
@@ -206,6 +208,28 @@ def test_search_picks_each_methods_best_validation_point_and_the_grid_runs_only_
     }
 
 
+def test_a_point_at_its_recipe_is_the_grids_point() -> None:
+    """``at_recipe`` (which the membership audit uses for its models) gives exactly the point the grid trains:
+    the non-private schedule where it applies and the search's (lr, batch size) where the search chose one."""
+    from tasks.train_dp import GridPoint, at_recipe, expand_tuning, select_recipes
+
+    cfg = _tuned_config(epsilon=8, seed=7)
+    cfg = cfg.model_validate(cfg.model_dump() | {"nonprivate_schedule": {"epochs": 7, "batch_size": 16}})
+    search = expand_tuning(cfg, {"ml-1m-tiny": "/x"})
+    chosen = select_recipes(
+        cfg, [_result(p, 0.5 if p.lr == 0.005 and p.batch_size in (16, 64) else 0.1) for p in search]
+    )
+    grid = {(p.method, p.epsilon, p.seed): p for p in expand_grid(cfg, {"ml-1m-tiny": "/x"}, chosen)}
+    for (method, epsilon, seed), point in grid.items():
+        first = GridPoint("ml-1m-tiny", "/x", point.dropout, method, epsilon, seed, cfg.lrs[0], cfg.batch_sizes[0])
+        assert at_recipe(first, cfg, chosen) == point and point.lr == 0.005
+        assert point.batch_size == (16 if epsilon is None else 64)
+        assert (point.epochs == 7) == (epsilon is None)
+    plain = GridPoint("ml-1m-tiny", "/x", 0.2, "transformer", None, 0, cfg.lrs[0], cfg.batch_sizes[0])
+    assert at_recipe(plain, cfg, {}) == replace(plain, epochs=7, batch_size=16)  # no search: the grid's first
+    assert at_recipe(replace(plain, epsilon=8.0), cfg, {}) == replace(plain, epsilon=8.0)
+
+
 def test_search_that_diverges_everywhere_names_the_method() -> None:
     from core.errors import DivergedError
     from tasks.train_dp import expand_tuning, select_recipes
@@ -269,6 +293,22 @@ def test_train_dp_flow_searches_then_runs_the_chosen_points(home, prefect_harnes
         )
     _, composed = repo.query("select value from metrics where name = 'epsilon_with_tuning'")
     assert [v for (v,) in composed] == [pytest.approx(24.0)]  # 2 search runs at eps 8 and the final run's 8
+
+    # the membership audit attacks the models train-dp reports: it reads the same choice back from the store
+    from pbconfig.attacks import AuditConfig
+    from tasks.audit import searched_recipes
+
+    audit = AuditConfig(datasets=["ml-1m-tiny"], methods=["transformer"], epsilons=[5], unlearning=False)
+    recipes = searched_recipes(cfg, audit, "tiny")
+    assert sorted(recipes) == ["ml-1m-tiny|transformer|dp", "ml-1m-tiny|transformer|nonprivate"]
+    for p in final:
+        pick = recipes[f"ml-1m-tiny|transformer|{'nonprivate' if p['epsilon'] is None else 'dp'}"]
+        assert (pick["lr"], pick["batch_size"], pick["run_id"]) == (p["lr"], p["batch_size"], p["tuned"]["run_id"])
+    with pytest.raises(ConfigError, match=r"no finished search run .*privbench run train-dp --profile other"):
+        searched_recipes(cfg, audit, "other")  # another profile's search is not this one's
+    moved = cfg.model_validate(cfg.model_dump() | {"lrs": [0.002, 0.003]})  # a grid the store did not search
+    with pytest.raises(ConfigError, match="no finished search run"):
+        searched_recipes(moved, audit, "tiny")
 
 
 def test_report_shows_the_search(home, prefect_harness, tmp_path) -> None:
