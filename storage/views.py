@@ -555,9 +555,9 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for column in ("auc_heldout", "auc_heldout_lo", "auc_heldout_hi"):
         frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
     # the audit's power: the largest empirical_epsilon_lo it could certify at its size (NaN before it was recorded)
-    frame["certifiable_epsilon_max"] = pd.Series(
-        [e.get("certifiable_epsilon_max", math.nan) for e in extra], index=frame.index, dtype=float
-    )
+    # and both at the audit's family confidence, 1 - alpha / attacks (Bonferroni; NaN before it was recorded)
+    for column in ("certifiable_epsilon_max", "empirical_epsilon_lo_family", "certifiable_epsilon_max_family"):
+        frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
     # the attacks' own reach: the strongest empirical_epsilon_lo the same audit (same attacks run, same dataset)
     # certified on its non-private model, which no noise protects; a DP model audited at an accountant epsilon
     # above it could not have been caught over-spending by these attacks (NaN: the audit had no such model)
@@ -567,11 +567,12 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     seeds = [config_seed(_config(c)) for c in frame["config_json"]]
     frame["_seed"] = [-1 if seed is None else seed for seed in seeds]  # a run without a seed: one group, not NaN
     control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"])
-    best = control["empirical_epsilon_lo"].max()
-    frame["nonprivate_epsilon_lo"] = [
-        float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan
-        for parent, ds, seed, is_dp in zip(frame["parent_id"], frame["dataset"], frame["_seed"], dp, strict=True)
-    ]
+    for column in ("empirical_epsilon_lo", "empirical_epsilon_lo_family"):
+        best = control[column].max()
+        frame[column.replace("empirical", "nonprivate")] = [
+            float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan
+            for parent, ds, seed, is_dp in zip(frame["parent_id"], frame["dataset"], frame["_seed"], dp, strict=True)
+        ]
     return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

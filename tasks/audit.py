@@ -224,6 +224,9 @@ def audit_seqrec(
                             "threshold_tpr",
                             "threshold_fpr",
                             "certifiable_epsilon_max",
+                            "empirical_epsilon_lo_family",
+                            "certifiable_epsilon_max_family",
+                            "alpha_family",
                         )
                     },
                     "auc_lo": r["auc_ci"][0],

@@ -96,10 +96,10 @@ def _noise_off(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def _claim_margins(results: dict[str, dict]) -> tuple[list[float], list[float]]:
-    """Per attack row: empirical_epsilon_lo - accountant_epsilon (the claim's value, every run <= 0) and
-    certifiable_epsilon_max - accountant_epsilon (its power, > 0 where the row can fail)."""
-    values = [r["empirical_epsilon_ci"][0] - r["accountant_epsilon"] for r in results.values()]
-    power = [r["certifiable_epsilon_max"] - r["accountant_epsilon"] for r in results.values()]
+    """Per attack row: empirical_epsilon_lo_family - accountant_epsilon (the claim's value, every run <= 0) and
+    certifiable_epsilon_max_family - accountant_epsilon (its power, > 0 where the row can fail)."""
+    values = [r["empirical_epsilon_lo_family"] - r["accountant_epsilon"] for r in results.values()]
+    power = [r["certifiable_epsilon_max_family"] - r["accountant_epsilon"] for r in results.values()]
     return values, power
 
 

@@ -97,6 +97,30 @@ def test_audit_finds_planted_members_and_bounds_epsilon() -> None:
     assert lo < power
 
 
+def test_the_family_bound_holds_for_the_strongest_of_the_attacks() -> None:
+    """The epsilon claim reads the strongest attack's bound: each attack's family bound is its bound at confidence
+    1 - alpha / k for k attacks (Bonferroni), on the same split and threshold, so it is at most the single bound
+    and equal to it for one attack (checked against the estimator called by hand)."""
+    from core.attacks.membership import empirical_epsilon_lower_bound, get_attack
+
+    stats, members, shadows, shadow_in = _planted(600)
+    kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
+    three = ("loss", "lira_online", "lira_offline")
+    out = audit(AuditTarget("planted", stats, members), attacks=three, **kw)
+    for name, r in out.items():
+        scores = get_attack(name)(-stats if name == "loss" else stats, shadow_stats=shadows, shadow_in=shadow_in)
+        by_hand = empirical_epsilon_lower_bound(
+            scores[members], scores[~members], delta=1e-3, alpha=0.05 / 3, max_thresholds=2000, split=True, seed=0
+        )
+        assert r["alpha_family"] == pytest.approx(0.05 / 3)
+        assert r["empirical_epsilon_lo_family"] == pytest.approx(by_hand["epsilon_lo"])
+        assert r["empirical_epsilon_lo_family"] <= r["empirical_epsilon_ci"][0]
+        assert r["certifiable_epsilon_max_family"] <= r["certifiable_epsilon_max"]
+    one = audit(AuditTarget("planted", stats, members), attacks=("lira_online",), **kw)["lira_online"]
+    assert one["empirical_epsilon_lo_family"] == one["empirical_epsilon_ci"][0]
+    assert one["certifiable_epsilon_max_family"] == one["certifiable_epsilon_max"]
+
+
 def test_the_attack_is_chosen_on_one_half_and_judged_on_the_other() -> None:
     """The planted case again: LiRA is the strongest and is chosen on the selection half; its held-out AUC is the
     AUC of its scores on the other half alone (recomputed here from the mask), and the halves split members and
