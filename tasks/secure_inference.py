@@ -21,6 +21,7 @@ model training and the prompts only and never reaches a share.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ from prefect import task
 
 from core.errors import ConfigError, DataError
 from core.mpc.accounting import CATEGORIES
-from core.mpc.costmodel import Network, project_all
-from core.mpc.finetune import eval_prompts
+from core.mpc.costmodel import Network
+from core.mpc.finetune import eval_prompts, usable_prompts
 from core.mpc.methods import generate_plain, method_spec, run_method_party
 from core.mpc.parties import SHARE_RANDOMNESS, run_local
+from core.mpc.payloads import payload_params, random_payload
 from core.mpc.quality import quality_drop, text_quality
+from core.mpc.run_costs import EncryptedRun, RunMetrics, aggregate_parties, run_metrics
 from core.secret_source import SECRET_SOURCE_TAG
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
@@ -47,14 +50,16 @@ from tasks.secure_inference_models import (
     EOS,
     MODELS_VERSION,
     ModelRef,
-    _gpt2,
-    _load_teacher,
-    _record_curve,
+    curve_from_json,
+    curve_json,
     data_of,
+    gpt2_shape,
     kind_of,
     model_key,
     model_of,
     pretrain_data_of,
+    record_curve,
+    state_of,
     teacher_of,
 )
 
@@ -109,28 +114,27 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
         manifest = read_manifest(out_dir, MODELS_VERSION)
         rec.tag("privbench.cache_hit", str(manifest is not None).lower())
         if manifest is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(kind.seed(cfg))
-                start = _load_teacher(teacher, cfg, vocab) if teacher is not None else None
-                done = kind.train(name, cfg, data, vocab, start)
+            # the recipe draws from kind.seed(cfg) alone (core.mpc.recipes.seeded): the global RNG is left as it was
+            start = state_of(teacher) if teacher is not None else None
+            done = kind.train(name, cfg, data, vocab, start, kind.seed(cfg))
             manifest = {
                 "prep_version": MODELS_VERSION,
                 "cache_key": key,
                 "name": name,
-                "metrics": done.metrics,
-                "curves": done.curves,
+                "metrics": {"train_s": done.train_s, **done.metrics},
+                "curves": {n: curve_json(c) for n, c in done.curves.items()},
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
 
             def write(tmp: Path) -> None:
                 torch.save(done.payload, tmp / "payload.pt")
-                if done.state is not None:
-                    torch.save(done.state, tmp / "state.pt")
+                if kind.keeps_state:
+                    torch.save(done.model.state_dict(), tmp / "state.pt")
                 (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
             write_atomically(out_dir, write)
         for curve, values in manifest["curves"].items():
-            _record_curve(rec, values, name=curve)
+            record_curve(rec, curve, curve_from_json(values))
         rec.metrics(manifest["metrics"], units={"train_s": "s"})
     return ModelRef(name, key, str(out_dir))
 
@@ -140,7 +144,7 @@ def check_prompts(cfg: SecureInferenceConfig) -> int:
     """Fail in seconds, before any model trains, where the seed's test split holds fewer usable prompts than the
     config asks for (``collect_models`` would fail only after the training); returns how many it holds."""
     data, _ = data_of(cfg)
-    usable = sum(1 for p, y in data.test_pairs if len(p) >= cfg.prefix_len and any(t != EOS for t in y))
+    usable = len(usable_prompts(data.test_pairs, prefix_len=cfg.prefix_len, eos=EOS))
     if usable < cfg.n_quality:
         asked = (
             f"quality_prompts={cfg.quality_prompts}" if cfg.n_quality > cfg.n_prompts else f"n_prompts={cfg.n_prompts}"
@@ -163,7 +167,7 @@ def collect_models(cfg: SecureInferenceConfig, models: dict[str, ModelRef], pare
     prompts = eval_prompts(
         data.test_pairs, prefix_len=cfg.prefix_len, gen_len=cfg.gen_len, n_prompts=cfg.n_quality, eos=EOS
     )  # the first n_prompts run under MPC; quality is scored on all of them
-    state = torch.load(Path(models["finetuned"].path) / "state.pt", weights_only=True)
+    state = state_of(models["finetuned"])
     prompts["table"] = state["transformer.wte.weight"].detach().clone()
     # what every method's decrypted text is compared with: the fine-tuned GPT-2's plaintext generation
     finetuned = torch.load(Path(models["finetuned"].path) / "payload.pt", weights_only=False)
@@ -189,9 +193,9 @@ def _device(cfg: SecureInferenceConfig) -> str:
 
 def run_encrypted(
     method: str, payload: Any, prefix: torch.Tensor, n_new: int, cfg: SecureInferenceConfig
-) -> dict[str, Any]:
-    """Two local parties generate ``n_new`` tokens after ``prefix`` with ``method``; the per-party results,
-    the decrypted tokens and the summed view (max over parties: the slower party bounds the run)."""
+) -> EncryptedRun:
+    """Two local parties generate ``n_new`` tokens after ``prefix`` with ``method``: every party's result, the
+    decrypted tokens and the slower party's figures (:func:`core.mpc.run_costs.aggregate_parties`)."""
     t0 = time.perf_counter()
     parties = run_local(
         run_method_party,
@@ -200,24 +204,12 @@ def run_encrypted(
         device=_device(cfg),
         threads_per_party=cfg.threads_per_party,
     )
-    wall = time.perf_counter() - t0
-    client = parties[1]
-    ops = {c: {k: max(float(p.costs[c][k]) for p in parties) for k in ("s", "bytes", "rounds")} for c in CATEGORIES}
-    return {
-        "parties": parties,
-        "tokens": client.tokens,
-        "wall_s": wall,
-        "total_s": max(p.total_s for p in parties),
-        "comm_bytes": max(p.comm_bytes for p in parties),
-        "rounds": max(p.rounds for p in parties),
-        "ops": ops,
-    }
+    return aggregate_parties(parties, wall_s=time.perf_counter() - t0)
 
 
-def _record_costs(
-    rec: Recorder, out: dict[str, Any], cfg: SecureInferenceConfig, phase: str | None = None
-) -> dict[str, Any]:
-    for p in out["parties"]:
+def _record_costs(rec: Recorder, run: EncryptedRun, cfg: SecureInferenceConfig, phase: str | None = None) -> RunMetrics:
+    """One ``mpc_costs`` row per party and op category; returns the run's metrics and network projections."""
+    for p in run.parties:
         for cat, c in p.costs.items():
             rec.mpc_cost(
                 op_category=cat,
@@ -228,20 +220,8 @@ def _record_costs(
                 phase=phase,
                 calls=int(c.get("calls", 0)),
             )
-    # bytes as CrypTen logs them (sent + received); project_all projects the busiest party's bytes sent (half)
-    per_party = {p.rank: {"bytes": p.comm_bytes, "rounds": p.rounds} for p in out["parties"]}
-    proj = project_all(out["total_s"], per_party, _networks(cfg))
-    metrics = {
-        "total_s": out["total_s"],
-        "comm_bytes": out["comm_bytes"],
-        "rounds": out["rounds"],
-        "wall_s": out["wall_s"],
-    }
-    for cat, c in out["ops"].items():
-        metrics.update({f"ops.{cat}.s": c["s"], f"ops.{cat}.bytes": c["bytes"], f"ops.{cat}.rounds": c["rounds"]})
-    for net, terms in proj.items():
-        metrics.update({f"{net}.{k}": v for k, v in terms.items()})
-    return {"metrics": metrics, "projection": proj}
+    # bytes as CrypTen logs them (sent + received); the projection takes the busiest party's bytes sent (half)
+    return run_metrics(run, _networks(cfg))
 
 
 @task(name="si-generate", **RESUMABLE)
@@ -278,22 +258,22 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         rec.tag("privbench.result_group", "generation")
         rec.tag(SECRET_SOURCE_TAG, SHARE_RANDOMNESS)
         out = run_encrypted(method, payload, prefix, cfg.gen_len, cfg)
-        rec_costs = _record_costs(rec, out, cfg)
+        costs = _record_costs(rec, out, cfg)
         plain = generate_plain(method, payload, prefix, cfg.gen_len)
-        agreement = float((out["tokens"] == plain).double().mean())
+        agreement = float((out.tokens == plain).double().mean())
         twin = _cut(generate_plain(method, payload, rest, cfg.gen_len)) if len(rest) else []
         tok = gpt2_tokenizer()
         decode = lambda ids: tok.decode([t for t in ids if t != EOS])
         refs_all = prompts["references"]
         refs = refs_all[: cfg.n_prompts]
-        quality = text_quality(_cut(out["tokens"]), refs, decode, prompts["table"])  # decrypted, MPC prompts
+        quality = text_quality(_cut(out.tokens), refs, decode, prompts["table"])  # decrypted, MPC prompts
         plain_quality = text_quality(_cut(plain) + twin, refs_all, decode, prompts["table"])
         base = _cut(prompts["finetuned_tokens"])
         base_quality = text_quality(base, refs_all, decode, prompts["table"])  # what the drop is measured from
         # the method's text on every quality prompt: decrypted where it ran under MPC, its plaintext twin's after
-        drop = quality_drop(base, _cut(out["tokens"]) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
+        drop = quality_drop(base, _cut(out.tokens) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
         metrics = {
-            **rec_costs["metrics"],
+            **costs.metrics,
             "mpc_plain_token_agreement": agreement,
             "quality_prompts": float(len(refs_all)),
             "mpc_prompts": float(len(refs)),
@@ -301,7 +281,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
             **{f"plain_quality.{k}": v for k, v in plain_quality.items()},
             **{f"base_quality.{k}": v for k, v in base_quality.items()},
             **{f"quality_drop.{k}": v for k, v in drop.items()},
-            "per_token_s": out["total_s"] / cfg.gen_len,
+            "per_token_s": out.total_s / cfg.gen_len,
         }
         rec.metrics(metrics)
         samples = [
@@ -312,21 +292,21 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
                 "finetuned_plain": decode(f),
                 "reference": decode(r),
             }
-            for p, c, q, f, r in zip(prefix, _cut(out["tokens"]), _cut(plain), base[: len(refs)], refs, strict=True)
+            for p, c, q, f, r in zip(prefix, _cut(out.tokens), _cut(plain), base[: len(refs)], refs, strict=True)
         ]
         rec.artifact_json("generations.json", samples)
-        rec.artifact_json("projection.json", rec_costs["projection"])
+        rec.artifact_json("projection.json", costs.projection)
     return {
         "method": method,
-        "total_s": out["total_s"],
-        "comm_bytes": out["comm_bytes"],
-        "rounds": out["rounds"],
-        "ops": out["ops"],
+        "total_s": out.total_s,
+        "comm_bytes": out.comm_bytes,
+        "rounds": out.rounds,
+        "ops": {c: dataclasses.asdict(o) for c, o in out.ops.items()},
         "quality": quality,
         "plain_quality": plain_quality,
         "quality_drop": drop,
         "agreement": agreement,
-        "projection": rec_costs["projection"],
+        "projection": costs.projection,
     }
 
 
@@ -344,11 +324,10 @@ def scaling_point(
 ) -> dict[str, Any]:
     """Fig. 4: one method at one generated length (the trained model) or one model shape (random weights of that
     shape: time and bytes do not depend on the values), batch 1."""
-    payload = (
-        torch.load(models.payloads[method], weights_only=False)
-        if shape is None
-        else _random_payload(method, shape, cfg)
-    )
+    if shape is None:
+        payload = torch.load(models.payloads[method], weights_only=False)
+    else:
+        payload = random_payload(method, gpt2_shape(cfg, EOS + 1, shape), n_max=cfg.n_max, seed=cfg.seed)
     prompts = torch.load(models.prompts_path, weights_only=False)
     prefix = prompts["prefix"][:1]
     label = "trained" if shape is None else f"L{shape.n_layer}-d{shape.n_embd}-h{shape.n_head}"
@@ -362,44 +341,18 @@ def scaling_point(
         rec.tag("privbench.result_group", "scaling")
         rec.tag(SECRET_SOURCE_TAG, SHARE_RANDOMNESS)
         out = run_encrypted(method, payload, prefix, gen_len, cfg)
-        metrics = _record_costs(rec, out, cfg, phase=f"gen{gen_len}")["metrics"]
-        n_params = _payload_params(payload)
+        metrics = _record_costs(rec, out, cfg, phase=f"gen{gen_len}").metrics
+        n_params = payload_params(payload)
         rec.metrics({**metrics, "gen_len": gen_len, "n_parameters": n_params})
     return {
         "method": method,
         "gen_len": gen_len,
         "model": label,
         "n_parameters": n_params,
-        "total_s": out["total_s"],
-        "comm_bytes": out["comm_bytes"],
-        "rounds": out["rounds"],
+        "total_s": out.total_s,
+        "comm_bytes": out.comm_bytes,
+        "rounds": out.rounds,
     }
-
-
-def _payload_params(payload: Any) -> int:
-    def count(obj: Any) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.numel()
-        if isinstance(obj, list | tuple):
-            return sum(count(o) for o in obj)
-        if hasattr(obj, "__dataclass_fields__"):
-            return sum(count(getattr(obj, f)) for f in obj.__dataclass_fields__)
-        return 0
-
-    return count(payload)
-
-
-def _random_payload(method: str, shape: Any, cfg: SecureInferenceConfig) -> Any:
-    """Random weights of ``shape`` for ``method`` (merge engines: constant attention averaged over random ids)."""
-    from core.mpc.gpt2 import weights_from_hf
-    from core.mpc.merge import build_merge_model, export_spec
-
-    torch.manual_seed(cfg.seed)
-    model = _gpt2(cfg, EOS + 1, shape).eval()
-    if method_spec(method).engine == "gpt2":
-        return weights_from_hf(model)
-    ids = torch.randint(0, EOS, (4, cfg.n_max), generator=torch.Generator().manual_seed(cfg.seed))
-    return export_spec(build_merge_model(model, [ids], cfg.n_max).eval())
 
 
 # ----------------------------------------------------------------------------------------------- summary

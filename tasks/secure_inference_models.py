@@ -1,6 +1,6 @@
-"""The secure-inference stage's models: which ones a config needs, their cache keys, and how each kind is trained
-(pretrained on English text, fine-tuned, distilled MPCFormer/THE-X students, MERGE's ER model and merge module)
-over ``core.mpc.finetune``.
+"""The secure-inference stage's models: which ones a config needs, their cache keys, the inputs each kind's
+training recipe (:mod:`core.mpc.recipes`) takes from a config (pretrained on English text, fine-tuned, distilled
+MPCFormer/THE-X students, MERGE's ER model and merge module), and how their curves are kept and recorded.
 ``tasks.secure_inference.train_model`` is the task that trains one of them."""
 
 from __future__ import annotations
@@ -8,19 +8,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.errors import ConfigError
-from core.models.gpt2 import GPT2_EOS, tiny_gpt2
-from core.mpc.finetune import DialogueData, dialogue_data, finetune_lm, lm_loss
+from core.models.gpt2 import GPT2_EOS
+from core.mpc import recipes
+from core.mpc.finetune import DialogueData, dialogue_data
+from core.mpc.merge import ERConfig
 from core.mpc.methods import method_spec
+from core.mpc.recipes import Curve, GPT2Shape, TrainedModel
 from core.registry import lookup
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import Recorder
@@ -39,37 +40,47 @@ class ModelRef:
     path: str
 
 
-def _gpt2(cfg: SecureInferenceConfig, vocab: int, shape: Any = None) -> Any:
-    """A random GPT-2 of the stage's shape (or ``shape``: a ``ModelShape``) and positions, drawn from the global
-    RNG."""
+def gpt2_shape(cfg: SecureInferenceConfig, vocab: int, shape: Any = None) -> GPT2Shape:
+    """The stage's GPT-2 shape (or ``shape``'s layers, width and heads: a ``ModelShape``) at ``cfg``'s positions."""
     s = shape if shape is not None else cfg
-    return tiny_gpt2(
-        vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_positions=cfg.n_positions, eos_token_id=EOS
+    return GPT2Shape(vocab=vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_positions=cfg.n_positions)
+
+
+def state_of(ref: ModelRef) -> dict[str, torch.Tensor]:
+    """The trained weights a dependent model starts from (``state.pt`` of a teacher's folder)."""
+    return torch.load(Path(ref.path) / "state.pt", weights_only=True)
+
+
+# ----------------------------------------------------------------------------------------------- curves
+
+
+def curve_json(curve: Curve) -> list[Any]:
+    """A curve as the cache's manifest keeps it: the values of a per-step curve, ``[step, value]`` pairs of a
+    validation curve."""
+    if curve.steps is None:
+        return list(curve.values)
+    return [[s, v] for s, v in zip(curve.steps, curve.values, strict=True)]
+
+
+def curve_from_json(values: list[Any]) -> Curve:
+    """The curve of a manifest's entry (:func:`curve_json`; a ``{"total": ...}`` entry counts its total)."""
+    if any(isinstance(v, list | tuple) for v in values):
+        return Curve.at_steps(values)
+    return Curve.per_step(
+        v if isinstance(v, int | float) else float(v.get("total", next(iter(v.values())))) for v in values
     )
 
 
-def _hf_from_student(student: Any, vocab: int, cfg: SecureInferenceConfig) -> Any:
-    """A ``GPT2LMHeadModel`` holding a distilled ``ApproxGPT2`` student's modules (for ``weights_from_hf``)."""
-    hf = _gpt2(cfg, vocab)
-    hf.transformer.wte, hf.transformer.wpe, hf.transformer.h, hf.transformer.ln_f = (
-        student.wte,
-        student.wpe,
-        student.h,
-        student.ln_f,
-    )
-    hf.lm_head = student.lm_head
-    return hf.eval()
-
-
-def _record_curve(rec: Recorder, losses: list[Any], name: str = "train_loss", every: int = 10) -> None:
-    """Every ``every``-th value (and the last) of a per-step curve; a curve of ``[step, value]`` pairs (a
-    validation curve) is recorded whole, at its steps."""
-    for i, v in enumerate(losses):
-        if isinstance(v, list | tuple):
-            rec.metric(name, float(v[1]), step=int(v[0]))
-        elif i % every == 0 or i == len(losses) - 1:
-            value = v if isinstance(v, int | float) else float(v.get("total", next(iter(v.values()))))
-            rec.metric(name, float(value), step=i)
+def record_curve(rec: Recorder, name: str, curve: Curve, every: int = 10) -> None:
+    """Every ``every``-th value (and the last) of a per-step curve at its step; a validation curve whole, at its
+    steps."""
+    if curve.steps is not None:
+        for step, value in zip(curve.steps, curve.values, strict=True):
+            rec.metric(name, value, step=step)
+        return
+    for i, value in enumerate(curve.values):
+        if i % every == 0 or i == len(curve.values) - 1:
+            rec.metric(name, value, step=i)
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -192,128 +203,71 @@ def model_key(name: str, cfg: SecureInferenceConfig, data_hash: str, teacher: Mo
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-@dataclass
-class _Trained:
-    """What a trainer returns: the MPC payload, the weights dependent models start from (teachers only), and
-    what its run records."""
+# ---------------------------------------------------------------------------------------- training recipes
 
-    payload: Any
-    state: dict[str, torch.Tensor] | None
-    metrics: dict[str, float]
-    curves: dict[str, list[float]]
+State = Mapping[str, torch.Tensor] | None  # the teacher's trained weights (None: no teacher)
+# a kind's trainer: its recipe called with the config's settings, (name, cfg, data, vocab, teacher's weights, seed)
+Train = Callable[[str, SecureInferenceConfig, DialogueData, int, State, int], TrainedModel]
 
 
-def _load_teacher(ref: ModelRef, cfg: SecureInferenceConfig, vocab: int) -> Any:
-    model = _gpt2(cfg, vocab)
-    model.load_state_dict(torch.load(Path(ref.path) / "state.pt", weights_only=True))
-    return model.eval()
-
-
-def _train_pretrained(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
-    from core.mpc.finetune import blocks_loss, pretrain_lm
-    from core.mpc.gpt2 import weights_from_hf
-
+def _pretrained(
+    name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int
+) -> TrainedModel:
     text = pretrain_data_of(cfg)
-    model = _gpt2(cfg, vocab)
-    t0 = time.perf_counter()
-    fit = pretrain_lm(
-        model,
+    done = recipes.train_pretrained(
+        gpt2_shape(cfg, vocab),
         text.train,
         text.val,
+        text.keep,
         steps=cfg.pretrain_steps,
         lr=cfg.pretrain_lr,
         batch_size=cfg.pretrain_batch_size,
         warmup=cfg.pretrain_warmup,
         eval_every=cfg.pretrain_eval_every,
-        keep=text.keep,
-        seed=cfg.pretrain_seed_used,
+        seed=seed,
     )
-    train_s = time.perf_counter() - t0
-    n_train = text.train.numel()
-    metrics = {
-        "train_s": train_s,
-        "val_loss": fit["val_loss"],
-        "val_perplexity": math.exp(fit["val_loss"]),
-        # the same blocks under the softmax over all 50,257 ids (the ids the text lacks given their share of mass)
-        "val_loss_full_vocab": blocks_loss(model, text.val, None, cfg.pretrain_batch_size),
-        "n_parameters": sum(p.numel() for p in model.parameters()),
-        "pretrain_vocab": text.keep.numel(),
-        "train_tokens": n_train,
-        "val_tokens": text.val.numel(),
-        "epochs": cfg.pretrain_steps * cfg.pretrain_batch_size * cfg.pretrain_len / n_train,
-        **{f"tokens.{c}": n for c, n in text.tokens.items()},
-    }
-    curves = {"train_loss": fit["train_loss"], "val_loss_curve": [list(p) for p in fit["val_curve"]]}
-    return _Trained(weights_from_hf(model), model.state_dict(), metrics, curves)
+    return replace(done, metrics={**done.metrics, **{f"tokens.{c}": n for c, n in text.tokens.items()}})
 
 
-def _train_finetuned(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
-    from core.mpc.gpt2 import weights_from_hf
-
-    model = teacher if teacher is not None else _gpt2(cfg, vocab)  # the pretrained GPT-2, or a random one
-    t0 = time.perf_counter()
-    losses = finetune_lm(model, data.batches, cfg.train_steps, cfg.lr, seed=cfg.seed)
-    metrics = {
-        "train_s": time.perf_counter() - t0,
-        "test_loss": lm_loss(model, data.test_ids, data.test_mask),
-        "n_parameters": sum(p.numel() for p in model.parameters()),
-    }
-    return _Trained(weights_from_hf(model), model.state_dict(), metrics, {"train_loss": losses})
+def _finetuned(
+    name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int
+) -> TrainedModel:
+    # from the pretrained GPT-2's weights, or from a random one
+    return recipes.train_finetuned(gpt2_shape(cfg, vocab), data, start, steps=cfg.train_steps, lr=cfg.lr, seed=seed)
 
 
-def _train_distilled(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
-    from core.mpc.approx import ApproxGPT2, distill
-    from core.mpc.gpt2 import weights_from_hf
-
-    student = ApproxGPT2(teacher, name.removeprefix("distilled-"))
-    t0 = time.perf_counter()
-    losses = distill(teacher, student, data.batches, cfg.distill_steps, cfg.distill_lr)
-    hf = _hf_from_student(student, vocab, cfg)
-    return _Trained(weights_from_hf(hf), None, {"train_s": time.perf_counter() - t0}, {"train_loss": losses})
-
-
-def _train_er(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
-    from core.mpc.gpt2 import weights_from_hf
-    from core.mpc.merge import ERConfig, train_er
-
-    er_model = teacher  # a fresh copy of the fine-tuned weights, trained in place
-    t0 = time.perf_counter()
-    curve = train_er(
-        er_model,
-        data.batches,
-        cfg.er_steps,
-        cfg.er_lr,
-        cfg=ERConfig(dropout=cfg.er_dropout, noise=cfg.er_noise, lam=cfg.er_lambda),
-        seed=cfg.seed,
+def _distilled(
+    name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int
+) -> TrainedModel:
+    approx = name.removeprefix("distilled-")
+    shape = gpt2_shape(cfg, vocab)
+    return recipes.train_distilled(
+        shape, data, start, approx=approx, steps=cfg.distill_steps, lr=cfg.distill_lr, seed=seed
     )
-    er_model.eval()
-    metrics = {"train_s": time.perf_counter() - t0, "test_loss": lm_loss(er_model, data.test_ids, data.test_mask)}
-    curves = {"train_loss": [c["total"] for c in curve], "align_loss": [c["align"] for c in curve]}
-    return _Trained(weights_from_hf(er_model), er_model.state_dict(), metrics, curves)
 
 
-def _train_mm(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, teacher: Any) -> _Trained:
-    from core.mpc.merge import build_merge_model, export_spec, train_mm
+def _er(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int) -> TrainedModel:
+    er = ERConfig(dropout=cfg.er_dropout, noise=cfg.er_noise, lam=cfg.er_lambda)
+    return recipes.train_er(gpt2_shape(cfg, vocab), data, start, steps=cfg.er_steps, lr=cfg.er_lr, er=er, seed=seed)
 
-    short = [(i[:, : cfg.n_max], k[:, : cfg.n_max]) for i, k in data.batches]
-    student = build_merge_model(teacher, short, cfg.n_max)
-    t0 = time.perf_counter()
-    losses = train_mm(student, teacher, short, cfg.mm_steps, cfg.mm_lr)
-    student.eval()
-    return _Trained(export_spec(student), None, {"train_s": time.perf_counter() - t0}, {"train_loss": losses})
+
+def _mm(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int) -> TrainedModel:
+    shape = gpt2_shape(cfg, vocab)
+    return recipes.train_mm(shape, data, start, n_max=cfg.n_max, steps=cfg.mm_steps, lr=cfg.mm_lr, seed=seed)
 
 
 @dataclass(frozen=True)
 class _ModelKind:
     """How one kind of model trains and what its run is called (``{approx}``: the student's approximation)."""
 
-    train: Callable[[str, SecureInferenceConfig, DialogueData, int, Any], _Trained]
+    train: Train
     technique: str
     config: Callable[[SecureInferenceConfig], dict[str, Any]]
     keys: tuple[str, ...]  # the config fields it depends on (a dependent model's key includes its teacher's)
     teacher: str | None = "finetuned"  # the model it is trained from
     run_name: str | None = None
     seed: Callable[[SecureInferenceConfig], int] = lambda c: c.seed  # the seed it trains with
+    keeps_state: bool = False  # its weights are saved (``state.pt``): a dependent model starts from them
 
 
 def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]:
@@ -324,7 +278,7 @@ _MM_KEYS = ("mm_steps", "mm_lr", "prefix_len", "gen_len", "scaling_gen_lens")  #
 # the kinds of model (the part of a model's name before "-"), each after its teacher; the only list of them
 MODEL_KINDS: dict[str, _ModelKind] = {
     "pretrained": _ModelKind(
-        _train_pretrained,
+        _pretrained,
         "lm-pretrain",
         lambda c: {
             "seed": c.pretrain_seed_used,
@@ -352,9 +306,10 @@ MODEL_KINDS: dict[str, _ModelKind] = {
         teacher=None,
         run_name="GPT-2 pretrained on English text",
         seed=lambda c: c.pretrain_seed_used,
+        keeps_state=True,
     ),
     "finetuned": _ModelKind(
-        _train_finetuned,
+        _finetuned,
         "lm-train",
         lambda c: {"steps": c.train_steps, "lr": c.lr, "pretrained": c.pretrain_steps > 0},
         (
@@ -372,15 +327,16 @@ MODEL_KINDS: dict[str, _ModelKind] = {
             "lr",
         ),
         teacher=None,
+        keeps_state=True,
     ),
     "distilled": _ModelKind(
-        _train_distilled,
+        _distilled,
         "distill-{approx}",
         lambda c: {"steps": c.distill_steps, "lr": c.distill_lr},
         ("distill_steps", "distill_lr"),
     ),
     "er": _ModelKind(
-        _train_er,
+        _er,
         "merge-er-train",
         lambda c: {
             "steps": c.er_steps,
@@ -390,15 +346,16 @@ MODEL_KINDS: dict[str, _ModelKind] = {
             "lambda": c.er_lambda,
         },
         ("er_steps", "er_lr", "er_dropout", "er_noise", "er_lambda"),
+        keeps_state=True,
     ),
     "mm": _ModelKind(
-        _train_mm,
+        _mm,
         "merge-mm-train",
         _mm_config("finetuned"),
         _MM_KEYS,
         run_name="merge module from the fine-tuned model",
     ),
     "merge": _ModelKind(
-        _train_mm, "merge-mm-train", _mm_config("er"), _MM_KEYS, teacher="er", run_name="merge module from the ER model"
+        _mm, "merge-mm-train", _mm_config("er"), _MM_KEYS, teacher="er", run_name="merge module from the ER model"
     ),
 }

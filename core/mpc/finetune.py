@@ -36,6 +36,7 @@ __all__ = [
     "lm_loss",
     "pretrain_lm",
     "stream_blocks",
+    "usable_prompts",
 ]
 
 Batch = tuple[Tensor, Tensor]
@@ -262,8 +263,7 @@ def eval_prompts(
     ``gen_len`` tokens, EOS dropped)."""
     chosen = [
         (p[-prefix_len:], [t for t in y if t != eos][:gen_len])
-        for p, y in encoded
-        if len(p) >= prefix_len and any(t != eos for t in y)
+        for p, y in usable_prompts(encoded, prefix_len=prefix_len, eos=eos)
     ][:n_prompts]
     if len(chosen) < n_prompts:
         raise DataError(
@@ -271,3 +271,11 @@ def eval_prompts(
             f"secure_inference.prefix_len or n_prompts={n_prompts}"
         )
     return {"prefix": torch.tensor([p for p, _ in chosen]), "references": [y for _, y in chosen]}
+
+
+def usable_prompts(
+    encoded: Sequence[tuple[list[int], list[int]]], *, prefix_len: int, eos: int = EOS_ID
+) -> list[tuple[list[int], list[int]]]:
+    """The (prefix, response) pairs a prompt can be cut from, in order: a prefix of at least ``prefix_len`` tokens
+    and a response holding a token other than ``eos`` (:func:`eval_prompts` picks the first of them)."""
+    return [(p, y) for p, y in encoded if len(p) >= prefix_len and any(t != eos for t in y)]

@@ -13,6 +13,13 @@ import torch
 import tasks.secure_inference as si
 import tasks.secure_inference_models as sim
 from core.errors import ConfigError
+from core.mpc import recipes
+from core.mpc.accounting import CATEGORIES
+from core.mpc.gpt2 import GenerationResult
+from core.mpc.payloads import payload_params, random_payload
+from core.mpc.recipes import Curve
+from core.mpc.run_costs import EncryptedRun, aggregate_parties
+from pbconfig.base import ModelShape
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import record_run
 from storage.repository import ResultsRepository
@@ -117,7 +124,7 @@ def test_pretraining_is_the_fine_tuned_models_teacher(home: Path, monkeypatch: p
     pre = si.train_model.fn("pretrained", cfg, parent)
     with pytest.raises(ConfigError, match="'finetuned' is trained from 'pretrained', got teacher None"):
         si.train_model.fn("finetuned", cfg, parent)
-    monkeypatch.setattr(sim, "finetune_lm", lambda *a, **k: [0.0])  # no fine-tuning: the start is what is left
+    monkeypatch.setattr(recipes, "finetune_lm", lambda *a, **k: [0.0])  # no fine-tuning: the start is what is left
     fine = si.train_model.fn("finetuned", cfg, parent, teacher=pre)
     start, end = (torch.load(Path(r.path) / "state.pt", weights_only=True) for r in (pre, fine))
     assert all(torch.equal(start[k], end[k]) for k in start)
@@ -201,3 +208,68 @@ def test_seed_passes_alternate_the_method_order() -> None:
             if a != b:
                 firsts = {o.index(a) < o.index(b) for o in orders[:2]}
                 assert firsts == {True, False}, (a, b)
+
+
+def test_curves_round_trip_through_the_manifest_and_record_as_before() -> None:
+    per_step = Curve.per_step([float(i) for i in range(25)])
+    val = Curve.at_steps([(5, 2.0), (10, 1.5)])
+    assert sim.curve_json(val) == [[5, 2.0], [10, 1.5]] and sim.curve_json(per_step) == list(per_step.values)
+    assert sim.curve_from_json(sim.curve_json(val)) == val and sim.curve_from_json(sim.curve_json(per_step)) == per_step
+    assert sim.curve_from_json([{"total": 3.0, "align": 1.0}, 2]) == Curve((3.0, 2.0))  # an older manifest's entries
+
+    class Rec:
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, float, int]] = []
+
+        def metric(self, name: str, value: float, *, step: int) -> None:
+            self.seen.append((name, value, step))
+
+    rec = Rec()
+    sim.record_curve(rec, "train_loss", per_step)  # every 10th step and the last
+    sim.record_curve(rec, "val_loss_curve", val)  # whole, at its steps
+    assert rec.seen == [
+        ("train_loss", 0.0, 0),
+        ("train_loss", 10.0, 10),
+        ("train_loss", 20.0, 20),
+        ("train_loss", 24.0, 24),
+        ("val_loss_curve", 2.0, 5),
+        ("val_loss_curve", 1.5, 10),
+    ]
+
+
+def _fake_run(tokens: torch.Tensor) -> EncryptedRun:
+    costs = {c: {"s": 0.1, "bytes": 8, "rounds": 1, "calls": 1} for c in CATEGORIES}
+    parties = [
+        GenerationResult(r, "merge", tokens if r == 1 else None, costs, total_s=1.0, comm_bytes=80, rounds=7)
+        for r in (0, 1)
+    ]
+    return aggregate_parties(parties, wall_s=2.0)
+
+
+def test_the_model_and_scaling_tasks_leave_the_global_rng_alone(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task draws from its config's seed through core (``core.mpc.recipes.seeded``): the process-wide RNG is
+    the same after it (the scaling task once reseeded it for its random model)."""
+    parent = _parent()
+    cfg = TINY.model_copy(update={"methods": ("vanilla", "merge_mm")})
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state().clone()
+    fine = si.train_model.fn("finetuned", cfg, parent)
+    models = si.collect_models.fn(
+        cfg, {"finetuned": fine, "mm": si.train_model.fn("mm", cfg, parent, teacher=fine)}, parent
+    )
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+    ran: list[object] = []
+
+    def run_encrypted(method: str, payload: object, prefix: torch.Tensor, n_new: int, cfg: object) -> EncryptedRun:
+        ran.append(payload)
+        return _fake_run(torch.zeros(prefix.shape[0], n_new, dtype=torch.long))
+
+    monkeypatch.setattr(si, "run_encrypted", run_encrypted)
+    shape = ModelShape(n_layer=1, n_embd=8, n_head=2)
+    point = si.scaling_point.fn("merge", 1, shape, cfg, models, parent)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    want = random_payload("merge", sim.gpt2_shape(cfg, sim.EOS + 1, shape), n_max=cfg.n_max, seed=cfg.seed)
+    assert torch.equal(ran[0].lm_head, want.lm_head)
+    assert point["n_parameters"] == payload_params(want) and point["model"] == "L1-d8-h2"
+    assert (point["total_s"], point["comm_bytes"], point["rounds"]) == (1.0, 80, 7)

@@ -19,6 +19,7 @@ from core.mpc.finetune import (
     lm_loss,
     pretrain_lm,
     stream_blocks,
+    usable_prompts,
 )
 
 V = 40
@@ -164,3 +165,11 @@ def test_pretrain_lm_learns_is_deterministic_and_names_bad_settings() -> None:
         pretrain_lm(_model(), train, val, steps=1, lr=1e-3, batch_size=2, warmup=-1, eval_every=1)
     with pytest.raises(DataError, match=r"\(rows, T\)"):
         pretrain_lm(_model(), train[0], val, steps=1, lr=1e-3, batch_size=2, warmup=0, eval_every=1)
+
+
+def test_usable_prompts_is_the_filter_eval_prompts_picks_from() -> None:
+    eos = 9
+    pairs = [([1, 2, eos], [3, eos]), ([1, eos], [4]), ([1, 2, 3, eos], [eos, eos]), ([5, 6, eos], [eos, 7])]
+    assert usable_prompts(pairs, prefix_len=3, eos=eos) == [pairs[0], pairs[3]]  # short prefix; EOS-only response
+    prompts = eval_prompts(pairs, prefix_len=3, gen_len=4, n_prompts=2, eos=eos)
+    assert prompts["prefix"].tolist() == [[1, 2, eos], [5, 6, eos]] and prompts["references"] == [[3], [7]]
