@@ -81,6 +81,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from core.errors import ConfigError
 from pbconfig.base import FrozenConfig
+from pbconfig.stages import CHAIN, STAGE_NAMES
 from pbconfig.verdicts import Verdict
 
 CLAIMS_DIR = Path(__file__).resolve().parent.parent / "configs" / "claims"
@@ -323,13 +324,7 @@ class RuleChange(FrozenConfig):
 
 
 # the profile section each stage's claims read (bench claims read the bench runs' own configs)
-STAGE_SECTIONS = {
-    "train-dp": "train_dp",
-    "tangent": "tangent",
-    "secure-inference": "secure_inference",
-    "stip": "stip",
-    "attacks": "attacks",
-}
+STAGE_SECTIONS = {f.name: f.section for f in CHAIN if f.name in STAGE_NAMES}  # stage -> its config section
 PROFILE_HISTORY = CLAIMS_DIR.parent / "history" / "profiles.yaml"
 ReportedProfile = Literal["quick", "reference"]
 

@@ -21,6 +21,7 @@ from rich.text import Text
 from core.errors import ConfigError, PrivbenchError
 from core.redact import redact_url
 from pbconfig.settings import get_settings
+from pbconfig.stages import FLOW_NAMES
 from privbench.display import cell as _cell
 from privbench.display import literal as _literal
 from privbench.display import seconds as _secs
@@ -28,8 +29,6 @@ from privbench.display import shown as _shown
 from privbench.display import verdict_table
 from privbench.results_cli import JsonOpt, err, fail, repo_root, results_app, store_call
 
-# the names of flows.registry.FLOWS, kept here so that the command line starts without importing the configs
-FLOW_NAMES = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
 PROFILE_HELP = (
     "run profile (configs/<name>.yaml): quick (every stage in minutes, CI), reference (models really trained, 3 "
     "seeds, under 2 h on 2 cores) or paper (paper scale); `privbench bench` takes quick or paper"

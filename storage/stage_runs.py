@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from pbconfig.stages import FLOW_NAMES
 from storage import views
 
-STAGE_FLOWS = ("prepare", "train-dp", "tangent", "secure-inference", "stip", "attacks", "benchmark")
+STAGE_FLOWS = FLOW_NAMES  # the chain's flows in its order (pbconfig.stages)
 
 
 def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:

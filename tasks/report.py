@@ -28,6 +28,7 @@ import pandas as pd
 from prefect import task
 
 from pbconfig.claims import STAGE_SECTIONS, Verdict, load_papers, load_profile_history
+from pbconfig.stages import TITLES
 from storage import views
 from storage.bench_runs import bench_runs
 from storage.claims import (
@@ -43,15 +44,7 @@ from storage.stage_runs import STAGE_FLOWS, stage_runs, unfinished_runs
 
 log = logging.getLogger("privbench.report")
 VERDICT_ORDER = tuple(Verdict)
-STAGE_TITLES = {
-    "prepare": "prepare (datasets)",
-    "train-dp": "train-dp (DPFormer)",
-    "tangent": "tangent (TAFT)",
-    "secure-inference": "secure-inference (MERGE)",
-    "stip": "stip (STIP)",
-    "attacks": "attacks (FILM / SEB, membership)",
-    "benchmark": "benchmark (the whole chain)",
-}
+STAGE_TITLES = TITLES  # pbconfig.stages
 
 
 @dataclass

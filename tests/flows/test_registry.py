@@ -5,9 +5,11 @@ replaced by recorders (no Prefect, no store): this checks the wiring, the flow t
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from core.errors import ConfigError
 from flows import registry
@@ -92,3 +94,20 @@ def test_a_stage_on_its_own_has_no_parent_and_prepares_what_it_reads(calls: list
     assert all(kwargs.get(k) is None for k in ("prepared", "seqrec", "vision"))
     if stage == "attacks":
         assert kwargs["train_dp"] == cfg.train_dp and kwargs["tangent"] == cfg.tangent
+
+
+def test_the_registry_declares_the_named_stages_in_the_chains_order() -> None:
+    """``pbconfig.stages`` names the chain once; the registry's stages, its flows, the deployments' entry points and
+    the report's stage sections agree with it, so a new stage missing from one of them fails here."""
+    from flows.deployments import PROFILE_FLOWS
+    from pbconfig.claims import STAGE_SECTIONS
+    from pbconfig.stages import CHAIN, FLOW_NAMES, STAGE_NAMES
+
+    assert [(s.name, s.section) for s in registry.STAGES] == [
+        (f.name, f.section) for f in CHAIN if f.name in STAGE_NAMES
+    ]
+    assert tuple(registry.FLOWS) == tuple(registry.PLANS) == tuple(PROFILE_FLOWS) == FLOW_NAMES
+    assert STAGE_SECTIONS == {s.name: s.section for s in registry.STAGES}
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "prefect.yaml").read_text())
+    served = {d["entrypoint"].partition(":")[2] for d in spec["deployments"]}
+    assert {fl.fn.__name__ for fl in PROFILE_FLOWS.values()} <= served  # every flow has a deployment
