@@ -227,12 +227,13 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     from core.mpc.gpt2 import weights_from_hf
     from core.mpc.merge import build_merge_model, export_spec
     from core.mpc.methods import method_spec
+    from core.mpc.recipes import seeded
 
-    torch.manual_seed(setting.seed)
     n_pos = max(p + g for p, g in setting.runs())
-    model = tiny_gpt2(
-        setting.vocab, n_layer=setting.n_layer, n_embd=setting.n_embd, n_head=setting.n_head, n_positions=n_pos
-    ).eval()
+    with seeded(setting.seed):  # drawn from the seed; the caller's global RNG is left as it was
+        model = tiny_gpt2(
+            setting.vocab, n_layer=setting.n_layer, n_embd=setting.n_embd, n_head=setting.n_head, n_positions=n_pos
+        ).eval()
     weights = weights_from_hf(model)
     out: dict[str, Any] = {}
     spec = None

@@ -184,3 +184,19 @@ def test_paper_profile_can_measure_length_128_directly() -> None:
     assert s.project_lengths == (128, 256, 512) and s.runs() == [(8, 6), (20, 3), (40, 3)]
     quick = mpc_generation.PROFILES["quick"]
     assert len(quick.runs()) >= 3 and len(mpc_generation.PROFILES["paper"].runs()) >= 3
+
+
+def test_payloads_come_from_the_seed_and_leave_the_global_rng_alone() -> None:
+    """The methods' payloads are drawn from ``setting.seed`` under a fork of the RNG: the same seed gives the same
+    weights whatever the global RNG was, and the global RNG is left as it was."""
+    import torch
+
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    one = mpc_generation.payloads(TINY, ("vanilla", "merge"))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.manual_seed(456)
+    two = mpc_generation.payloads(TINY, ("vanilla", "merge"))
+    assert torch.equal(one["vanilla"].wte, two["vanilla"].wte)
+    other = mpc_generation.payloads(TINY.model_copy(update={"seed": 1}), ("vanilla",))
+    assert not torch.equal(one["vanilla"].wte, other["vanilla"].wte)
