@@ -188,3 +188,42 @@ def test_pbconfig_sets_the_offline_defaults() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["false False", "pbconfig.train_dp pbconfig.settings", "True []"]
+
+
+def training_steps(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line what`` for each training step written in ``path``, in line order: a ``torch.optim`` optimiser
+    made or imported, a ``.backward(...)`` call, an optimiser's ``.step()`` or ``.zero_grad()`` (the calls a training
+    loop is made of)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch.optim"):
+            found.append((node.lineno, f"imports {node.module}"))
+        elif isinstance(node, ast.Attribute) and node.attr == "optim" and ast.unparse(node.value) == "torch":
+            found.append((node.lineno, "uses torch.optim"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and (node.func.attr in ("backward", "zero_grad") or (node.func.attr == "step" and not node.args))
+        ):
+            found.append((node.lineno, f"calls .{node.func.attr}()"))
+    return [f"{path.relative_to(root)}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_tasks_hold_no_training_loop() -> None:
+    """Tasks load, call core and record: optimisers and training loops live in core/ (a task that trains calls a
+    core function that does)."""
+    found = [hit for path in sources("tasks") for hit in training_steps(path)]
+    assert not found, f"training steps in tasks/ (move them to a core/ function the task calls): {found}"
+
+
+def test_the_training_loop_check_can_fail(tmp_path: Path) -> None:
+    loop = tmp_path / "loop.py"
+    loop.write_text(
+        "import torch\nfrom torch.optim import Adam\n"
+        "def fit(model, x):\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    model(x).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+    )
+    assert training_steps(loop, tmp_path) == [
+        "loop.py:2 imports torch.optim", "loop.py:4 uses torch.optim", "loop.py:5 calls .backward()",
+        "loop.py:6 calls .step()", "loop.py:7 calls .zero_grad()",
+    ]  # fmt: skip
