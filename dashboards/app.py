@@ -111,13 +111,20 @@ def empty(message: str, filters: Filters) -> None:
 
 
 def section(
-    title: str, frame: pd.DataFrame, message: str, filters: Filters, draw: Callable[[pd.DataFrame], None]
+    title: str, view: str, message: str, db_url: str, filters: Filters, draw: Callable[[pd.DataFrame], None]
 ) -> None:
+    """A titled section over the rows of ``storage.views.<view>``: ``draw`` them, or the empty-state ``message``."""
     st.subheader(title)
+    frame = load(view, db_url, filters)
     if frame.empty:
         empty(message, filters)
     else:
         draw(frame)
+
+
+def chart(plot: Callable[[pd.DataFrame], Any]) -> Callable[[pd.DataFrame], None]:
+    """A section's ``draw`` that shows the Plotly figure ``plot`` makes of the rows."""
+    return lambda frame: st.plotly_chart(plot(frame), width="stretch")
 
 
 def leaderboards(db_url: str, filters: Filters) -> None:
@@ -219,8 +226,6 @@ def overview(db_url: str, filters: Filters) -> None:
 
 
 def training(db_url: str, filters: Filters) -> None:
-    pu = load("privacy_utility", db_url, filters)
-
     def draw_pu(frame: pd.DataFrame) -> None:
         for dataset, group in frame.groupby("dataset", sort=True):
             fig = plots.privacy_utility(group).update_layout(
@@ -232,34 +237,38 @@ def training(db_url: str, filters: Filters) -> None:
 
     section(
         "Privacy-utility (DPFormer)",
-        pu,
+        "privacy_utility",
         "No private-training runs yet: run `privbench run train-dp --profile quick`",
+        db_url,
         filters,
         draw_pu,
     )
     section(
         "Clipping speed and memory",
-        load("clipping_bench", db_url, filters),
+        "clipping_bench",
         "No clipping benchmark yet: run `privbench bench dp-clipping`",
+        db_url,
         filters,
-        lambda f: st.plotly_chart(plots.clipping_speed_memory(f), width="stretch"),
+        chart(plots.clipping_speed_memory),
     )
 
 
 def tangent(db_url: str, filters: Filters) -> None:
     section(
         "Accuracy vs number of shards",
-        load("tangent_accuracy", db_url, filters),
+        "tangent_accuracy",
         "No tangent runs yet: run `privbench run tangent --profile quick`",
+        db_url,
         filters,
-        lambda f: st.plotly_chart(plots.tangent_accuracy(f), width="stretch"),
+        chart(plots.tangent_accuracy),
     )
     section(
         "Unlearning (forgetting shards)",
-        load("unlearning", db_url, filters),
+        "unlearning",
         "No unlearning curves yet: run `privbench run tangent --profile quick`",
+        db_url,
         filters,
-        lambda f: st.plotly_chart(plots.unlearning(f), width="stretch"),
+        chart(plots.unlearning),
     )
 
 
@@ -270,8 +279,9 @@ def secure_inference(db_url: str, filters: Filters) -> None:
 
     section(
         "MPC cost per operation",
-        load("mpc_costs", db_url, filters),
+        "mpc_costs",
         "No secure-inference runs yet: run `privbench run secure-inference --profile quick`",
+        db_url,
         filters,
         draw,
     )
@@ -280,17 +290,19 @@ def secure_inference(db_url: str, filters: Filters) -> None:
 def stip(db_url: str, filters: Filters) -> None:
     section(
         "Protocol overhead",
-        load("stip_overhead", db_url, filters),
+        "stip_overhead",
         "No STIP runs yet: run `privbench run stip --profile quick`",
+        db_url,
         filters,
-        lambda f: st.plotly_chart(plots.stip_overhead(f), width="stretch"),
+        chart(plots.stip_overhead),
     )
     section(
         "Permutation-recovery attacks",
-        load("stip_attacks", db_url, filters),
+        "stip_attacks",
         "No STIP attack results yet: run `privbench run stip --profile quick`",
+        db_url,
         filters,
-        lambda f: st.plotly_chart(plots.stip_attacks(f), width="stretch"),
+        chart(plots.stip_attacks),
     )
 
 
@@ -301,8 +313,9 @@ def attacks(db_url: str, filters: Filters) -> None:
 
     section(
         "FILM text recovery vs SEB",
-        load("film", db_url, filters),
+        "film",
         "No FILM attack runs yet: run `privbench run attacks --profile quick`",
+        db_url,
         filters,
         draw_film,
     )
@@ -323,9 +336,10 @@ def attacks(db_url: str, filters: Filters) -> None:
 
     section(
         "Membership-inference audit",
-        load("membership", db_url, filters),
+        "membership",
         "No membership-inference audits yet: run `privbench run attacks --profile quick` "
         "(with an `attacks.audit` section)",
+        db_url,
         filters,
         draw_mia,
     )

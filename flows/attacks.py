@@ -19,7 +19,7 @@ from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
-from tasks.audit import audit_recipes, audit_seqrec, audit_targets, audit_unlearning
+from tasks.audit import audit_recipes, audit_seqrec, audit_targets, audit_unlearning, epsilon_family
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 
 STAGE = "attacks"
@@ -85,6 +85,7 @@ def attacks_flow(
         unmapped(run),
         threads=unmapped(config.threads_per_worker),
         recipes=unmapped(recipes),
+        family=unmapped(epsilon_family(a) if a is not None else None),
     )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
     seeds = list(u.run_seeds) if u else []

@@ -141,7 +141,10 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
         ]
         parts = [p for p in parts if len(p)]
         frame = pd.concat(parts, ignore_index=True) if parts else frame.reindex(columns=[*keep, "side"])
-    return frame[frame["value"].notna()]
+    measured = frame[frame["value"].notna()]
+    # runs the claim selects whose value is missing (e.g. recorded before the measure existed): the reason counts them
+    measured.attrs["unmeasured_runs"] = int(frame.loc[frame["value"].isna(), "run_id"].nunique()) if len(frame) else 0
+    return measured
 
 
 def matches(frame: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:

@@ -412,6 +412,15 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     m = claim.measure
     rows = claim_rows(db_url, claim, **filters)
     if rows.empty:
+        lacking = rows.attrs.get("unmeasured_runs", 0)
+        if lacking:
+            return ClaimResult(
+                claim,
+                NOT_RUN,
+                (),
+                f"{lacking} recorded run{'s' if lacking != 1 else ''} lack{'s' if lacking == 1 else ''} the rule's "
+                f"measure ({m.value}): {_how(claim, filters.get('profile'))}",
+            )
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
     meta = run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -259,6 +260,27 @@ def privacy_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     return _finish(frame, PRIVACY_UTILITY_COLUMNS, ["dataset", "method", "epsilon"])
 
 
+def _keyed_rows(
+    engine: Engine,
+    run_ids: list[str],
+    prefix: str,
+    key: str,
+    columns: Sequence[str],
+    parse: Callable[[str], Any] = str,
+) -> list[dict[str, Any]]:
+    """The metrics named ``<prefix><k>.<field>`` as rows: one per run and ``k`` (column ``key``, ``parse``d, in
+    sorted order) with each of ``columns`` (NaN where the run did not record it)."""
+    wide = _metrics_wide(engine, run_ids, like=f"{prefix}%")
+    rows = []
+    for record in wide.to_dict("records"):
+        for k in sorted({parse(name[len(prefix) :].split(".")[0]) for name in record if name.startswith(prefix)}):
+            rows.append(
+                {"run_id": record["run_id"], key: k}
+                | {column: record.get(f"{prefix}{k}.{column}", math.nan) for column in columns}
+            )
+    return rows
+
+
 def reattention_sizes(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """How far DPFormer's Re-Attention moves attention (``REATTENTION_COLUMNS``): per train-dp run and block (1 =
     first), over the last epoch's training batches, the correction's median and maximum in nats and
@@ -268,16 +290,7 @@ def reattention_sizes(db_url: str | None = None, **filters: Any) -> pd.DataFrame
     base = _result_runs(engine, f, Run.stage == "train-dp", Run.technique == "dpformer")
     if base.empty:
         return pd.DataFrame(columns=REATTENTION_COLUMNS)
-    wide = _metrics_wide(engine, base["run_id"].tolist(), like="reattention.block%")
-    rows = []
-    for record in wide.to_dict("records"):
-        blocks = sorted({int(k.split(".")[1][len("block") :]) for k in record if k.startswith("reattention.block")})
-        for block in blocks:
-            prefix = f"reattention.block{block}."
-            rows.append(
-                {"run_id": record["run_id"], "block": block}
-                | {name: record.get(prefix + name, math.nan) for name in REATTENTION_COLUMNS[4:7]}
-            )
+    rows = _keyed_rows(engine, base["run_id"].tolist(), "reattention.block", "block", REATTENTION_COLUMNS[4:7], int)
     if not rows:
         return pd.DataFrame(columns=REATTENTION_COLUMNS)
     frame = pd.DataFrame(rows).merge(base, on="run_id")
@@ -312,22 +325,9 @@ def clipping_bench(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     base = _result_runs(engine, f, Run.flow == "bench", Run.technique == "dp-clipping")
     if base.empty:
         return pd.DataFrame(columns=CLIPPING_COLUMNS)
-    wide = _metrics_wide(engine, base["run_id"].tolist(), like="methods.%")
-    rows = []
-    for record in wide.to_dict("records"):
-        methods = {k.split(".")[1] for k in record if k.startswith("methods.")}
-        for method in sorted(methods):
-            rows.append(
-                {
-                    "run_id": record["run_id"],
-                    "method": method,
-                    **{
-                        field: record.get(f"methods.{method}.{field}", math.nan)
-                        for field in ("step_s", "peak_mem_mb", "n_params", "d_model")
-                    },
-                }
-            )
-    frame = pd.DataFrame(rows, columns=["run_id", "method", "step_s", "peak_mem_mb", "n_params", "d_model"])
+    measures = ("step_s", "peak_mem_mb", "n_params", "d_model")
+    rows = _keyed_rows(engine, base["run_id"].tolist(), "methods.", "method", measures)
+    frame = pd.DataFrame(rows, columns=["run_id", "method", *measures])
     frame = frame.dropna(subset=["step_s", "peak_mem_mb"], how="all")
     frame = frame.merge(base[["run_id", "started_at", "git_commit", "device"]], on="run_id")
     return _finish(frame, CLIPPING_COLUMNS, ["started_at", "method"])
@@ -555,7 +555,11 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for column in ("auc_heldout", "auc_heldout_lo", "auc_heldout_hi"):
         frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
     # the audit's power: the largest empirical_epsilon_lo it could certify at its size (NaN before it was recorded)
-    # and both at the audit's family confidence, 1 - alpha / attacks (Bonferroni; NaN before it was recorded)
+    # the audited models' recipe (config.train: NaN for the unlearning audit)
+    train = [_config(c).get("train") or {} for c in frame["config_json"]]
+    for column in ("lr", "batch_size", "epochs"):
+        frame[column] = pd.Series([t.get(column, math.nan) for t in train], index=frame.index, dtype=float)
+    # and both at the audit's family confidence, 1 - alpha / family (Bonferroni; NaN before it was recorded)
     for column in ("certifiable_epsilon_max", "empirical_epsilon_lo_family", "certifiable_epsilon_max_family"):
         frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
     # the attacks' own reach: the strongest empirical_epsilon_lo the same audit (same attacks run, same dataset)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# what each membership-inference attack measured, in the audit table and the forgetting table alike
+ATTACK_MEASURES = ("auc", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr", "empirical_epsilon", "empirical_epsilon_ci")
+
 
 def attacks_summary(
     *,
@@ -99,17 +102,7 @@ def attacks_summary(
                     "accountant_epsilon": t["accountant_epsilon"],
                     "delta": t["delta"],
                     "test_ndcg_at_10": t["target_test_ndcg_at_10"],
-                    **{
-                        k: r[k]
-                        for k in (
-                            "auc",
-                            "tpr_at_0.1pct_fpr",
-                            "tpr_at_1pct_fpr",
-                            "empirical_epsilon",
-                            "empirical_epsilon_ci",
-                            "certifiable_epsilon_max",
-                        )
-                    },
+                    **{k: r[k] for k in (*ATTACK_MEASURES, "certifiable_epsilon_max")},
                 }
             )
             key = f"audit.{t['dataset']}.{t['method']}.{label.replace('=', '')}.{name}"
@@ -126,18 +119,7 @@ def attacks_summary(
             forget_rows.append(
                 {
                     "setting": setting,
-                    **{
-                        k: r[k]
-                        for k in (
-                            "auc",
-                            "tpr_at_0.1pct_fpr",
-                            "tpr_at_1pct_fpr",
-                            "empirical_epsilon",
-                            "empirical_epsilon_ci",
-                            "n_members",
-                            "n_nonmembers",
-                        )
-                    },
+                    **{k: r[k] for k in (*ATTACK_MEASURES, "n_members", "n_nonmembers")},
                 }
             )
         metrics["audit.unlearning.after_forgotten.auc"] = unlearning["settings"]["after: forgotten vs non-members"][

@@ -8,7 +8,7 @@ the target's privacy ledger, and ``roc.json`` (the ROC curves)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,22 +40,31 @@ def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None, AuditC
     return [(d, m, e, c) for c in cfg.seed_configs() for d in cfg.datasets for m, e in points]
 
 
+def epsilon_family(cfg: AuditConfig) -> int:
+    """How many lower bounds ``empirical-epsilon-below-accountant`` takes the strongest of: every attack of every
+    audited DP target (each seed, dataset, method and epsilon). Each bound is computed at alpha / this
+    (Bonferroni), so the strongest of them is a 1 - alpha statement."""
+    return len(cfg.attacks) * max(1, sum(e is not None for _, _, e, _ in audit_targets(cfg)))
+
+
 def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None, db_url: str | None = None) -> Recipes:
-    """The recipe of each audited (dataset, method, private or not) that ``train_dp.tuning`` searched: the point
-    train-dp's search on validation chose (:func:`tasks.train_dp.select_recipes`), read from the store's search runs
-    of ``profile`` that match the current search (its learning rates, batch sizes, epsilon and seed; the latest run
-    of each point), so the audit attacks the models the stage reports rather than the grid's first point. Without
-    ``tuning`` the grid has one recipe and this is empty. A searched key with no recorded search is a ConfigError
-    that says to run train-dp first."""
+    """The DP recipe of each audited (dataset, method) that ``train_dp.tuning`` searched: the point train-dp's search
+    on validation chose for the method under DP (:func:`tasks.train_dp.select_recipes`), read from the store's search
+    runs of ``profile`` that match the current search (its learning rates, batch sizes, epsilon and seed; the latest
+    run of each point), so the audit attacks models trained as the stage's DP models are rather than at the grid's
+    first point. Both arms of an audit train at it (:func:`audit_seqrec`). Without ``tuning`` the grid has one recipe
+    and this is empty. A searched key with no recorded search is a ConfigError that says to run train-dp first."""
     t = train.tuning
     if t is None:
         return {}
     searched = set(t.methods or train.methods)
-    wanted = [
-        recipe_key(d, PEER_BASE.get(m, m), e is not None)
-        for d, m, e, _ in audit_targets(cfg)
-        if PEER_BASE.get(m, m) in searched and (e is not None or t.nonprivate)
-    ]
+    wanted = list(
+        dict.fromkeys(
+            recipe_key(d, PEER_BASE.get(m, m), True)
+            for d, m, _, _ in audit_targets(cfg)
+            if PEER_BASE.get(m, m) in searched
+        )
+    )
     if not wanted:
         return {}
     frame = train_search(db_url, profile=profile)
@@ -90,6 +99,28 @@ def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None
     return {k: chosen[k] for k in wanted}
 
 
+MATCHED_EPSILON = 1.0  # any epsilon: it only marks a point private so that at_recipe gives it the DP recipe
+
+
+def audited_point(
+    dataset: str,
+    path: str,
+    method: str,
+    epsilon: float | None,
+    cfg: AuditConfig,
+    train: TrainDPConfig,
+    recipes: Recipes,
+) -> GridPoint:
+    """The training point of an audited model: ``method`` at the DP recipe of the train-dp grid
+    (:func:`tasks.train_dp.at_recipe` of its private point, with ``recipes``' choice where the search made one) and at
+    ``epsilon``; a non-private target (``epsilon`` None) keeps that recipe, so it differs from the DP ones by the DP
+    step alone."""
+    spec = next(d for d in train.datasets if d.name == dataset)
+    first = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
+    as_dp = at_recipe(replace(first, epsilon=MATCHED_EPSILON if epsilon is None else epsilon), train, recipes)
+    return replace(as_dp, epsilon=epsilon)
+
+
 @task(name="mia-audit-recipes")
 def audit_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None) -> Recipes:
     """:func:`searched_recipes` as a task (the attacks flow runs it once, before the audits)."""
@@ -109,7 +140,12 @@ class SeqrecAudit:
 
 
 def audit_point(
-    data: SequentialDataset, method: str, epsilon: float | None, cfg: AuditConfig, overrides: dict[str, Any]
+    data: SequentialDataset,
+    method: str,
+    epsilon: float | None,
+    cfg: AuditConfig,
+    overrides: dict[str, Any],
+    family: int | None = None,
 ) -> SeqrecAudit:
     """Train the target (a random half of the users, recorded) and ``cfg.shadows`` shadow models (each user in
     half of them) of ``method`` at ``epsilon`` on ``data`` with the training ``overrides``
@@ -146,6 +182,7 @@ def audit_point(
         shadow_in=shadow_in,
         delta=delta,
         alpha=cfg.alpha,
+        family=family,
     )
     return SeqrecAudit(target=target, results=results, delta=delta, n_users=n, train_s=train_s)
 
@@ -161,17 +198,19 @@ def audit_seqrec(
     parent: RunRef,
     threads: int = 1,
     recipes: Recipes | None = None,
+    family: int | None = None,
 ) -> dict[str, Any]:
     """Train the target and the shadow models of one (dataset, method, epsilon) and audit the target
-    (``audit_point``); record one attack row per attack with the audit's power, ``certifiable_epsilon_max``.
+    (``audit_point``); record one attack row per attack with the audit's power, ``certifiable_epsilon_max``, and
+    the bounds at the family confidence of ``family`` (:func:`epsilon_family`; None: this audit's attacks).
 
-    The models train at the recipe of the train-dp grid's runs of the same method and privacy
-    (:func:`tasks.train_dp.at_recipe`): the non-private schedule, and the (lr, batch size) of ``recipes``
-    (:func:`searched_recipes`) where the search chose one; ``config.recipe`` records which."""
+    Every model of an audit trains at the method's DP recipe (:func:`tasks.train_dp.at_recipe` of the private
+    point: the (lr, batch size) of ``recipes`` (:func:`searched_recipes`) where the search chose one, else the
+    grid's first, and ``train_dp.epochs``), the non-private one included: the two arms differ by the DP step alone
+    (clipping and noise), a matched control. ``config.recipe`` records it. The attacked model is the one at the end
+    of training, in both arms."""
     torch.set_num_threads(threads)
-    spec = next(d for d in train.datasets if d.name == dataset)
-    first = GridPoint(dataset, path, spec.dropout, method, epsilon, cfg.seed, train.lrs[0], train.batch_sizes[0])
-    point = at_recipe(first, train, recipes or {})
+    point = audited_point(dataset, path, method, epsilon, cfg, train, recipes or {})
     overrides = train_overrides(point, train) | ({"epochs": cfg.epochs} if cfg.epochs else {})
     label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
     config = {
@@ -181,6 +220,7 @@ def audit_seqrec(
         "audit": cfg.model_dump(mode="json"),
         "train": overrides,
         "recipe": {
+            "arms": "matched: every arm at the method's DP recipe",
             "source": "search" if point.tuned is not None else "grid",
             "lr": point.lr,
             "batch_size": point.batch_size,
@@ -196,7 +236,7 @@ def audit_seqrec(
     ) as rec:
         rec.tag("privbench.result_group", "audit")
         rec.tag("privbench.dp", label)
-        done = audit_point(load_prepared(path), method, epsilon, cfg, overrides)
+        done = audit_point(load_prepared(path), method, epsilon, cfg, overrides, family=family)
         target, results, delta, ledger = done.target, done.results, done.delta, done.target.ledger
         if ledger is not None:
             rec.ledger(ledger, unit=PRIVACY_UNIT, neighbouring=NEIGHBOURING)  # the train-dp trainer's user-level DP

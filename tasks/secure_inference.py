@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -393,36 +394,46 @@ def si_summary(
     }
 
 
-def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, scaling: list) -> str:
+def _category_table(
+    title: str,
+    rows: dict[str, dict],
+    total: str,
+    last: str,
+    cell: Callable[[float], str],
+    tail: Callable[[dict], str],
+) -> list[str]:
+    """A markdown table of ``rows`` (method -> values): the ``total``, each cost category in ``cell``'s format,
+    then the ``last`` column, ``tail`` of the row."""
     cats = [c for c in CATEGORIES if c != "Other"]
     lines = [
-        (
-            f"Table 1 analogue: seconds per category ({cfg.gen_len} tokens after {cfg.prefix_len}, "
-            f"batch {cfg.n_prompts}, slower party)"
-        ),
+        title,
         "",
-        "| method | total | " + " | ".join(cats) + " | speedup |",
+        "| method | total | " + " | ".join(cats) + f" | {last} |",
         "|---|" + "---|" * (len(cats) + 2),
     ]
-    for m, r in t1.items():
-        lines.append(
-            f"| {m} | {r['total_s']:.2f} | "
-            + " | ".join(f"{r[c]:.2f}" for c in cats)
-            + f" | {r.get('speedup_over_vanilla', float('nan')):.2f}x |"
-        )
-    lines += [
-        "",
+    for m, r in rows.items():
+        lines.append(f"| {m} | {cell(r[total])} | " + " | ".join(cell(r[c]) for c in cats) + f" | {tail(r)} |")
+    return lines
+
+
+def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, scaling: list) -> str:
+    lines = _category_table(
+        f"Table 1 analogue: seconds per category ({cfg.gen_len} tokens after {cfg.prefix_len}, "
+        f"batch {cfg.n_prompts}, slower party)",
+        t1,
+        "total_s",
+        "speedup",
+        lambda v: f"{v:.2f}",
+        lambda r: f"{r.get('speedup_over_vanilla', float('nan')):.2f}x",
+    )
+    lines += [""] + _category_table(
         "Table 2 analogue: MB sent per party",
-        "",
-        "| method | total | " + " | ".join(cats) + " | fraction |",
-        "|---|" + "---|" * (len(cats) + 2),
-    ]
-    for m, r in t2.items():
-        lines.append(
-            f"| {m} | {r['comm_bytes'] / 1e6:.1f} | "
-            + " | ".join(f"{r[c] / 1e6:.1f}" for c in cats)
-            + f" | {100 * r.get('fraction_of_vanilla', float('nan')):.0f}% |"
-        )
+        t2,
+        "comm_bytes",
+        "fraction",
+        lambda v: f"{v / 1e6:.1f}",
+        lambda r: f"{100 * r.get('fraction_of_vanilla', float('nan')):.0f}%",
+    )
     lines += [
         "",
         f"Quality of the decrypted generations ({cfg.n_prompts} prompts under MPC)",

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from pbconfig.attacks import AttacksConfig
-from pbconfig.benchmark import BenchmarkConfig, validate
+from tests.tiny_benchmark import tiny_benchmark
 
 
 @dataclass(frozen=True)
@@ -91,43 +91,20 @@ def _fill_attacks(store: StageStore, mp: pytest.MonkeyPatch) -> dict[str, Any]:
     scratch = store.base / "attacks"
     scratch.mkdir(parents=True)
     prepare = write_texts(scratch)
-    audited = validate(
-        BenchmarkConfig,
-        {
-            "profile": "tiny",
-            "prepare": {
-                "datasets": [
-                    {
-                        "name": "ml-1m-tiny",
-                        "source": "synthetic",
-                        "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
-                    }
-                ],
-                "texts": [t.model_dump() for t in prepare.texts],
-            },
-            "train_dp": {
-                "datasets": [{"name": "ml-1m-tiny"}],
+    audited = tiny_benchmark(
+        {"methods": ["transformer"]},
+        texts=[t.model_dump() for t in prepare.texts],
+        attacks=TINY.model_dump()
+        | {
+            "audit": {
+                "datasets": ["ml-1m-tiny"],
                 "methods": ["transformer"],
                 "epsilons": [8],
-                "epochs": 1,
-                "lrs": [0.005],
-                "batch_sizes": [64],
-                "max_len": 16,
-                "d_model": 16,
-            },
-            "attacks": TINY.model_dump()
-            | {
-                "audit": {
-                    "datasets": ["ml-1m-tiny"],
-                    "methods": ["transformer"],
-                    "epsilons": [8],
-                    "shadows": 4,
-                    "epochs": 2,
-                    "unlearning": False,
-                }
-            },
+                "shadows": 4,
+                "epochs": 2,
+                "unlearning": False,
+            }
         },
-        origin="test",
     )
     config: AttacksConfig | None = audited.attacks
     assert config is not None

@@ -99,6 +99,7 @@ def audit(
     delta: float,
     alpha: float = 0.05,
     max_thresholds: int | None = 2000,
+    family: int | None = None,
 ) -> dict[str, dict]:
     """Every attack of ``attacks`` (names of ``membership.ATTACKS``) against ``target``: ROC AUC with its 95%
     interval over the examples (``auc_ci``, DeLong), TPR at 0.1%
@@ -112,8 +113,11 @@ def audit(
     ``delta`` and ``alpha`` (a perfect attack, ``membership.certifiable_epsilon_max``): where it does not exceed
     the accountant's epsilon the audit cannot catch a broken guarantee, whatever the attack.
     ``empirical_epsilon_lo_family`` and ``certifiable_epsilon_max_family`` are the same at confidence
-    1 - alpha / len(attacks) (``alpha_family``, Bonferroni): the strongest of the attacks' family bounds is a valid
-    lower bound with probability 1 - alpha, which the strongest of their single bounds is not. One attack is
+    1 - alpha / family (``alpha_family``, Bonferroni; ``family`` None: ``len(attacks)``): a claim that takes the
+    strongest of ``family`` such bounds (every attack of every audited run it judges) holds with probability
+    1 - alpha, which the strongest of their single bounds does not. Each confidence picks its own threshold on the
+    selection half (the bound's width enters the choice); the evaluation half is untouched by either choice, so
+    both bounds are valid. One attack is
     ``selected``: the strongest by AUC on a fixed random half of the examples (``auc_selection``); every attack's
     AUC on the other half is ``auc_heldout`` (DeLong interval ``auc_heldout_ci``), which judges the selected one.
 
@@ -146,9 +150,14 @@ def audit(
         )
     n_members, n_nonmembers = int(members.sum()), int((~members).sum())
     power = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha, split=True)
-    # the claim "no attack proves more than the accountant" reads the strongest of several attacks' bounds: each at
-    # alpha / len(attacks) (Bonferroni), so that all of them hold together with probability 1 - alpha
-    alpha_family = alpha / max(len(attacks), 1)
+    # the claim "no attack proves more than the accountant" reads the strongest of several bounds (every attack of
+    # every audited run): each at alpha / family (Bonferroni), so that all of them hold together with probability
+    # 1 - alpha
+    if family is not None and family < len(attacks):
+        raise ConfigError(
+            f"family={family} counts fewer bounds than the {len(attacks)} attacks run; pass at least that"
+        )
+    alpha_family = alpha / (family or max(len(attacks), 1))
     power_family = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha_family, split=True)
     choose = selection_half(members, seed=SELECTION_SEED)
     out: dict[str, dict] = {}
@@ -157,7 +166,7 @@ def audit(
         target_stat = -stats if name == "loss" else stats  # the loss attack takes losses
         scores = fn(target_stat, shadow_stats=shadow_stats, shadow_in=shadow_in)
         curve = M.roc(scores[members], scores[~members])
-        bounds = {  # the same split and threshold (seed 0) at each confidence: only the interval's width differs
+        bounds = {  # the same split (seed 0) at each confidence; each picks its threshold on the selection half
             a: M.empirical_epsilon_lower_bound(
                 scores[members],
                 scores[~members],

@@ -126,28 +126,35 @@ def _parse_idx(raw: bytes, path: Path) -> tuple[int, np.ndarray]:
     return int.from_bytes(raw[:4], "big"), arr.astype(dtype.newbyteorder("="))
 
 
-def read_idx_images(path: str | os.PathLike[str]) -> Tensor:
-    """IDX image file (magic 2051) -> uint8 tensor (N, rows, cols)."""
+def _read_idx_file(path: str | os.PathLike[str], magic: int, kind: str, other: str) -> np.ndarray:
+    """The array of the IDX file at ``path``, refused unless its magic is ``magic`` (a ``kind``, not an ``other``)."""
     path = Path(path)
     raw_magic, arr = _parse_idx(_read_bytes(path), path)
-    if raw_magic != IDX_IMAGES_MAGIC:
+    if raw_magic != magic:
         raise DataError(
-            f"IDX file {path} has magic {raw_magic} (0x{raw_magic:08x}), expected {IDX_IMAGES_MAGIC} for an image "
-            f"file (uint8, 3 dims); is it a labels file?"
+            f"IDX file {path} has magic {raw_magic} (0x{raw_magic:08x}), expected {magic} for {kind}; is it {other}?"
         )
+    return arr
+
+
+def read_idx_images(path: str | os.PathLike[str]) -> Tensor:
+    """IDX image file (magic 2051) -> uint8 tensor (N, rows, cols)."""
+    arr = _read_idx_file(path, IDX_IMAGES_MAGIC, "an image file (uint8, 3 dims)", "a labels file")
     return torch.from_numpy(arr)
 
 
 def read_idx_labels(path: str | os.PathLike[str]) -> Tensor:
     """IDX label file (magic 2049) -> int64 tensor (N,)."""
-    path = Path(path)
-    raw_magic, arr = _parse_idx(_read_bytes(path), path)
-    if raw_magic != IDX_LABELS_MAGIC:
-        raise DataError(
-            f"IDX file {path} has magic {raw_magic} (0x{raw_magic:08x}), expected {IDX_LABELS_MAGIC} for a label "
-            f"file (uint8, 1 dim); is it an images file?"
-        )
+    arr = _read_idx_file(path, IDX_LABELS_MAGIC, "a label file (uint8, 1 dim)", "an images file")
     return torch.from_numpy(arr.astype(np.int64))
+
+
+def _require_tensor(value: object, dim: int, dtype: torch.dtype, requirement: str) -> None:
+    """Raise DataError ``"<requirement>, got <dtype> <shape>"`` unless ``value`` is a ``dim``-d ``dtype`` tensor."""
+    if isinstance(value, Tensor) and value.dim() == dim and value.dtype == dtype:
+        return
+    desc = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+    raise DataError(f"{requirement}, got {desc}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,30 +167,19 @@ class ImageDataset:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.images, Tensor) or self.images.dim() != 3 or self.images.dtype != torch.uint8:
-            desc = (
-                f"{self.images.dtype} {tuple(self.images.shape)}"
-                if isinstance(self.images, Tensor)
-                else type(self.images).__name__
-            )
-            raise DataError(f"{self.name or 'dataset'}: images must be a uint8 (N, H, W) tensor, got {desc}")
-        if not isinstance(self.labels, Tensor) or self.labels.dim() != 1 or self.labels.dtype != torch.int64:
-            desc = (
-                f"{self.labels.dtype} {tuple(self.labels.shape)}"
-                if isinstance(self.labels, Tensor)
-                else type(self.labels).__name__
-            )
-            raise DataError(f"{self.name or 'dataset'}: labels must be an int64 (N,) tensor, got {desc}")
+        label = self.name or "dataset"
+        _require_tensor(self.images, 3, torch.uint8, f"{label}: images must be a uint8 (N, H, W) tensor")
+        _require_tensor(self.labels, 1, torch.int64, f"{label}: labels must be an int64 (N,) tensor")
         if self.images.shape[0] != self.labels.shape[0]:
             raise DataError(
-                f"{self.name or 'dataset'}: {self.images.shape[0]} images but {self.labels.shape[0]} labels; "
+                f"{label}: {self.images.shape[0]} images but {self.labels.shape[0]} labels; "
                 "the image and label files must belong together"
             )
         if isinstance(self.n_classes, bool) or not isinstance(self.n_classes, int) or self.n_classes < 1:
             raise ConfigError(f"n_classes must be an int >= 1, got n_classes={self.n_classes!r}")
         if self.labels.numel() and (int(self.labels.min()) < 0 or int(self.labels.max()) >= self.n_classes):
             raise DataError(
-                f"{self.name or 'dataset'}: labels range [{int(self.labels.min())}, {int(self.labels.max())}] "
+                f"{label}: labels range [{int(self.labels.min())}, {int(self.labels.max())}] "
                 f"outside [0, {self.n_classes})"
             )
 

@@ -11,16 +11,21 @@ from typing import Any
 from privbench.bench.harness import BenchmarkError
 
 
-def _status_mb(field: str) -> float | None:
-    """A ``/proc/self/status`` field (VmRSS, VmHWM, VmSize) in MB, None where unavailable."""
+def _proc_mb(path: str, field: str) -> float | None:
+    """A ``field: <n> kB`` line of the ``/proc`` file ``path`` in MB, None where unavailable."""
     try:
-        with open("/proc/self/status") as fh:
+        with open(path) as fh:
             for line in fh:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _status_mb(field: str) -> float | None:
+    """A ``/proc/self/status`` field (VmRSS, VmHWM, VmSize) in MB, None where unavailable."""
+    return _proc_mb("/proc/self/status", field)
 
 
 def _reset_peak_rss() -> bool:
@@ -59,14 +64,8 @@ def _check_gram_fits(batch: int, seq_len: int, vocab: int, cap_mb: float | None)
 
 
 def _meminfo_mb(field: str) -> float | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """A ``/proc/meminfo`` field (MemAvailable) in MB, None where unavailable."""
+    return _proc_mb("/proc/meminfo", field)
 
 
 def _layer_times(timings: dict[str, float], model: Any, steps: int) -> dict[str, float]:

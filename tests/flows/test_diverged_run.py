@@ -12,40 +12,20 @@ from typing import Any
 import pytest
 
 from flows.train_dp import train_dp_flow, train_dp_runner
-from pbconfig.benchmark import BenchmarkConfig, validate
 from storage.repository import ResultsRepository
+from tests.tiny_benchmark import tiny_benchmark
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-SWEEP = validate(
-    BenchmarkConfig,
+SWEEP = tiny_benchmark(
     {
-        "profile": "tiny",
-        "prepare": {
-            "datasets": [
-                {
-                    "name": "ml-1m-tiny",
-                    "source": "synthetic",
-                    "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
-                }
-            ]
-        },
-        "train_dp": {
-            "datasets": [{"name": "ml-1m-tiny"}],
-            "methods": ["gru"],
-            "epsilons": [8],
-            "nonprivate": False,
-            "peers": [],
-            "epochs": 1,
-            "lrs": [0.005, 1e12],
-            "batch_sizes": [64],
-            "max_len": 16,
-            "d_model": 16,
-            "eval_every": 1,
-            "workers": 2,
-        },
-    },
-    origin="test",
+        "methods": ["gru"],
+        "nonprivate": False,
+        "peers": [],
+        "lrs": [0.005, 1e12],
+        "eval_every": 1,
+        "workers": 2,
+    }
 )
 
 

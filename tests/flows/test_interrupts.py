@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.privbench_process import privbench_process
+
 pytestmark = pytest.mark.system  # real servers / signals to real process trees: minutes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,15 +280,7 @@ def test_sigkill_of_the_main_process_takes_its_tree_down_and_results_reap_closes
     assert not c.survivors(within=30), f"processes outlived their supervisor: {c.survivors()}"
     left = [r for r in c.rows() if r["status"] == "running"]
     assert left
-    out = subprocess.run(
-        [sys.executable, "-m", "privbench", "results", "reap", "--json"],
-        cwd=ROOT,
-        env=c.env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    out = privbench_process(["results", "reap", "--json"], c.env)
     assert out.returncode == 0, out.stderr
     assert {r["run_id"] for r in json.loads(out.stdout)} == {r["id"] for r in left}
     assert not [r for r in c.rows() if r["status"] == "running"]

@@ -13,47 +13,26 @@ from core.dp.noise import NOISE_SOURCES
 from core.dp.trainer import EVAL_PROTOCOL
 from core.errors import ConfigError
 from core.models.popularity import popularity_metrics
-from pbconfig.benchmark import BenchmarkConfig, validate
 from storage import views
 from storage.repository import ResultsRepository
 from tasks.prepare import load_prepared
 from tasks.train_dp import expand_grid, train_overrides
+from tests.tiny_benchmark import tiny_benchmark
 
 if TYPE_CHECKING:
     from tests.filled_store import StageStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-TINY = validate(
-    BenchmarkConfig,
+TINY = tiny_benchmark(
     {
-        "profile": "tiny",
-        "prepare": {
-            "datasets": [
-                {
-                    "name": "ml-1m-tiny",
-                    "source": "synthetic",
-                    "synthetic": {"preset": "ml-1m", "scale": 0.05, "seed": 3},
-                }
-            ]
-        },
-        "train_dp": {
-            "datasets": [{"name": "ml-1m-tiny"}],
-            "methods": ["transformer", "dpformer"],
-            "epsilons": [8],
-            "nonprivate": True,
-            "peers": ["transformer_opacus_hooks"],
-            "peer_epsilons": [8],
-            "epochs": 1,
-            "lrs": [0.005],
-            "batch_sizes": [64],
-            "max_len": 16,
-            "d_model": 16,
-            "eval_every": 1,
-            "workers": 2,
-        },
-    },
-    origin="test",
+        "methods": ["transformer", "dpformer"],
+        "nonprivate": True,
+        "peers": ["transformer_opacus_hooks"],
+        "peer_epsilons": [8],
+        "eval_every": 1,
+        "workers": 2,
+    }
 )
 
 
@@ -300,10 +279,14 @@ def test_train_dp_flow_searches_then_runs_the_chosen_points(home, prefect_harnes
 
     audit = AuditConfig(datasets=["ml-1m-tiny"], methods=["transformer"], epsilons=[5], unlearning=False)
     recipes = searched_recipes(cfg, audit, "tiny")
-    assert sorted(recipes) == ["ml-1m-tiny|transformer|dp", "ml-1m-tiny|transformer|nonprivate"]
-    for p in final:
-        pick = recipes[f"ml-1m-tiny|transformer|{'nonprivate' if p['epsilon'] is None else 'dp'}"]
-        assert (pick["lr"], pick["batch_size"], pick["run_id"]) == (p["lr"], p["batch_size"], p["tuned"]["run_id"])
+    assert sorted(recipes) == ["ml-1m-tiny|transformer|dp"]  # both arms of an audit train at the DP recipe
+    dp_final = next(p for p in final if p["epsilon"] is not None)
+    pick = recipes["ml-1m-tiny|transformer|dp"]
+    assert (pick["lr"], pick["batch_size"], pick["run_id"]) == (
+        dp_final["lr"],
+        dp_final["batch_size"],
+        dp_final["tuned"]["run_id"],
+    )
     with pytest.raises(ConfigError, match=r"no finished search run .*privbench run train-dp --profile other"):
         searched_recipes(cfg, audit, "other")  # another profile's search is not this one's
     moved = cfg.model_validate(cfg.model_dump() | {"lrs": [0.002, 0.003]})  # a grid the store did not search

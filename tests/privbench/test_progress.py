@@ -27,6 +27,7 @@ from privbench.progress import (
     command_rows,
     duration,
 )
+from tests.privbench_process import privbench_process
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_000.0
@@ -377,15 +378,7 @@ def test_a_piped_run_prints_one_line_per_run_of_the_store(tmp_path: Path, prefec
         "PYTHONPATH": str(ROOT),
         "COLUMNS": "200",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "privbench", "run", "prepare", "--profile", "quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    done = privbench_process(["run", "prepare", "--profile", "quick"], env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
     with sqlite3.connect(tmp_path / "home" / "results.db") as conn:

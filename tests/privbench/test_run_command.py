@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.privbench_process import privbench_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,15 +23,7 @@ def run_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
         "PYTHONPATH": str(ROOT),
         "COLUMNS": "200",
     }
-    return subprocess.run(
-        [sys.executable, "-m", "privbench", *args],
-        cwd=ROOT,
-        env=base | env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    return privbench_process(args, base | env, timeout=900)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from core.redact import redact_url
 from privbench import cli
 from privbench.cli import app
 from tests.conftest import postgres_url, reset_postgres
+from tests.privbench_process import privbench_process
 
 SECRET = "S3cretPw-xyz"
 TINY = "profile: tiny\nprepare:\n  datasets:\n    - {name: ml-100k, source: recbole-ml100k}\n"
@@ -141,15 +141,7 @@ def test_a_malformed_store_url_error_shows_no_password(home: Path, monkeypatch: 
 
 def _privbench(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """A real ``privbench`` process (its own Prefect server and logging), output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "privbench", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
+    return privbench_process(args, env, cwd=cwd, timeout=540)
 
 
 def _with_password(url: str) -> str:

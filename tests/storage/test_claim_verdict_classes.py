@@ -127,10 +127,13 @@ def test_not_applicable_at_this_scale(home: Path) -> None:
 
 
 def test_not_run(home: Path) -> None:
-    _run({"other": 1.0})  # a run of the stage without the claim's metric
     result = sc.evaluate_claim(None, _score())
     assert result.verdict == sc.NOT_RUN and result.contexts == ()
     assert result.reason == "nothing measured: run `privbench run tangent`"
+    _run({"other": 1.0})  # a run of the stage without the claim's metric: counted, not hidden
+    result = sc.evaluate_claim(None, _score())
+    assert result.verdict == sc.NOT_RUN and result.contexts == ()
+    assert result.reason == ("1 recorded run lacks the rule's measure (score): run `privbench run tangent`")
 
 
 # --- every-run rules: every recorded run counts ---

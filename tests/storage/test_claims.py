@@ -123,6 +123,14 @@ def test_no_runs_is_not_run(home: Path) -> None:
     assert "privbench run train-dp" in result.reason
 
 
+def test_runs_that_lack_the_rules_measure_are_named_in_the_not_run_reason(home: Path) -> None:
+    """Runs recorded before a rule's measure existed are not silently "nothing measured": the reason counts them."""
+    _grid({("dpformer", 5.0): [1.0, 2.0], ("transformer", 5.0): [1.0, 2.0]})  # no masked figures recorded
+    result = sc.evaluate_claim(None, _claim({**BEATS, "value": "ndcg_at_10_masked"}, ABOVE))
+    assert result.verdict == sc.NOT_RUN
+    assert result.reason.startswith("4 recorded runs lack the rule's measure (ndcg_at_10_masked): run `privbench")
+
+
 def test_reproduced_with_the_paired_interval(home: Path) -> None:
     # per seed, dpformer / transformer - 1 = 0.18, 0.2, 0.22 at both budgets: mean 0.2, std 0.02
     _grid(

@@ -21,6 +21,7 @@ from storage.db import session_scope
 from storage.models import Run
 from storage.recording import fail_run, finish_run, record_run, start_run
 from storage.recovery import reap_stale_runs
+from tests.privbench_process import privbench_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"lr": 0.01}
@@ -188,26 +189,10 @@ def test_results_reap_cli_after_a_real_sigkill(home: Path, mlflow_uri: str) -> N
     proc.wait(timeout=30)
     env = os.environ | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     env.pop("PREFECT_API_URL", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "privbench", "results", "reap", "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    out = privbench_process(["results", "reap", "--json"], env)
     assert out.returncode == 0, out.stderr
     reaped = json.loads(out.stdout)
     assert [r["run_id"] for r in reaped] == [run_id] and "is gone" in reaped[0]["reason"]
     assert "1 stale run(s) marked failed" in out.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "privbench", "results", "reap", "--older-than", "-5"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    bad = privbench_process(["results", "reap", "--older-than", "-5"], env)
     assert bad.returncode == 2 and "--older-than must be >= 0 seconds, got -5" in bad.stderr

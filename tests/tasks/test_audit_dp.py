@@ -151,3 +151,34 @@ def test_audit_seeds_audit_every_target_once_per_seed() -> None:
     ]
     for _, _, _, c in seeded:  # the recorded config's seed (config_seed reads the shallowest) is the pass's
         assert c.seeds is None and config_seed({"dataset": "tiny", "audit": c.model_dump(mode="json")}) == c.seed
+
+
+def test_both_arms_of_an_audit_train_at_the_dp_recipe() -> None:
+    """The non-private target is the DP target's matched control: the same learning rate, batch size, epochs and
+    seed (the search's DP choice where there is one), trained without the DP step; the non-private schedule of the
+    train-dp grid does not apply to it."""
+    from tasks.audit import audited_point
+    from tasks.train_dp import recipe_key
+
+    train = TRAIN.model_validate(
+        TRAIN.model_dump() | {"nonprivate": True, "nonprivate_schedule": {"epochs": 99, "lr": 0.5, "batch_size": 7}}
+    )
+    choice = {"lr": 0.02, "batch_size": 16, "points": 2, "epsilon": 8.0, "seed": 100, "protocol": "masked"}
+    picked = {recipe_key("tiny", "transformer", True): choice | {"valid": 0.1, "run_id": "r"}}
+    for recipes, (lr, batch) in (({}, (0.01, 32)), (picked, (0.02, 16))):
+        dp = audited_point("tiny", "/x", "transformer", EPSILON, AUDIT, train, recipes)
+        plain = audited_point("tiny", "/x", "transformer", None, AUDIT, train, recipes)
+        assert (dp.lr, dp.batch_size, dp.epochs, dp.seed) == (plain.lr, plain.batch_size, plain.epochs, plain.seed)
+        assert (dp.lr, dp.batch_size, dp.epochs) == (lr, batch, None) and plain.epsilon is None
+        dp_over, plain_over = train_overrides(dp, train), train_overrides(plain, train)
+        assert plain_over["clipping"] == "nonprivate" and "clip_norm" in dp_over
+        same = {k for k in plain_over if k not in ("clipping", "epsilon")}
+        assert {k: plain_over[k] for k in same} == {k: dp_over[k] for k in same}
+
+
+def test_the_epsilon_family_counts_every_attack_of_every_dp_target() -> None:
+    from tasks.audit import epsilon_family
+
+    assert epsilon_family(AUDIT) == 1  # one attack, one DP target
+    wide = AUDIT.model_copy(update={"seeds": (0, 1, 2), "epsilons": (1.0, 8.0), "attacks": ("loss", "lira_online")})
+    assert epsilon_family(wide) == 2 * 3 * 2  # the non-private targets are not judged by the epsilon claim

@@ -166,3 +166,15 @@ def test_audit_refuses_unrecorded_membership_and_mismatched_data() -> None:
         )
     with pytest.raises(ConfigError, match="shadow"):
         audit(AuditTarget("t", stats, np.arange(10) % 2 == 0), attacks=("lira_online",), delta=1e-3)
+
+
+def test_a_family_smaller_than_the_attacks_is_refused_and_a_larger_one_widens_the_bound() -> None:
+    stats, members, shadows, shadow_in = _planted(600)
+    kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
+    with pytest.raises(ConfigError, match="family=1 counts fewer bounds than the 2 attacks"):
+        audit(AuditTarget("planted", stats, members), attacks=("loss", "lira_online"), family=1, **kw)
+    three = audit(AuditTarget("planted", stats, members), attacks=("lira_online",), **kw)["lira_online"]
+    wide = audit(AuditTarget("planted", stats, members), attacks=("lira_online",), family=18, **kw)["lira_online"]
+    assert wide["alpha_family"] == pytest.approx(0.05 / 18)
+    assert wide["empirical_epsilon_lo_family"] < three["empirical_epsilon_lo_family"]
+    assert wide["certifiable_epsilon_max_family"] < three["certifiable_epsilon_max_family"]
