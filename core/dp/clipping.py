@@ -14,7 +14,8 @@ Coefficients (:func:`clip_coefficients`):
   set[s] C=1"): ``c_i = C / (||g_i|| + gamma)`` with stability constant gamma (default 0.01, as in
   Bu et al.); ``||c_i g_i|| < C`` holds as well.
 
-Methods (:class:`ClippingMethod`):
+Methods (registered in :data:`CLIPPERS` by :func:`register_clipper`; :class:`ClippingMethod` names the built-in
+ones):
 
 * ``nonprivate``: plain ``sum_i L_i`` backward, no clipping (baseline).
 * ``phantom``: :class:`core.dp.phantom.PhantomClipping` (norms without per-sample gradients, tied
@@ -27,16 +28,26 @@ Methods (:class:`ClippingMethod`):
 * ``opacus_ghost``: Opacus 1.6 ``GradSampleModuleFastGradientClipping`` (ghost norms, then a second
   backward of ``sum_i c_i L_i``); refuses tied parameters.
 * ``loop``: slow reference, one ``autograd.grad`` per sample.
+
+A new method is one class registered under a new name (``docs/contributing.md``, example A)::
+
+    @register_clipper("my_method")
+    class MyClipper(DPClipper):
+        def backward(self, per_sample_loss: Tensor) -> Tensor: ...
+
+``make_clipper("my_method", model, clip_norm=..., normalize=..., gamma=...)`` then builds it, and
+``DPTrainConfig(clipping="my_method", ...)`` accepts it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -44,12 +55,14 @@ from torch import Tensor, nn
 from core.dp.ghost_tied import GhostTiedClipping
 from core.dp.phantom import PhantomClipping
 from core.errors import ConfigError, DataError, PrivacyError
+from core.registry import lookup
 
 FLAT_CLIP_EPS = 1e-6
 
 
 class ClippingMethod(str, Enum):
-    """How per-sample gradients are clipped (see the module docstring)."""
+    """The built-in clipping methods' names (see the module docstring); :data:`CLIPPERS` holds every registered
+    method, these and any other."""
 
     NONPRIVATE = "nonprivate"
     PHANTOM = "phantom"
@@ -74,6 +87,43 @@ class Clipper(Protocol):
     def close(self) -> None:
         """Remove every hook the clipper attached to the model."""
         ...
+
+
+ClipperT = TypeVar("ClipperT", bound=type)
+
+#: Every clipping method by name, in registration order: the class :func:`make_clipper` builds as
+#: ``cls(model, clip_norm=C, normalize=..., gamma=...)``. Filled by :func:`register_clipper`.
+CLIPPERS: dict[str, type[Clipper]] = {}
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def register_clipper(name: str) -> Callable[[ClipperT], ClipperT]:
+    """Class decorator: register a :class:`Clipper` class as clipping method ``name``.
+
+    The class is built as ``cls(model, clip_norm=C, normalize=..., gamma=...)`` (subclass :class:`DPClipper` for
+    those settings and :meth:`DPClipper.coefficients`); its ``backward(per_sample_loss)`` adds to every trainable
+    ``p.grad`` the sum of the clipped per-sample gradients, each of norm at most ``C``, and returns the per-sample
+    norms before clipping. ConfigError for a name that is not lower-case ``snake_case`` or is already taken."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(f"a clipping method's name must be lower-case snake_case, got {name!r}")
+
+    def register(cls: ClipperT) -> ClipperT:
+        taken = CLIPPERS.get(name)
+        if taken is not None and taken is not cls:
+            raise ConfigError(
+                f"clipping method {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); "
+                f"pick another name (taken: {', '.join(CLIPPERS)})"
+            )
+        CLIPPERS[name] = cls
+        return cls
+
+    return register
+
+
+def clipper_class(method: ClippingMethod | str) -> type[Clipper]:
+    """The class registered as ``method``; ConfigError listing the registered methods for an unknown one."""
+    return lookup("clipping method", CLIPPERS, method.value if isinstance(method, ClippingMethod) else method)
 
 
 def clip_coefficients(norms: Tensor, *, clip_norm: float, normalize: bool, gamma: float = 0.01) -> Tensor:
@@ -163,10 +213,11 @@ def _grads_set_aside(params: list[nn.Parameter]) -> Iterator[list[Tensor | None]
         raise
 
 
+@register_clipper(ClippingMethod.NONPRIVATE.value)
 class NonPrivateClipper:
-    """No clipping: ``p.grad += d(sum_i L_i)/dp``; returns None."""
+    """No clipping: ``p.grad += d(sum_i L_i)/dp``; returns None (the clipping settings are ignored)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, **_settings: float) -> None:
         self.model = model
 
     def backward(self, per_sample_loss: Tensor) -> None:
@@ -177,15 +228,19 @@ class NonPrivateClipper:
         return None
 
 
-class _DPClipper:
-    """Shared settings of the clipping methods."""
+class DPClipper:
+    """Base of the DP clipping methods: the settings (``clip_norm`` C, ``normalize``, ``gamma``), the trainable
+    parameters ``params`` in ``model.parameters()`` order, and :meth:`coefficients`. A subclass implements
+    ``backward`` (see :class:`Clipper`) and, if it attaches hooks, ``close``."""
 
     def __init__(self, model: nn.Module, *, clip_norm: float, normalize: bool, gamma: float) -> None:
         self.model = model
         self.clip_norm, self.normalize, self.gamma = clip_norm, normalize, gamma
-        self._params = _trainable(model)
+        self.params = _trainable(model)
 
     def coefficients(self, norms: Tensor) -> Tensor:
+        """Per-sample scale factors (B,) for the norms (B,) under this clipper's settings; PrivacyError for a
+        non-finite norm."""
         _check_norms(norms)
         return clip_coefficients(norms, clip_norm=self.clip_norm, normalize=self.normalize, gamma=self.gamma)
 
@@ -193,7 +248,8 @@ class _DPClipper:
         return None
 
 
-class PhantomClipper(_DPClipper):
+@register_clipper(ClippingMethod.PHANTOM.value)
+class PhantomClipper(DPClipper):
     """Phantom Clipping (Sec. 4.2): exact norms incl. tied embeddings, then book-keeping."""
 
     clipping: type[PhantomClipping] = PhantomClipping
@@ -212,33 +268,15 @@ class PhantomClipper(_DPClipper):
         self.phantom.remove()
 
 
+@register_clipper(ClippingMethod.GHOST_TIED.value)
 class GhostTiedClipper(PhantomClipper):
     """The paper's baseline: Ghost Clipping extended to the shared embedding (O(B M^2) memory)."""
 
     clipping = GhostTiedClipping
 
 
-class LoopClipper(_DPClipper):
-    """Reference: per-sample gradients by one ``autograd.grad`` per sample, then clip and sum."""
-
-    def backward(self, per_sample_loss: Tensor) -> Tensor:
-        check_per_sample_loss(per_sample_loss)
-        B = per_sample_loss.shape[0]
-        total = [torch.zeros_like(p) for p in self._params]
-        norms = per_sample_loss.new_zeros(B)
-        for i in range(B):
-            grads = torch.autograd.grad(per_sample_loss[i], self._params, retain_graph=i < B - 1, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
-            norms[i] = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-            coef = self.coefficients(norms[i : i + 1])[0]
-            for acc, g in zip(total, grads, strict=True):
-                acc.add_(g, alpha=float(coef))
-        for p, g in zip(self._params, total, strict=True):
-            _add_grad(p, g)
-        return norms.detach()
-
-
-class OpacusHooksClipper(_DPClipper):
+@register_clipper(ClippingMethod.OPACUS_HOOKS.value)
+class OpacusHooksClipper(DPClipper):
     """Opacus ``GradSampleModule``: materialised per-sample gradients ``p.grad_sample`` (B, *p.shape)."""
 
     def __init__(self, model: nn.Module, **settings: float) -> None:
@@ -250,13 +288,13 @@ class OpacusHooksClipper(_DPClipper):
     def backward(self, per_sample_loss: Tensor) -> Tensor:
         check_per_sample_loss(per_sample_loss)
         _check_training_mode(self.model)
-        with _grads_set_aside(self._params) as stash:
+        with _grads_set_aside(self.params) as stash:
             with _opacus_backward():
                 per_sample_loss.sum().backward()
-            samples = [self._take_grad_sample(p, per_sample_loss.shape[0]) for p in self._params]
+            samples = [self._take_grad_sample(p, per_sample_loss.shape[0]) for p in self.params]
             norms = torch.stack([gs.flatten(1).norm(dim=1) for gs in samples]).norm(dim=0)  # (B,)
             coef = self.coefficients(norms)
-        for p, old, gs in zip(self._params, stash, samples, strict=True):
+        for p, old, gs in zip(self.params, stash, samples, strict=True):
             p.grad = old
             _add_grad(p, torch.tensordot(coef.to(gs.dtype), gs, dims=1))
         return norms.detach()
@@ -278,7 +316,8 @@ class OpacusHooksClipper(_DPClipper):
         self.model.cleanup()
 
 
-class OpacusGhostClipper(_DPClipper):
+@register_clipper(ClippingMethod.OPACUS_GHOST.value)
+class OpacusGhostClipper(DPClipper):
     """Opacus 1.6 fast gradient (ghost) clipping: ghost norms, then a second backward of sum_i c_i L_i."""
 
     def __init__(self, model: nn.Module, **settings: float) -> None:
@@ -310,19 +349,19 @@ class OpacusGhostClipper(_DPClipper):
     def backward(self, per_sample_loss: Tensor) -> Tensor:
         check_per_sample_loss(per_sample_loss)
         _check_training_mode(self.model)
-        with _grads_set_aside(self._params) as stash:
+        with _grads_set_aside(self.params) as stash:
             with _opacus_backward():
                 per_sample_loss.sum().backward(retain_graph=True)
             norms = self.model.get_norm_sample()  # (B,)
             coef = self.coefficients(norms).to(per_sample_loss.dtype).detach()
-            _stash_grads(self._params)  # drop the unclipped gradients of the first backward
+            _stash_grads(self.params)  # drop the unclipped gradients of the first backward
             self.model.disable_hooks()
             try:
                 with _opacus_backward():
                     (coef * per_sample_loss).sum().backward()
             finally:
                 self.model.enable_hooks()
-        for p, old in zip(self._params, stash, strict=True):
+        for p, old in zip(self.params, stash, strict=True):
             new = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = old
             _add_grad(p, new)
@@ -330,6 +369,27 @@ class OpacusGhostClipper(_DPClipper):
 
     def close(self) -> None:
         self.model.cleanup()
+
+
+@register_clipper(ClippingMethod.LOOP.value)
+class LoopClipper(DPClipper):
+    """Reference: per-sample gradients by one ``autograd.grad`` per sample, then clip and sum."""
+
+    def backward(self, per_sample_loss: Tensor) -> Tensor:
+        check_per_sample_loss(per_sample_loss)
+        B = per_sample_loss.shape[0]
+        total = [torch.zeros_like(p) for p in self.params]
+        norms = per_sample_loss.new_zeros(B)
+        for i in range(B):
+            grads = torch.autograd.grad(per_sample_loss[i], self.params, retain_graph=i < B - 1, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]
+            norms[i] = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+            coef = self.coefficients(norms[i : i + 1])[0]
+            for acc, g in zip(total, grads, strict=True):
+                acc.add_(g, alpha=float(coef))
+        for p, g in zip(self.params, total, strict=True):
+            _add_grad(p, g)
+        return norms.detach()
 
 
 def tied_parameter_names(model: nn.Module, module_types: tuple[type[nn.Module], ...] | None = None) -> list[str]:
@@ -355,16 +415,12 @@ def make_clipper(
     """Build the clipper for ``method`` on ``model``; call forward on the returned ``clipper.model``.
 
     Args:
-        method: a :class:`ClippingMethod` or its value ("nonprivate", "phantom", ...).
+        method: a name registered in :data:`CLIPPERS` ("nonprivate", "phantom", ...) or a :class:`ClippingMethod`.
         clip_norm: C > 0 (ignored by nonprivate).
         normalize: automatic clipping ``C / (||g|| + gamma)`` instead of flat clipping.
         gamma: stability constant of normalisation, > 0.
     """
-    try:
-        method = ClippingMethod(method)
-    except ValueError:
-        known = ", ".join(m.value for m in ClippingMethod)
-        raise ConfigError(f"unknown clipping method={method!r}; known: {known}") from None
+    cls = clipper_class(method)
     if (
         isinstance(clip_norm, bool)
         or not isinstance(clip_norm, (int, float))
@@ -376,14 +432,4 @@ def make_clipper(
         raise ConfigError(f"normalize must be a bool, got {normalize=}")
     if not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma <= 0:
         raise ConfigError(f"gamma must be a finite number > 0, got {gamma=}")
-    if method is ClippingMethod.NONPRIVATE:
-        return NonPrivateClipper(model)
-    settings = {"clip_norm": float(clip_norm), "normalize": normalize, "gamma": float(gamma)}
-    classes: dict[ClippingMethod, type[_DPClipper]] = {
-        ClippingMethod.PHANTOM: PhantomClipper,
-        ClippingMethod.GHOST_TIED: GhostTiedClipper,
-        ClippingMethod.OPACUS_HOOKS: OpacusHooksClipper,
-        ClippingMethod.OPACUS_GHOST: OpacusGhostClipper,
-        ClippingMethod.LOOP: LoopClipper,
-    }
-    return classes[method](model, **settings)
+    return cls(model, clip_norm=float(clip_norm), normalize=normalize, gamma=float(gamma))

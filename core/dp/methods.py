@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from core.dp.accounting import Accountant
-from core.dp.clipping import ClippingMethod
+from core.dp.clipping import CLIPPERS, ClippingMethod
 from core.dp.propagation import BlockReAttention, EffectiveErrors
 from core.dp.reattention import (
     block_error_variance,
@@ -79,8 +79,8 @@ class DPTrainConfig:
     ``norm_first`` (transformer block layout: True = pre-LN, False = post-LN as in App. E.2, which
     the transformer methods of :data:`METHODS` use; must be True for the RNNs).
 
-    Privacy: ``clipping`` (a :class:`~core.dp.clipping.ClippingMethod` value; ``"nonprivate"``
-    disables DP), ``epsilon`` (target budget, required > 0 for private runs and forbidden for
+    Privacy: ``clipping`` (a clipping method registered in :data:`~core.dp.clipping.CLIPPERS`;
+    ``"nonprivate"`` disables DP), ``epsilon`` (target budget, required > 0 for private runs and forbidden for
     non-private ones), ``delta`` (None: ``default_delta(N) = 1 / (10 N)``; an explicit delta must be
     below ``1 / N``, checked against the data by the trainer), ``clip_norm`` ``C``, ``normalize``
     (automatic clipping ``C g / (||g|| + 0.01)``, the paper's normalised gradients with ``C = 1``),
@@ -168,11 +168,10 @@ class DPTrainConfig:
             )
 
     def _check_privacy(self) -> None:
-        try:
-            object.__setattr__(self, "clipping", ClippingMethod(self.clipping).value)
-        except ValueError:
-            known = ", ".join(m.value for m in ClippingMethod)
-            raise ConfigError(f"unknown clipping={self.clipping!r}; known: {known}") from None
+        name = self.clipping.value if isinstance(self.clipping, ClippingMethod) else self.clipping
+        if not isinstance(name, str) or name not in CLIPPERS:
+            raise ConfigError(f"unknown clipping={self.clipping!r}; known: {', '.join(CLIPPERS)}")
+        object.__setattr__(self, "clipping", name)
         object.__setattr__(self, "accountant", Accountant(self.accountant).value)
         if self.private:
             if self.epsilon is None or not _is_real(self.epsilon) or self.epsilon <= 0:

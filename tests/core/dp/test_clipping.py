@@ -11,10 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.dp.clipping import (
+    CLIPPERS,
     Clipper,
     ClippingMethod,
+    DPClipper,
+    LoopClipper,
     clip_coefficients,
     make_clipper,
+    register_clipper,
     tied_parameter_names,
 )
 from core.errors import ConfigError, DataError, PrivacyError
@@ -124,6 +128,33 @@ def test_registry_exposes_one_interface():
         clipper = make_clipper(method, model, clip_norm=1.0, normalize=False)
         assert isinstance(clipper, Clipper)
         clipper.close()
+
+
+def test_the_builtin_methods_are_registered_in_order():
+    assert list(CLIPPERS) == [m.value for m in ClippingMethod]
+
+
+def test_a_registered_class_is_built_by_name_and_a_taken_or_bad_name_is_refused():
+    saved = dict(CLIPPERS)
+    try:
+
+        @register_clipper("loop_again")
+        class LoopAgain(LoopClipper):
+            pass
+
+        assert register_clipper("loop_again")(LoopAgain) is LoopAgain  # registering the same class again is a no-op
+        model = _model(tied=False)
+        assert isinstance(make_clipper("loop_again", model, clip_norm=1.0, normalize=False), LoopAgain)
+        with pytest.raises(ConfigError, match=r"'phantom' is already registered \(core.dp.clipping.PhantomClipper\)"):
+            register_clipper("phantom")(LoopAgain)
+        for bad in ("Per-Layer", "", "2x", None):
+            with pytest.raises(ConfigError, match="lower-case snake_case"):
+                register_clipper(bad)(DPClipper)
+        with pytest.raises(ConfigError, match=r"unknown clipping method 'loop_agian'; known: .*, loop, loop_again$"):
+            make_clipper("loop_agian", model, clip_norm=1.0, normalize=False)
+    finally:
+        CLIPPERS.clear()
+        CLIPPERS.update(saved)
 
 
 def test_opacus_ghost_refuses_recurrent_layers_with_advice():
