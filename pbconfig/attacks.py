@@ -27,6 +27,9 @@ FILM_SETTINGS: tuple[str, ...] = get_args(FilmSetting)
 FilmVocab = Literal["gpt2", "smollm2"]
 # the prior: a small causal LM trained on public text (or the model folder `path`), or the pretrained SmolLM2-135M
 PriorKind = Literal["trained", "smollm2"]
+# the vocabulary the utility LMs train at: the training text's subwords plus <unk>, or GPT-2's whole 50,257
+LmVocab = Literal["compact", "full"]
+LM_VOCABS: tuple[str, ...] = get_args(LmVocab)
 
 
 class SEBSpec(FrozenConfig):
@@ -163,10 +166,21 @@ class FilmConfig(FrozenConfig):
 class UtilityConfig(FrozenConfig):
     """The utility side of the defence (Sec. 5.2): the same small models, the same training budget, with
     subword embeddings or SEB. ``lm_datasets``: perplexity of a causal LM on each prepared text dataset;
-    ``translation``: German->English BLEU on a prepared ``gettext-de-en`` dataset (None: skip)."""
+    ``translation``: German->English BLEU on a prepared ``gettext-de-en`` dataset (None: skip).
+
+    ``lm_vocab`` is the vocabulary every LM trains at. ``compact``: the subwords of the training text plus
+    ``<unk>``; the subword table shrinks with the corpus (~8.7k rows on Shakespeare) and SEB's parameters do not, so
+    SEB_co has more embedding parameters than the subword arm. ``full``: GPT-2's whole vocabulary (50,257 rows and
+    logits), the paper's Table 6 relation (SEB_co fewer). Both arms tie the output layer to the input embedding, so
+    the recorded ``embedding_params`` is the input module's, counted once. Perplexities of the two settings differ
+    in kind (compact folds every unseen test subword into one ``<unk>`` class) and are compared within a setting.
+    """
 
     embeddings: tuple[Embedding, ...] = EMBEDDINGS
     lm_datasets: tuple[str, ...] = ("shakespeare", "kjv")
+    lm_vocab: LmVocab = Field(
+        "compact", description="the LMs' vocabulary: compact (the training text's subwords) or full (GPT-2's 50,257)"
+    )
     lm_shape: ModelShapeSpec = ModelShapeSpec()
     lm_max_len: int = Field(64, ge=8)
     lm_steps: int = Field(300, ge=1)
@@ -199,6 +213,16 @@ class UtilityConfig(FrozenConfig):
     seeds: tuple[int, ...] | None = Field(
         None, description="one run per seed for every model (intervals over seeds in the claims); None: (seed,)"
     )
+
+    @field_validator("lm_vocab", mode="before")
+    @classmethod
+    def _lm_vocab(cls, value: Any) -> Any:
+        if value not in LM_VOCABS:
+            raise ValueError(
+                f"utility.lm_vocab={value!r} is not a vocabulary setting; use 'compact' (the training text's subwords "
+                "plus <unk>) or 'full' (GPT-2's whole 50,257-subword vocabulary, as the paper's Table 6 counts)"
+            )
+        return value
 
     @field_validator("seeds")
     @classmethod

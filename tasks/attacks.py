@@ -5,7 +5,9 @@ model and seed; the FILM tasks (the attacker's priors, FILM, the byte-coverage c
 Runs (``technique``, tag ``privbench.result_group``): ``seb-lm-<embedding>`` and ``seb-mt-<embedding>``
 (``utility``): perplexity / BLEU with embedding parameter counts, the same model shape and step budget for every
 embedding, one run per seed of ``utility.run_seeds`` (the run's config carries ``seed`` at its top level, so the
-claims pair the embeddings by seed and give intervals).
+claims pair the embeddings by seed and give intervals). An LM run's config carries the vocabulary it trained at as
+``utility.lm_vocab`` (``compact`` or ``full``; runs recorded before the setting existed have none and are compact),
+so a claim selects one setting with ``where: {config.utility.lm_vocab: full}``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from prefect import task
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from pbconfig.attacks import AttacksConfig
 from storage.recording import RunRef
 from tasks.attacks_film import (  # noqa: F401  (re-exported: the stage's tasks in one place)
@@ -72,28 +74,44 @@ def _lm_blocks(seqs: list[list[int]], max_len: int, eos: int) -> torch.Tensor:
 
 @task(name="seb-lm", **RESUMABLE)
 def utility_lm(
-    dataset: str, embedding: str, cfg: AttacksConfig, path: str, parent: RunRef, seed: int | None = None
+    dataset: str,
+    embedding: str,
+    cfg: AttacksConfig,
+    path: str,
+    parent: RunRef,
+    seed: int | None = None,
+    vocab: str | None = None,
 ) -> dict[str, Any]:
     """Perplexity of a small causal LM on ``dataset``'s test split with ``embedding`` (Sec. 5.2.3's analogue),
-    initialised and trained with ``seed`` (None: ``utility.seed``)."""
+    initialised and trained with ``seed`` (None: ``utility.seed``) at the vocabulary ``vocab`` (None:
+    ``utility.lm_vocab``; ``compact`` or ``full``).
+
+    Both arms tie their output layer to the input embedding (subword: ``lm_head`` is ``wte``; SEB: logits against
+    the input SEB module's table), so ``embedding_params`` counts the input module once; ``output_head_params``
+    records the output layer's own parameters (0: tied) and ``vocab_size`` the logits' width. At ``full`` the
+    subword table has GPT-2's 50,257 rows and SEB its usual size, the paper's Table 6 relation."""
     from core.attacks.lm import (
         Plateau,
         build_causal_lm,
         count_parameters,
         embedding_parameter_count,
+        embedding_parameters,
         perplexity,
         train_lm,
     )
-    from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, CompactVocab
+    from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, LM_VOCABS, lm_vocabulary
 
     _threads(cfg)
     u = cfg.utility
     seed = u.seed if seed is None else seed
+    vocab = u.lm_vocab if vocab is None else vocab
+    if vocab not in LM_VOCABS:  # refused before a run is recorded
+        raise ConfigError(f"utility LM vocab={vocab!r} is unknown; use one of {LM_VOCABS} (None: utility.lm_vocab)")
     config = {
         "seed": seed,
         "dataset": dataset,
         "embedding": embedding,
-        "utility": u.model_dump(mode="json"),
+        "utility": u.model_dump(mode="json") | {"lm_vocab": vocab},  # the vocabulary this run trained at
         "seb": cfg.seb.model_dump(mode="json"),
     }
     with task_record(
@@ -101,7 +119,7 @@ def utility_lm(
         technique=f"seb-lm-{embedding}",
         config=config,
         dataset=dataset,
-        run_name=f"LM {embedding} on {dataset}, seed {seed}",
+        run_name=f"LM {embedding} on {dataset} ({vocab} vocabulary), seed {seed}",
     ) as rec:
         rec.tag("privbench.result_group", "utility")
         data = _texts(path)
@@ -110,11 +128,11 @@ def utility_lm(
         if u.lm_eval_every is not None:  # the first sentences of the (shuffled) training split, the same every seed
             n_val = max(1, round(len(train) * u.lm_val_fraction))
             val, train = train[:n_val], train[n_val:]
-        vocab = CompactVocab.from_sequences(train)
-        tr = vocab.encode(_lm_blocks(train, u.lm_max_len, GPT2_EOS))
-        te = vocab.encode(_lm_blocks(test, u.lm_max_len, GPT2_EOS))
+        words = lm_vocabulary(vocab, train)
+        tr = words.encode(_lm_blocks(train, u.lm_max_len, GPT2_EOS))
+        te = words.encode(_lm_blocks(test, u.lm_max_len, GPT2_EOS))
         if u.lm_eval_every is not None:
-            va = vocab.encode(_lm_blocks(val, u.lm_max_len, GPT2_EOS))
+            va = words.encode(_lm_blocks(val, u.lm_max_len, GPT2_EOS))
             plateau = Plateau(va, torch.ones_like(va, dtype=torch.bool), every=u.lm_eval_every, patience=u.lm_patience)
 
         def build(size: int) -> torch.nn.Module:
@@ -133,9 +151,11 @@ def utility_lm(
                 seed=seed,
             )
 
-        # the same model at GPT-2's whole vocabulary (as the paper counts, Table 6), built only to be counted
-        full_vocab_params = embedding_parameter_count(build(GPT2_VOCAB))
-        model = build(vocab.size)
+        model = build(words.size)
+        counted = embedding_parameters(model)
+        # the same model at GPT-2's whole vocabulary (as the paper counts, Table 6): the trained one at `full`, else
+        # built only to be counted
+        full_vocab_params = counted.total if vocab == "full" else embedding_parameter_count(build(GPT2_VOCAB))
         t0 = time.perf_counter()
         fit = train_lm(
             model,
@@ -152,21 +172,23 @@ def utility_lm(
         ppl = perplexity(model.eval(), te, torch.ones_like(te, dtype=torch.bool))
         out = {
             "perplexity": ppl,
-            "embedding_params": embedding_parameter_count(model),
+            "embedding_params": counted.total,
+            "input_embedding_params": counted.input,
+            "output_head_params": counted.output_untied,
             "embedding_params_full_vocab": full_vocab_params,
             "params": count_parameters(model),
             "train_s": train_s,
             "steps": fit["steps"],
             "train_loss": fit["train_loss"],
-            "vocab_size": vocab.size,
-            "test_unk_rate": float((te == vocab.unk).float().mean()),
+            "vocab_size": counted.vocab_size,
+            "test_unk_rate": words.unk_rate(te),
         }
         if plateau is not None:
             out |= {k: float(fit[k]) for k in ("best_step", "val_perplexity", "plateaued")}
             for step, ppl in fit["val_curve"]:
                 rec.metric("val_perplexity_curve", ppl, step=step)
         rec.metrics(out, units={"train_s": "s"})
-    return {"dataset": dataset, "embedding": embedding, "seed": seed, **out}
+    return {"dataset": dataset, "embedding": embedding, "seed": seed, "lm_vocab": vocab, **out}
 
 
 @task(name="seb-mt", **RESUMABLE)

@@ -24,6 +24,7 @@ from core.errors import ConfigError, DataError
 from core.models.gpt2 import tiny_gpt2
 
 EMBEDDINGS: tuple[str, ...] = ("subword", "seb_ar", "seb_cr", "seb_co")
+_MAX_EVAL_LOGITS = 1 << 26  # floats of one evaluation batch's logits (256 MB)
 
 
 def build_causal_lm(
@@ -93,13 +94,43 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@dataclass(frozen=True)
+class EmbeddingParams:
+    """What an LM's embedding parameter count counts (the SEB paper's Table 6 "# Parameters").
+
+    * ``input``: the input embedding module - subword: the (V, d) table ``wte``; SEB: its byte-indexed first
+      layer (or byte table) and FFN, whatever V is (the subword->bytes mapping is a buffer, not counted).
+    * ``output_untied``: the output layer's parameters not shared with the input module: 0 for a tied head (the
+      utility LMs': subword ``lm_head.weight is wte.weight``; SEB's :class:`~core.attacks.seb.SEBLMHead` over the
+      input module), V x d for an untied subword head, a second SEB module for ``output="seb"``.
+    * ``vocab_size``: the output layer's width (the logits' last dimension), i.e. the vocabulary trained.
+
+    ``total = input + output_untied`` is :func:`embedding_parameter_count`. The position table (``wpe``) is in
+    neither: it is the same in every arm.
+    """
+
+    input: int
+    output_untied: int
+    vocab_size: int
+
+    @property
+    def total(self) -> int:
+        return self.input + self.output_untied
+
+
+def embedding_parameters(model: nn.Module) -> EmbeddingParams:
+    """The input embedding module's parameters and the output head's not shared with it (:class:`EmbeddingParams`)."""
+    own = {id(p): p.numel() for p in model.get_input_embeddings().parameters()}
+    head = model.get_output_embeddings()
+    extra = {id(p): p.numel() for p in head.parameters()} if head is not None else {}
+    untied = sum(n for key, n in extra.items() if key not in own)
+    return EmbeddingParams(input=sum(own.values()), output_untied=untied, vocab_size=int(model.config.vocab_size))
+
+
 def embedding_parameter_count(model: nn.Module) -> int:
-    """Parameters of the input embedding module plus the output head, a parameter tied between them once."""
-    seen: dict[int, int] = {}
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        if module is not None:
-            seen.update({id(p): p.numel() for p in module.parameters()})
-    return sum(seen.values())
+    """Parameters of the input embedding module plus the output head, a parameter tied between them once
+    (:attr:`EmbeddingParams.total`)."""
+    return embedding_parameters(model).total
 
 
 def _check_data(ids: Tensor, mask: Tensor) -> None:
@@ -312,11 +343,19 @@ class _Watch:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, ids: Tensor, mask: Tensor, *, batch_size: int = 64) -> float:
-    """exp(token-weighted mean NLL) over every real next-token prediction (both tokens real; Sec. 5.2.3)."""
+def perplexity(
+    model: nn.Module, ids: Tensor, mask: Tensor, *, batch_size: int = 64, max_logits: int = _MAX_EVAL_LOGITS
+) -> float:
+    """exp(token-weighted mean NLL) over every real next-token prediction (both tokens real; Sec. 5.2.3).
+
+    Sequences are scored ``batch_size`` at a time, fewer where a batch's logits (B, T, V) would exceed
+    ``max_logits`` floats (a whole-vocabulary model: 64 x 128 x 50,257 logits are 1.6 GB); the sum is the same.
+    """
     _check_data(ids, mask)
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size=}")
+    if batch_size < 1 or max_logits < 1:
+        raise ConfigError(f"batch_size and max_logits must be >= 1, got {batch_size=}, {max_logits=}")
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1))
+    batch_size = max(1, min(batch_size, max_logits // (ids.shape[1] * vocab)))
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pbconfig.attacks import AttacksConfig, FilmConfig, UtilityConfig
+from core.attacks import vocab
+from pbconfig.attacks import LM_VOCABS, AttacksConfig, FilmConfig, UtilityConfig
 from pbconfig.benchmark import load_config
 
 
@@ -60,6 +61,17 @@ def test_utility_seeds_are_validated() -> None:
     for bad in ((), (0, 0), (1, -1)):
         with pytest.raises(ValidationError, match="utility.seeds must be distinct integers >= 0"):
             UtilityConfig(seeds=bad)
+
+
+def test_utility_lm_vocab_is_compact_or_full_and_a_bad_one_is_named() -> None:
+    assert UtilityConfig().lm_vocab == "compact" and UtilityConfig(lm_vocab="full").lm_vocab == "full"
+    assert LM_VOCABS == vocab.LM_VOCABS  # the settings the task's core.attacks.vocab.lm_vocabulary builds
+    for bad in ("whole", "FULL", None):
+        with pytest.raises(ValidationError, match=rf"utility.lm_vocab={bad!r} is not a vocabulary setting.*'full'"):
+            UtilityConfig(lm_vocab=bad)
+    # the profiles: quick trains the compact vocabulary, paper the paper's whole one (Table 6)
+    assert load_config("quick").attacks.utility.lm_vocab == "compact"
+    assert load_config("paper").attacks.utility.lm_vocab == "full"
 
 
 def test_priors_are_named_and_share_the_victims_vocabulary() -> None:

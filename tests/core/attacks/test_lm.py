@@ -1,5 +1,7 @@
 """Causal LMs with subword / SEB embeddings: perplexity against a slow per-token reference, training lowers the
-loss, the FILM-relevant gradient pattern of an untied subword embedding, and input validation."""
+loss, the FILM-relevant gradient pattern of an untied subword embedding, embedding parameter counts against a hand
+count at a compact and at GPT-2's whole vocabulary, a whole-vocabulary LM's loss against a slow cross-entropy over
+its full table, and input validation."""
 
 from __future__ import annotations
 
@@ -11,16 +13,19 @@ import torch.nn.functional as F
 
 from core.attacks.lm import (
     EMBEDDINGS,
+    EmbeddingParams,
     Plateau,
     build_causal_lm,
     count_parameters,
     embedding_parameter_count,
+    embedding_parameters,
     lm_labels,
     perplexity,
     train_lm,
 )
 from core.attacks.seb import SEBEmbedding, build_byte_mapping
 from core.errors import ConfigError, DataError
+from core.models.gpt2 import GPT2_VOCAB
 
 V = 40
 TINY = {"n_layer": 1, "n_embd": 32, "n_head": 4, "n_positions": 32, "hidden": 64, "byte_dim": 16}
@@ -114,6 +119,78 @@ def test_parameter_counts() -> None:
     assert isinstance(emb, SEBEmbedding) and emb.variant == "co"
     assert embedding_parameter_count(seb) == 2 * emb.embedding_parameter_count()
     assert embedding_parameter_count(tiny("seb_co", output="tied")) == emb.embedding_parameter_count()
+
+
+# the utility LMs' build at a tiny shape: both arms tie the output layer to the input embedding
+D, N_BYTES, BYTE_VOCAB, HIDDEN = 8, 4, 32, 16
+UTILITY = {"n_layer": 1, "n_embd": D, "n_head": 2, "n_positions": 16, "hidden": HIDDEN, "byte_dim": 4}
+
+
+def utility_lm(embedding: str, vocab_size: int, **kw):
+    mapping = None if embedding == "subword" else build_byte_mapping(vocab_size, n_bytes=N_BYTES, byte_vocab=BYTE_VOCAB)
+    tied = {"output": "tied", "tie_subword": True}
+    return build_causal_lm(vocab_size, embedding=embedding, mapping=mapping, **(UTILITY | tied | kw))
+
+
+# SEB_co by hand: w1 (n*V_b, hidden) + b1 (hidden,) + fc2 (hidden -> d) weight and bias; no V anywhere
+SEB_CO_BY_HAND = N_BYTES * BYTE_VOCAB * HIDDEN + HIDDEN + HIDDEN * D + D  # 2048 + 16 + 128 + 8 = 2200
+
+
+@pytest.mark.parametrize("vocab_size", [40, GPT2_VOCAB], ids=["compact", "full"])
+def test_embedding_parameters_match_a_hand_count(vocab_size: int) -> None:
+    sub, seb = utility_lm("subword", vocab_size), utility_lm("seb_co", vocab_size)
+    assert embedding_parameters(sub) == EmbeddingParams(input=vocab_size * D, output_untied=0, vocab_size=vocab_size)
+    assert embedding_parameters(seb) == EmbeddingParams(input=SEB_CO_BY_HAND, output_untied=0, vocab_size=vocab_size)
+    assert embedding_parameter_count(sub) == vocab_size * D and embedding_parameter_count(seb) == SEB_CO_BY_HAND
+    # the paper's relation holds at the whole vocabulary only: 40 x 8 = 320 < 2200 < 50,257 x 8 = 402,056
+    assert (SEB_CO_BY_HAND < vocab_size * D) == (vocab_size == GPT2_VOCAB)
+    # an untied head is counted as the output layer's own parameters
+    untied = embedding_parameters(utility_lm("subword", vocab_size, tie_subword=False))
+    assert (untied.input, untied.output_untied, untied.total) == (vocab_size * D, vocab_size * D, 2 * vocab_size * D)
+    two = embedding_parameters(utility_lm("seb_co", vocab_size, output="seb"))
+    assert (two.input, two.output_untied) == (SEB_CO_BY_HAND, SEB_CO_BY_HAND)
+
+
+@torch.no_grad()
+def slow_full_table_loss(model, ids: torch.Tensor) -> float:
+    """Mean next-token NLL, one token at a time, with logits = last hidden state x the whole output table: the
+    subword arm's ``wte`` rows, or the SEB arm's embedding of every id computed one id at a time by its forward."""
+    emb = model.get_input_embeddings()
+    if isinstance(emb, SEBEmbedding):
+        table = torch.cat([emb(torch.arange(i, min(i + 4096, emb.vocab_size))) for i in range(0, emb.vocab_size, 4096)])
+    else:
+        table = emb.weight
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # (B, T, d), after ln_f
+    nll, count = 0.0, 0
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 1):
+            logits = table.double() @ hidden[b, t].double()  # (V,)
+            nll += float(torch.logsumexp(logits, 0) - logits[ids[b, t + 1]])
+            count += 1
+    return nll / count
+
+
+@pytest.mark.parametrize("embedding", ["subword", "seb_co"])
+def test_a_whole_vocabulary_lm_scores_every_id_and_its_loss_matches_a_slow_reference(embedding: str) -> None:
+    model = utility_lm(embedding, GPT2_VOCAB).eval()
+    ids = torch.tensor([[50256, 464, 3290, 50255, 13], [0, 1, 50000, 50256, 262]])  # ids near both ends
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 5, GPT2_VOCAB)
+    assert out.loss.item() == pytest.approx(slow_full_table_loss(model, ids), rel=1e-5)
+    full_ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, GPT2_VOCAB), ids[:, 1:].reshape(-1))
+    assert out.loss.item() == pytest.approx(full_ce.item(), rel=1e-6)
+
+
+def test_perplexity_splits_batches_whose_logits_exceed_the_budget() -> None:
+    model = utility_lm("seb_co", GPT2_VOCAB).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, GPT2_VOCAB, (3, 6), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    one_row = perplexity(model, ids, mask, max_logits=6 * GPT2_VOCAB)  # one sequence per forward pass
+    assert one_row == pytest.approx(perplexity(model, ids, mask), rel=1e-5)
+    assert one_row == pytest.approx(slow_perplexity(model, ids, mask), rel=1e-5)
+    with pytest.raises(ConfigError, match="max_logits=0"):
+        perplexity(model, ids, mask, max_logits=0)
 
 
 def test_empty_or_malformed_data_raise() -> None:

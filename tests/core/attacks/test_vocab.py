@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.attacks.priors import CompactPrior
-from core.attacks.vocab import CompactVocab, pack
+from core.attacks.vocab import LM_VOCABS, CompactVocab, FullVocab, lm_vocabulary, pack
 from core.errors import ConfigError, DataError
 
 FULL = 100
@@ -35,6 +35,29 @@ def test_bad_vocabularies_are_refused():
         CompactVocab([], full_size=FULL)
     with pytest.raises(DataError, match="does not match"):
         CompactVocab([5, 100], full_size=FULL)
+
+
+def test_lm_vocabularies_compact_folds_unseen_ids_and_full_keeps_every_id():
+    seqs = [[3, 7], [10, 7]]
+    compact = lm_vocabulary("compact", seqs)  # over GPT-2's ids
+    assert isinstance(compact, CompactVocab) and compact.size == 4 + 1  # 3, 7, 10, the always-kept EOS, <unk>
+    ids = torch.tensor([3, 7, 50, 60])
+    assert compact.unk_rate(compact.encode(ids)) == 0.5  # 50 and 60 were never seen
+    full = lm_vocabulary("full", seqs, full_size=FULL)
+    assert isinstance(full, FullVocab) and full.size == FULL and full.unk is None and full.n_unseen == 0
+    assert full.encode(ids).tolist() == [3, 7, 50, 60] and full.decode(ids).tolist() == [3, 7, 50, 60]
+    assert full.unk_rate(full.encode(ids)) == 0.0
+    assert lm_vocabulary("full", []).size == 50257  # GPT-2's by default
+    assert LM_VOCABS == ("compact", "full")
+
+
+def test_bad_lm_vocabularies_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"unknown LM vocabulary 'whole'.*'compact'.*'full'"):
+        lm_vocabulary("whole", [[1]])
+    with pytest.raises(DataError, match=r"\[0, 100\), got min 0 max 100"):
+        FullVocab(FULL).encode(torch.tensor([0, 100]))
+    with pytest.raises(ConfigError, match="full_size=0"):
+        FullVocab(0)
 
 
 def test_prior_is_a_distribution_over_the_full_vocabulary():
