@@ -22,10 +22,10 @@ from tasks.tangent import (
     check_shard_counts,
     compose_shards,
     parent_workdir,
-    train_dp_regime,
     train_full,
     train_shard,
 )
+from tasks.tangent_dp import check_dp, train_dp_regime
 from tasks.tangent_report import tangent_summary
 from tasks.tangent_unlearning import (
     forget_by_subtraction_curve,
@@ -68,22 +68,13 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
     try:
         inputs = cache_features.submit(config, prepared["images"], prepared["model"], run).result()
         check_shard_counts(config, inputs)
+        check_dp(config, inputs)
         table1 = train_full.map(["taft", "nlft", "fc"], unmapped(config), unmapped(inputs), unmapped(run))
         jobs = [ShardJob(kind, n, j) for n in config.shards for kind in ("taft", "nlft") for j in range(n)]
         shards = train_shard.map(jobs, unmapped(config), unmapped(inputs), unmapped(run))
-        points = [
-            (r, t, e)
-            for r in (config.dp.regimes if config.dp else ())
-            for t in (True, False)
-            for e in (config.dp.epsilons if config.dp else ())
-        ]
-        table3 = train_dp_regime.map(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            [p[2] for p in points],
-            unmapped(config),
-            unmapped(inputs),
-            unmapped(run),
+        columns = [(r, t) for r in (config.dp.regimes if config.dp else ()) for t in (True, False)]
+        table3 = train_dp_regime.map(  # one task per column of a regime, one recorded run per epsilon
+            [c[0] for c in columns], [c[1] for c in columns], unmapped(config), unmapped(inputs), unmapped(run)
         )
         done_shards = shards.result()
         by_n = [[s for s in done_shards if s["n_shards"] == n] for n in config.shards]
@@ -105,7 +96,7 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
                 "fractions": fig1f.result(),
                 "request": fig1r.result(),
             },
-            table3=table3.result(),
+            table3=[cell for cells in table3.result() for cell in cells],
         )
     finally:
         shutil.rmtree(parent_workdir(run), ignore_errors=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import math
+from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,16 +17,31 @@ TASK_RUNNERS: tuple[str, ...] = get_args(TaskRunner)
 
 
 class TangentDPConfig(FrozenConfig):
-    """Table 3: DP-SGD fine-tuning of tangent ("Ours") vs original ("Reg") parameters per regime."""
+    """Table 3: DP-SGD fine-tuning of tangent ("Ours") vs original ("Reg") parameters per regime and epsilon.
+
+    App. A's recipe: cross-entropy, ``epochs`` at a constant learning rate, each step's gradient over the whole
+    training set (``full_batch``: sampling rate 1, one step per epoch), PT searched per epsilon. Each column
+    ("Ours", "Reg") of each regime gets the same search over ``lrs x pts`` (``pts``: ``true`` linearises/fine-tunes
+    the pretrained last block, ``false`` resets it first), every point trained with DP-SGD on the DP training
+    images less a validation part (``val_fraction`` of them, drawn from the seed) and scored there, never on the
+    test set; the chosen point is then retrained on all the DP training images and evaluated on the test set. The
+    search runs at every epsilon (``search_epsilon: null``, the paper's) or once per column at ``search_epsilon``,
+    its choice then used at every epsilon. A single point (one lr, one PT) is no search: it trains at once.
+    ``lr`` is accepted for a one-lr grid (``lrs: [lr]``).
+    """
 
     regimes: tuple[TangentRegime, ...] = TANGENT_REGIMES
     epsilons: tuple[Epsilon, ...] = Field((1.0, 3.0, 8.0), min_length=1)
-    delta: Delta | None = Field(None, description="None: 1/(10 n) for n training images")
+    delta: Delta | None = Field(None, description="None: 1/(10 n) for the n DP training images")
     clip_norm: float = Field(1.0, gt=0.0)
     accountant: Literal["rdp", "prv"] = "rdp"
-    epochs: int = Field(10, ge=1)
-    batch_size: int = Field(256, ge=1, description="expected Poisson batch size q n")
-    lr: float = Field(1e-3, gt=0.0)
+    epochs: int = Field(10, ge=1, description="passes over the training images (App. A: 50); full_batch: the steps")
+    full_batch: bool = Field(False, description="each step's gradient over the whole training set (App. A)")
+    batch_size: int | None = Field(256, ge=1, description="expected Poisson batch q n; null with full_batch")
+    lrs: tuple[float, ...] = Field((1e-3,), min_length=1, description="Adam learning rates searched per column")
+    pts: tuple[bool, ...] = Field((True,), min_length=1, description="PT values searched (false: last block reset)")
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the DP training images the search scores")
+    search_epsilon: Epsilon | None = Field(None, description="None: search at every epsilon; else once, at this one")
     n_train: int | None = Field(None, ge=2, description="first n of the training subset (None: all)")
     reg_start: RegStart = Field(
         "zero",
@@ -34,6 +50,53 @@ class TangentDPConfig(FrozenConfig):
             "head at w_0) or head (the random head's output, an offset Ours does not have)"
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_lr(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "lr" in data:
+            if "lrs" in data:
+                raise ValueError(f"give lrs only, got both lr={data['lr']!r} and lrs={data['lrs']!r}")
+            data = {k: v for k, v in data.items() if k != "lr"} | {"lrs": [data["lr"]]}
+        return data
+
+    @field_validator("lrs")
+    @classmethod
+    def _lrs(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [v for v in values if not (math.isfinite(v) and v > 0.0)]
+        if bad:
+            raise ValueError(f"every learning rate must be a finite number > 0, got {bad}; e.g. [0.001, 0.0001]")
+        if len(set(values)) != len(values):
+            raise ValueError(f"learning rates must be distinct, got {list(values)}")
+        return values
+
+    @field_validator("pts")
+    @classmethod
+    def _pts(cls, values: tuple[bool, ...]) -> tuple[bool, ...]:
+        if len(set(values)) != len(values):
+            raise ValueError(f"PT values must be distinct, got {list(values)}; [true, false] searches both")
+        return values
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TangentDPConfig:
+        if self.full_batch and self.batch_size is not None:
+            raise ValueError(
+                f"batch_size={self.batch_size} with full_batch=true: a full-batch step takes every training image "
+                "(sampling rate 1); set batch_size: null, or full_batch: false for Poisson batches"
+            )
+        if not self.full_batch and self.batch_size is None:
+            raise ValueError("batch_size=None needs full_batch=true; give an expected Poisson batch size")
+        if self.search_epsilon is not None and self.search_epsilon not in self.epsilons:
+            raise ValueError(
+                f"search_epsilon={self.search_epsilon:g} is not one of epsilons {list(self.epsilons)}; "
+                "pick one of them, or null to search at every epsilon"
+            )
+        return self
+
+    @property
+    def search_points(self) -> int:
+        """Points of the (lr, PT) grid; 1 is no search."""
+        return len(self.lrs) * len(self.pts)
 
 
 class TangentConfig(SeedPasses):

@@ -12,7 +12,8 @@ Result groups (tag ``privbench.result_group``), the paper's analogues:
 * ``table2``: per shard count N, TAFT composed by averaging deltas (``taft-composed``, eq. 13) vs Model Soup
   (``model-soup``) and the SISA output ensemble (``sisa``), from shard models (``taft-shard``, ``nlft-shard``);
 * ``fig1``: forgetting (its tasks are in :mod:`tasks.tangent_unlearning`);
-* ``table3``: DP fine-tuning of tangent vs original parameters per regime and epsilon (``dp-<regime>``).
+* ``table3``: DP fine-tuning of tangent vs original parameters per regime and epsilon (``dp-<regime>``; its task
+  is in :mod:`tasks.tangent_dp`).
 
 What each task computes is a procedure of :mod:`core.tangent.experiments`; a task loads its inputs, runs it and
 records the result. The summary and Markdown report of the four groups are in :mod:`tasks.tangent_report`.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import replace
@@ -34,12 +34,11 @@ import torch
 from prefect import task
 from torch import Tensor, nn
 
-from core.errors import ConfigError, DataError
 from core.registry import lookup
 from core.tangent import experiments as X
 from core.tangent.baselines import NonlinearSuffix, train_fc, train_nonlinear
 from core.tangent.model import TangentModel
-from core.tangent.train import DP_NEIGHBOURING, DP_PRIVACY_UNIT, TangentTrainConfig, train_tangent
+from core.tangent.train import TangentTrainConfig, train_tangent
 from pbconfig.settings import get_settings
 from pbconfig.tangent import TangentConfig
 from storage.recording import Recorder, RunRef
@@ -84,7 +83,7 @@ def set_threads(cfg: TangentConfig) -> None:
     torch.set_num_threads(cfg.threads_per_worker)
 
 
-def _record_epochs(rec: Recorder, stats: Any, prefix: str = "") -> None:
+def record_epochs(rec: Recorder, stats: Any, prefix: str = "") -> None:
     for e in stats.epochs:
         rec.metrics({f"{prefix}train_loss": e.loss, f"{prefix}delta_norm": e.delta_norm}, step=e.epoch)
 
@@ -219,7 +218,7 @@ def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: R
     ) as rec:
         rec.tag("privbench.result_group", "table1")
         stats, test_acc, train_acc, n_params = train(inputs, cfg, f, tcfg)
-        _record_epochs(rec, stats)
+        record_epochs(rec, stats)
         result = {
             "method": technique,
             "test_accuracy": test_acc,
@@ -353,85 +352,6 @@ def compose_shards(
     return out
 
 
-# ----------------------------------------------------------------------------------------------- Table 3
-
-
-@task(name="tangent-table3", **RESUMABLE)
-def train_dp_regime(
-    regime: str, tangent: bool, epsilon: float, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef
-) -> dict[str, Any]:
-    """Table 3: DP-SGD fine-tuning of one regime's tangent ("Ours") or original ("Reg") parameters at
-    ``epsilon`` (:func:`core.tangent.experiments.dp_regime_cell`), with the privacy ledger recorded."""
-    if cfg.dp is None:
-        raise ConfigError("tangent.dp is not set; add a dp section to run Table 3")
-    set_threads(cfg)
-    dp = cfg.dp
-    f = load_features(inputs.features_path)
-    n = inputs.n_train if dp.n_train is None else min(dp.n_train, inputs.n_train)
-    tcfg = TangentTrainConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, loss="ce", seed=cfg.seed)
-    kind = "ours" if tangent else "reg"
-    config = {
-        "regime": regime,
-        "parameters": kind,
-        "target_epsilon": epsilon,
-        "n_train": n,
-        "k": cfg.k,
-        "clip_norm": dp.clip_norm,
-        "accountant": dp.accountant,
-        "delta": dp.delta,
-        "reg_start": dp.reg_start,
-        **config_json(tcfg),
-    }
-    with task_record(
-        parent=parent,
-        technique=f"dp-{regime}",
-        config=config,
-        dataset=cfg.dataset,
-        run_name=f"DP {regime} {kind} eps={epsilon:g}",
-    ) as rec:
-        rec.tag("privbench.result_group", "table3")
-        rec.tag("privbench.parameters", kind)
-        backbone = load_backbone(inputs.model_path)
-        head = X.make_head(backbone.config.hidden_size, inputs.n_classes, cfg.seed)
-        cell = X.dp_regime_cell(
-            backbone,
-            head,
-            f["train_h"][:n],
-            f["train_y"][:n],
-            f["test_h"],
-            f["test_y"],
-            regime=regime,
-            tangent=tangent,
-            cfg=tcfg,
-            target_epsilon=epsilon,
-            clip_norm=dp.clip_norm,
-            k=cfg.k,
-            delta=dp.delta,
-            accountant=dp.accountant,
-            batch_size=cfg.eval_batch_size,
-            reg_start=dp.reg_start,
-        )
-        rec.ledger(cell.ledger, unit=DP_PRIVACY_UNIT, neighbouring=DP_NEIGHBOURING)
-        _record_epochs(rec, cell.stats)
-        result = {
-            "regime": regime,
-            "parameters": kind,
-            "target_epsilon": epsilon,
-            "test_accuracy": cell.test_accuracy,
-            "epsilon": cell.ledger.epsilon,
-            "noise_multiplier": cell.ledger.noise_multiplier,
-            "train_s": cell.stats.seconds,
-            "trainable_parameters": cell.trainable,
-        }
-        rec.metrics(
-            {k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)},
-            units={"train_s": "s"},
-        )
-    if not math.isfinite(cell.test_accuracy):
-        raise DataError(f"DP {regime} {kind} eps={epsilon}: accuracy is not finite")
-    return result
-
-
 # ----------------------------------------------------------------------------------------------- checks
 
 
@@ -439,8 +359,3 @@ def check_shard_counts(cfg: TangentConfig, inputs: TangentInputs) -> None:
     """Refuse shard counts the training set cannot fill before anything trains (one image per shard at least)."""
     for n in cfg.shards:
         X.shard_index(inputs.n_train, n, cfg.seed)
-    if cfg.dp is not None and cfg.dp.n_train is not None and cfg.dp.n_train > inputs.n_train:
-        raise DataError(
-            f"tangent.dp.n_train={cfg.dp.n_train} exceeds the {inputs.n_train} training images; lower it "
-            "or leave it null for all"
-        )

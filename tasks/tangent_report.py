@@ -43,6 +43,9 @@ def tangent_summary(
     for regime, kinds in t3.items():
         for kind, row in kinds.items():
             metrics.update({f"table3.{regime}.{kind}.eps{e}.test_accuracy": v for e, v in row.items()})
+    gap = fc_control_gap(t3)
+    if gap is not None:
+        metrics["table3.fc_control_max_gap"] = gap
     max_comp = max(r["taft"]["composition_max_abs_err"] for r in table2)
     metrics["table2.composition_max_abs_err"] = max_comp
     return {
@@ -60,9 +63,31 @@ def tangent_summary(
             "request": request,
         },
         "details": {"table1": table1, "table2": table2, "table3": table3},
-        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3, request),
+        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3, request, table3_choices(table3)),
         "metrics": metrics,
     }
+
+
+def fc_control_gap(t3: dict[str, dict[str, dict[str, float]]]) -> float | None:
+    """The control of Table 3: the largest |Ours - Reg| test accuracy over the epsilons of the ``fc`` regime, where
+    both columns are the same linear model from the same start, trained with the same noise and search (it ties up
+    to float32 rounding); None without both ``fc`` columns."""
+    fc = t3.get("fc", {})
+    ours, reg = fc.get("ours", {}), fc.get("reg", {})
+    both = [e for e in ours if e in reg]
+    return max(abs(ours[e] - reg[e]) for e in both) if both else None
+
+
+def table3_choices(table3: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, str]]]:
+    """``{regime: {ours|reg: {epsilon: "lr PT (validation %)"}}}`` for the cells a search chose (none without one)."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for r in table3:
+        if "tuning.points" not in r:
+            continue
+        pt = "T" if r["pretrained"] else "F"
+        label = f"{r['lr']:g} PT={pt} ({100 * r['tuning.valid_accuracy']:.1f})"
+        out.setdefault(r["regime"], {}).setdefault(r["parameters"], {})[f"{r['target_epsilon']:g}"] = label
+    return out
 
 
 # the forget request's metrics that go to the flow run (``fig1.<method>.<metric>``) and the report
@@ -85,6 +110,7 @@ def markdown_report(
     fractions: list[dict[str, Any]],
     t3: dict[str, Any],
     request: dict[str, Any] | None = None,
+    choices: dict[str, dict[str, dict[str, str]]] | None = None,
 ) -> str:
     """Tables 1-3 and Fig. 1 as Markdown (accuracies in %), for the run's ``summary.json`` and the README."""
     pct = lambda v: f"{100 * v:.1f}"
@@ -155,5 +181,16 @@ def markdown_report(
                 f"{pct(t3[r].get('ours', {}).get(e, math.nan))} | {pct(t3[r].get('reg', {}).get(e, math.nan))}"
                 for r in t3
             ]
+            lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    if choices:
+        lines += [
+            "",
+            "Table 3, each column's (lr, PT) chosen on validation (its validation accuracy, %)",
+            "",
+            "| epsilon | " + " | ".join(f"{r} Ours | {r} Reg" for r in choices) + " |",
+            "|---|" + "---|---|" * len(choices),
+        ]
+        for e in sorted({e for kinds in choices.values() for row in kinds.values() for e in row}, key=float):
+            cells = [" | ".join(choices[r].get(kind, {}).get(e, "") for kind in ("ours", "reg")) for r in choices]
             lines.append(f"| {e} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

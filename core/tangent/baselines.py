@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from core.errors import ConfigError, DataError
 from core.tangent.compose import Delta, compose, ensemble_logits, remove_component
-from core.tangent.model import TangentModel
+from core.tangent.model import TangentModel, reinit_block_
 from core.tangent.shards import ShardIndex
 from core.tangent.train import TangentTrainConfig, TrainStats, check_data, evaluate, fit, train_tangent
 
@@ -178,9 +178,22 @@ class NonlinearSuffix(nn.Module):
     ``centered=True`` predicts ``f(h; w) - f(h; w_0)``, the suffix's change from its weights at construction
     (held as buffers in ``initial``): it starts from the zero function, as a tangent model that predicts with its
     JVP only does (App. A), so that the two kinds of fine-tuning compared in Table 3 start from the same function.
-    Its trainable parameters and their gradients are the uncentered suffix's (``f(h; w_0)`` is a constant)."""
+    Its trainable parameters and their gradients are the uncentered suffix's (``f(h; w_0)`` is a constant).
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear, k: int = 1, *, centered: bool = False) -> None:
+    ``reinit_last_block=True`` re-initialises the copied last block (PT=F, Sec. 3.5) by
+    :func:`~core.tangent.model.reinit_block_` with ``seed``, the same weights a ``TangentModel(...,
+    reinit_last_block=True, seed=seed)`` linearises around; the backbone is not modified."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: nn.Linear,
+        k: int = 1,
+        *,
+        centered: bool = False,
+        reinit_last_block: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         kind = type(backbone).__name__
         if kind == "Dinov2Model":
@@ -195,6 +208,8 @@ class NonlinearSuffix(nn.Module):
             raise ConfigError(f"head must be nn.Linear({backbone.config.hidden_size}, C), got {head!r}")
         self.k = k
         self.blocks = copy.deepcopy(nn.ModuleList(layers[len(layers) - k :]))
+        if reinit_last_block:
+            reinit_block_(self.blocks[-1], seed=seed)
         self.layernorm = copy.deepcopy(backbone.layernorm)
         self.head = copy.deepcopy(head)
         for p in self.parameters():

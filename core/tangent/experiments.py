@@ -423,13 +423,26 @@ def dp_regime_cell(
     accountant: str = "rdp",
     batch_size: int = 256,
     reg_start: str = "zero",
+    pretrained: bool = True,
+    init_seed: int | None = None,
 ) -> DPCell:
     """Table 3: DP-SGD fine-tuning (:func:`core.tangent.train.train_dp`, sampling and noise from ``cfg.seed``) of
     ``regime``'s tangent ("Ours", ``tangent=True``) or original ("Reg") parameters of the model
     :func:`~core.tangent.regimes.build_regime_model` builds from ``backbone`` and ``head`` (neither modified),
-    trained on ``(h, y)`` at ``target_epsilon`` and evaluated on ``(test_h, test_y)``; ``reg_start`` is where "Reg"
-    starts (:func:`~core.tangent.regimes.build_regime_model`: ``"zero"``, the function "Ours" starts from)."""
-    model = build_regime_model(backbone, head, tangent=tangent, k=k, seed=cfg.seed, dtype=h.dtype, reg_start=reg_start)
+    trained on ``(h, y)`` at ``target_epsilon`` and evaluated on ``(test_h, test_y)`` (the test set, or a validation
+    set when :mod:`core.tangent.dp_search` scores a point); ``reg_start`` is where "Reg" starts
+    (:func:`~core.tangent.regimes.build_regime_model`: ``"zero"``, the function "Ours" starts from), ``pretrained``
+    App. A's PT (``False``: the last block reset from ``init_seed``, default ``cfg.seed``, before training)."""
+    model = build_regime_model(
+        backbone,
+        head,
+        tangent=tangent,
+        k=k,
+        seed=cfg.seed if init_seed is None else init_seed,
+        dtype=h.dtype,
+        reg_start=reg_start,
+        pretrained=pretrained,
+    )
     names = regime_parameter_names(model, regime)
     named = dict(model.named_parameters())
     stats, ledger = train_dp(

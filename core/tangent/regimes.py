@@ -36,7 +36,8 @@ Choices (the caption of Table 3 leaves them open):
 regime's parameters; :func:`core.tangent.train.train_dp` trains them under DP-SGD (per-example gradients by
 ``vmap(grad(functional_call))``, Poisson sampling, clipping, Gaussian noise calibrated by the accountant).
 App. A: DP uses cross-entropy (``loss="ce"``), predicts with the JVP output only (``predict_jvp_only``), 50
-epochs without lr decay.
+epochs without lr decay, each step's gradient over the whole training set, and PT (linearise the pretrained last
+block, or reset it first) searched per epsilon: :mod:`core.tangent.dp_search` holds that recipe.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def build_regime_model(
     seed: int = 0,
     dtype: torch.dtype | None = None,
     reg_start: str = "zero",
+    pretrained: bool = True,
 ) -> TangentModel | NonlinearSuffix:
     """The model of a Table 3 column: ``TangentModel(backbone, C, k, predict_jvp_only, head)``
     ("Ours") or ``NonlinearSuffix(backbone, head, k)`` ("Reg"), in ``dtype`` (default: the backbone's).
@@ -154,7 +156,12 @@ def build_regime_model(
     ``w_0`` ("Ours" predicts its JVP only, zero at ``Delta-w = 0``); ``"head"`` keeps the random head's output
     ``f(w_0)`` as its start, an offset "Ours" does not have. In the ``fc`` regime the two columns are then the same
     linear model of the same features, and with ``"zero"`` the same model from the same start: DP-SGD with the same
-    noise trains them to the same logits (the control that separates the set-up from the method)."""
+    noise trains them to the same logits (the control that separates the set-up from the method).
+
+    ``pretrained`` is App. A's PT: ``True`` starts both columns at the pretrained last block; ``False`` (PT=F)
+    resets it first (:func:`~core.tangent.model.reinit_block_` from ``seed``, the same weights in both columns) and
+    "Ours" linearises around the reset block. The classifier is ``head`` either way: a new task's head is a fresh
+    random layer (:func:`core.tangent.experiments.make_head`), so it is already "reset"."""
     if not isinstance(head, nn.Linear):
         raise ConfigError(f"head must be an nn.Linear(D, C), got {type(head).__name__}")
     if reg_start not in REG_STARTS:
@@ -167,8 +174,12 @@ def build_regime_model(
             predict_jvp_only=predict_jvp_only,
             head=copy.deepcopy(head),
             seed=seed,
+            reinit_last_block=not pretrained,
         )
     else:
-        model = force_eager_attention_(NonlinearSuffix(backbone, head, k, centered=reg_start == "zero"))
+        suffix = NonlinearSuffix(
+            backbone, head, k, centered=reg_start == "zero", reinit_last_block=not pretrained, seed=seed
+        )
+        model = force_eager_attention_(suffix)
     dtype = dtype if dtype is not None else next(backbone.parameters()).dtype
     return model.to(dtype).eval()

@@ -197,7 +197,7 @@ def test_tangent_seeds_give_one_config_per_seed() -> None:
 
 def test_every_epsilon_and_delta_field_uses_the_shared_types() -> None:
     """One definition of a valid DP budget: each config field named like an epsilon or a delta is an ``Epsilon``
-    (or a tuple of them) or a ``Delta | None`` (``pbconfig.base``)."""
+    (a tuple of them, or ``Epsilon | None``) or a ``Delta | None`` (``pbconfig.base``)."""
     import typing
 
     import pbconfig.attacks
@@ -213,10 +213,21 @@ def test_every_epsilon_and_delta_field_uses_the_shared_types() -> None:
             for name, field in model.model_fields.items():
                 if "epsilon" in name:
                     single = field.annotation is float and field.metadata == typing.get_args(Epsilon)[1].metadata
-                    ok = single or typing.get_args(field.annotation) == (Epsilon, ...)
+                    args = typing.get_args(field.annotation)
+                    ok = single or args == (Epsilon, ...) or set(args) == {Epsilon, type(None)}
                     assert ok, f"{model.__name__}.{name}"
                     seen.append(name)
                 elif name == "delta":
                     assert set(typing.get_args(field.annotation)) == {Delta, type(None)}, f"{model.__name__}.{name}"
                     seen.append(name)
-    assert sorted(seen) == ["delta", "delta", "delta", "epsilon", "epsilons", "epsilons", "epsilons", "peer_epsilons"]
+    assert sorted(seen) == [
+        "delta",
+        "delta",
+        "delta",
+        "epsilon",
+        "epsilons",
+        "epsilons",
+        "epsilons",
+        "peer_epsilons",
+        "search_epsilon",
+    ]
