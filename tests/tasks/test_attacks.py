@@ -23,6 +23,7 @@ from storage.recording import record_run
 from storage.repository import ResultsRepository
 from tasks.attacks import utility_lm
 from tasks.prepare_texts import prepare_text_dataset
+from tests.flows.test_attacks_flow import WORDS
 
 D, N_BYTES, BYTE_VOCAB, HIDDEN = 16, 4, 256, 16
 CFG = AttacksConfig(
@@ -59,27 +60,7 @@ def _parent(flow: str, stage: str) -> Any:
 @pytest.fixture
 def lines(home: Path, tmp_path: Path) -> str:
     """A prepared text dataset of 60 short English sentences; its folder."""
-    words = [
-        "the",
-        "king",
-        "of",
-        "france",
-        "came",
-        "to",
-        "the",
-        "old",
-        "castle",
-        "with",
-        "his",
-        "men",
-        "and",
-        "spoke",
-        "of",
-        "war",
-        "and",
-        "love",
-    ]
-    sentences = [" ".join(words[(i + j) % len(words)] for j in range(6 + i % 5)).capitalize() + "." for i in range(60)]
+    sentences = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(6 + i % 5)).capitalize() + "." for i in range(60)]
     source = tmp_path / "lines.txt"
     source.write_text("\n".join(f"{s} {i}" for i, s in enumerate(sentences)) + "\n", encoding="utf-8")
     spec = TextDatasetSpec(name="lines", source="text-file", path=str(source), n_test=10)
