@@ -73,9 +73,11 @@ run: setup
 	$(BIN)/privbench run benchmark --profile $(PROFILE)
 	$(BIN)/privbench report --profile $(PROFILE) --out $(REPORT)
 
-# pytest exits 5 when it collected no test: that is a failure too
+# pytest exits 5 when it collected no test: that is a failure too. Two pytest-xdist workers (TEST_WORKERS=0 for one
+# process): the suite spends about a third of its time waiting on subprocesses, servers and imports on one core
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "no tests were collected"; exit $$rc; }
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "no tests were collected"; exit $$rc; }
 
 test-all: setup
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)

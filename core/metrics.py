@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -209,31 +210,15 @@ def hit_from_ranks(ranks: torch.Tensor, *, k: int = 10) -> torch.Tensor:
     return (ranks < k).to(torch.float64)
 
 
-def ndcg_at_k(
-    scores: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    k: int = 10,
-    exclude_padding: bool = True,
-    exclude: torch.Tensor | None = None,
-    ties: TieBreak | str = TieBreak.PESSIMISTIC,
-) -> torch.Tensor:
-    """Per-example full-ranking NDCG@k, ``(B,)`` float64; average with ``.mean()``."""
+def ndcg_at_k(scores: torch.Tensor, targets: torch.Tensor, *, k: int = 10, **ranking: Any) -> torch.Tensor:
+    """Per-example full-ranking NDCG@k, ``(B,)`` float64; average with ``.mean()``. ``ranking``: the rank rule's
+    options, those of :func:`rank_of_target` (``exclude_padding``, ``exclude``, ``ties``)."""
     _check_k(k)
-    ranks = rank_of_target(scores, targets, exclude_padding=exclude_padding, exclude=exclude, ties=ties)
-    return ndcg_from_ranks(ranks, k=k)
+    return ndcg_from_ranks(rank_of_target(scores, targets, **ranking), k=k)
 
 
-def hit_at_k(
-    scores: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    k: int = 10,
-    exclude_padding: bool = True,
-    exclude: torch.Tensor | None = None,
-    ties: TieBreak | str = TieBreak.PESSIMISTIC,
-) -> torch.Tensor:
-    """Per-example full-ranking HIT@k, ``(B,)`` float64; average with ``.mean()``."""
+def hit_at_k(scores: torch.Tensor, targets: torch.Tensor, *, k: int = 10, **ranking: Any) -> torch.Tensor:
+    """Per-example full-ranking HIT@k, ``(B,)`` float64; average with ``.mean()``. ``ranking``: as for
+    :func:`ndcg_at_k`."""
     _check_k(k)
-    ranks = rank_of_target(scores, targets, exclude_padding=exclude_padding, exclude=exclude, ties=ties)
-    return hit_from_ranks(ranks, k=k)
+    return hit_from_ranks(rank_of_target(scores, targets, **ranking), k=k)

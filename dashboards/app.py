@@ -127,6 +127,20 @@ def chart(plot: Callable[[pd.DataFrame], Any]) -> Callable[[pd.DataFrame], None]
     return lambda frame: st.plotly_chart(plot(frame), width="stretch")
 
 
+def chart_tab(
+    stage: str, *parts: tuple[str, str, str, Callable[[pd.DataFrame], Any]]
+) -> Callable[[str, Filters], None]:
+    """A tab of one chart section per (title, view, what the view's rows are, plot) of ``parts``; an empty one says
+    to run ``stage``'s flow."""
+
+    def render(db_url: str, filters: Filters) -> None:
+        for title, view, rows, plot in parts:
+            message = f"No {rows} yet: run `privbench run {stage} --profile quick`"
+            section(title, view, message, db_url, filters, chart(plot))
+
+    return render
+
+
 def leaderboards(db_url: str, filters: Filters) -> None:
     """Per stage, the methods ranked on the stage's key metric (a radio picks another of its metrics)."""
     st.subheader("Which method wins")
@@ -253,23 +267,11 @@ def training(db_url: str, filters: Filters) -> None:
     )
 
 
-def tangent(db_url: str, filters: Filters) -> None:
-    section(
-        "Accuracy vs number of shards",
-        "tangent_accuracy",
-        "No tangent runs yet: run `privbench run tangent --profile quick`",
-        db_url,
-        filters,
-        chart(plots.tangent_accuracy),
-    )
-    section(
-        "Unlearning (forgetting shards)",
-        "unlearning",
-        "No unlearning curves yet: run `privbench run tangent --profile quick`",
-        db_url,
-        filters,
-        chart(plots.unlearning),
-    )
+tangent = chart_tab(
+    "tangent",
+    ("Accuracy vs number of shards", "tangent_accuracy", "tangent runs", plots.tangent_accuracy),
+    ("Unlearning (forgetting shards)", "unlearning", "unlearning curves", plots.unlearning),
+)
 
 
 def secure_inference(db_url: str, filters: Filters) -> None:
@@ -287,23 +289,11 @@ def secure_inference(db_url: str, filters: Filters) -> None:
     )
 
 
-def stip(db_url: str, filters: Filters) -> None:
-    section(
-        "Protocol overhead",
-        "stip_overhead",
-        "No STIP runs yet: run `privbench run stip --profile quick`",
-        db_url,
-        filters,
-        chart(plots.stip_overhead),
-    )
-    section(
-        "Permutation-recovery attacks",
-        "stip_attacks",
-        "No STIP attack results yet: run `privbench run stip --profile quick`",
-        db_url,
-        filters,
-        chart(plots.stip_attacks),
-    )
+stip = chart_tab(
+    "stip",
+    ("Protocol overhead", "stip_overhead", "STIP runs", plots.stip_overhead),
+    ("Permutation-recovery attacks", "stip_attacks", "STIP attack results", plots.stip_attacks),
+)
 
 
 def attacks(db_url: str, filters: Filters) -> None:

@@ -1,7 +1,8 @@
-"""Stage 3 flow: Tangent Transformers (TAFT) on a pretrained ViT: Table 1 (TAFT-k vs NLFT-k vs FC), Table 2
-(TAFT composition vs Model Soup and SISA per shard count), Fig. 1 (forgetting by subtraction and by shard
-retraining; one forget request served by TAFT, SISA and full retraining) and Table 3 (DP fine-tuning regimes),
-shard models trained in parallel by the task runner."""
+"""Stage 3 flow: Tangent Transformers (TAFT) on a pretrained ViT: Table 1 (TAFT-k vs NLFT-k vs FC, each method's
+recipe chosen on validation where ``tangent.search`` gives it a grid), Table 2 (TAFT composition vs Model Soup and
+SISA per shard count, the shards at Table 1's choice), Fig. 1 (forgetting by subtraction and by shard retraining; one
+forget request served by TAFT, SISA and full retraining) and Table 3 (DP fine-tuning regimes), shard models trained
+in parallel by the task runner."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from pbconfig.tangent import TangentConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
 from tasks.tangent import (
+    TABLE1,
     ShardJob,
     cache_features,
+    check_search,
     check_shard_counts,
     compose_shards,
     parent_workdir,
     train_full,
     train_shard,
+    tune_table2,
 )
 from tasks.tangent_dp import check_dp, train_dp_regime
 from tasks.tangent_report import tangent_summary
@@ -69,22 +73,34 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
         inputs = cache_features.submit(config, prepared["images"], prepared["model"], run).result()
         check_shard_counts(config, inputs)
         check_dp(config, inputs)
-        table1 = train_full.map(["taft", "nlft", "fc"], unmapped(config), unmapped(inputs), unmapped(run))
-        jobs = [ShardJob(kind, n, j) for n in config.shards for kind in ("taft", "nlft") for j in range(n)]
-        shards = train_shard.map(jobs, unmapped(config), unmapped(inputs), unmapped(run))
+        check_search(config, inputs)
+        methods = list(TABLE1)
+        table1 = train_full.map(methods, unmapped(config), unmapped(inputs), unmapped(run))
         columns = [(r, t) for r in (config.dp.regimes if config.dp else ()) for t in (True, False)]
-        table3 = train_dp_regime.map(  # one task per column of a regime, one recorded run per epsilon
-            [c[0] for c in columns], [c[1] for c in columns], unmapped(config), unmapped(inputs), unmapped(run)
-        )
+
+        def table3_columns() -> Any:  # one task per column of a regime, one recorded run per epsilon
+            regimes, tangent = [c[0] for c in columns], [c[1] for c in columns]
+            return train_dp_regime.map(regimes, tangent, unmapped(config), unmapped(inputs), unmapped(run))
+
+        tuned, tuning, table3 = config, None, None
+        if config.searches_table2:  # Table 2 (and Fig. 1, which reads its shards) waits for Table 1's choice
+            table3 = table3_columns()  # started first, so that it runs meanwhile
+            tuned, tuning = tune_table2(config, dict(zip(methods, table1.result(), strict=True)))
+        jobs = [ShardJob(kind, n, j) for n in config.shards for kind in ("taft", "nlft") for j in range(n)]
+        shards = train_shard.map(jobs, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning))
+        if table3 is None:
+            table3 = table3_columns()
         done_shards = shards.result()
         by_n = [[s for s in done_shards if s["n_shards"] == n] for n in config.shards]
-        table2 = compose_shards.map(list(config.shards), by_n, unmapped(config), unmapped(inputs), unmapped(run))
+        table2 = compose_shards.map(
+            list(config.shards), by_n, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning)
+        )
         n1 = config.fig1_n_shards
-        fig1a = forget_by_subtraction_curve.submit(n1, config, inputs, run)
-        fig1c = forget_one_by_retraining.submit(n1, config, inputs, run)
-        fig1r = forget_request_costs.submit(n1, config, inputs, run)
+        fig1a = forget_by_subtraction_curve.submit(n1, tuned, inputs, run)
+        fig1c = forget_one_by_retraining.submit(n1, tuned, inputs, run)
+        fig1r = forget_request_costs.submit(n1, tuned, inputs, run)
         fig1f = forget_fraction.map(
-            unmapped(n1), list(config.forget_fractions), unmapped(config), unmapped(inputs), unmapped(run)
+            unmapped(n1), list(config.forget_fractions), unmapped(tuned), unmapped(inputs), unmapped(run)
         )
         summary = tangent_summary(
             config,

@@ -19,6 +19,14 @@ class FrozenConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
+def require_heads_divide(config: BaseModel, width: str, heads: str) -> None:
+    """Refuse a Transformer width (field ``width`` of ``config``) that its number of attention heads (field
+    ``heads``) does not divide: each head takes an equal slice of the width."""
+    w, h = getattr(config, width), getattr(config, heads)
+    if w % h:
+        raise ValueError(f"{width}={w} must be a multiple of {heads}={h}")
+
+
 class ModelShape(FrozenConfig):
     """A GPT-2 shape (layers, width, heads); the width must be a multiple of the heads."""
 
@@ -28,8 +36,7 @@ class ModelShape(FrozenConfig):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelShape:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        require_heads_divide(self, "n_embd", "n_head")
         return self
 
 

@@ -28,6 +28,15 @@ PROFILES = ("quick", "reference", "paper")
 ConfigT = TypeVar("ConfigT", bound=FrozenConfig)
 
 
+def _not_prepared(subject: str, section: str, prepared: set[str], *, one: bool = False) -> ValueError:
+    """The error of a section that reads ``subject`` (a field and the names it gives) where ``prepare.<section>``
+    prepares only ``prepared``."""
+    verb, pronoun = ("is", "it") if one else ("are", "them")
+    return ValueError(
+        f"{subject} {verb} not prepared; add {pronoun} to prepare.{section} or pick from {sorted(prepared)}"
+    )
+
+
 class BenchmarkConfig(FrozenConfig):
     """The whole chain. Later stages add their sections here."""
 
@@ -45,15 +54,9 @@ class BenchmarkConfig(FrozenConfig):
             images = {d.name for d in self.prepare.images}
             models = {m.name for m in self.prepare.models}
             if self.tangent.dataset not in images:
-                raise ValueError(
-                    f"tangent.dataset {self.tangent.dataset!r} is not prepared; add it to prepare.images "
-                    f"or pick from {sorted(images)}"
-                )
+                raise _not_prepared(f"tangent.dataset {self.tangent.dataset!r}", "images", images, one=True)
             if self.tangent.model not in models:
-                raise ValueError(
-                    f"tangent.model {self.tangent.model!r} is not prepared; add it to prepare.models "
-                    f"or pick from {sorted(models)}"
-                )
+                raise _not_prepared(f"tangent.model {self.tangent.model!r}", "models", models, one=True)
         return self
 
     @model_validator(mode="after")
@@ -62,10 +65,7 @@ class BenchmarkConfig(FrozenConfig):
             prepared = {d.name for d in self.prepare.datasets}
             missing = [d.name for d in self.train_dp.datasets if d.name not in prepared]
             if missing:
-                raise ValueError(
-                    f"train_dp.datasets {missing} are not prepared; add them to prepare.datasets "
-                    f"or pick from {sorted(prepared)}"
-                )
+                raise _not_prepared(f"train_dp.datasets {missing}", "datasets", prepared)
         return self
 
     @model_validator(mode="after")
@@ -74,10 +74,7 @@ class BenchmarkConfig(FrozenConfig):
             prepared = {d.name for d in self.prepare.texts}
             missing = [n for n in self.attacks.text_datasets() if n not in prepared]
             if missing:
-                raise ValueError(
-                    f"attacks reads text datasets {missing} that are not prepared; add them to "
-                    f"prepare.texts or pick from {sorted(prepared)}"
-                )
+                raise _not_prepared(f"attacks reads text datasets {missing} that", "texts", prepared)
             audit = self.attacks.audit
             if audit is not None:
                 if self.train_dp is None:

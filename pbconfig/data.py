@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 from pydantic import Field, model_validator
 
@@ -147,29 +147,28 @@ class PrepareConfig(FrozenConfig):
         return self
 
     def dataset(self, name: str) -> DatasetSpec:
-        for spec in self.datasets:
-            if spec.name == name:
-                return spec
-        known = ", ".join(d.name for d in self.datasets)
-        raise ConfigError(f"unknown dataset {name!r}; this profile prepares: {known}")
+        return _named(self.datasets, name, "dataset")
 
     def image_dataset(self, name: str) -> ImageDatasetSpec:
-        for spec in self.images:
-            if spec.name == name:
-                return spec
-        known = ", ".join(d.name for d in self.images) or "none"
-        raise ConfigError(f"unknown image dataset {name!r}; this profile prepares: {known} (prepare.images)")
+        return _named(self.images, name, "image dataset", "images")
 
     def text_dataset(self, name: str) -> TextDatasetSpec:
-        for spec in self.texts:
-            if spec.name == name:
-                return spec
-        known = ", ".join(d.name for d in self.texts) or "none"
-        raise ConfigError(f"unknown text dataset {name!r}; this profile prepares: {known} (prepare.texts)")
+        return _named(self.texts, name, "text dataset", "texts")
 
     def model(self, name: str) -> PretrainedSpec:
-        for spec in self.models:
-            if spec.name == name:
-                return spec
-        known = ", ".join(d.name for d in self.models) or "none"
-        raise ConfigError(f"unknown pretrained model {name!r}; this profile prepares: {known} (prepare.models)")
+        return _named(self.models, name, "pretrained model", "models")
+
+
+SpecT = TypeVar("SpecT", DatasetSpec, ImageDatasetSpec, TextDatasetSpec, PretrainedSpec)
+
+
+def _named(specs: tuple[SpecT, ...], name: str, what: str, section: str | None = None) -> SpecT:
+    """The spec of ``specs`` called ``name``, else a ConfigError that lists the names there are (and the section of
+    ``prepare`` they come from)."""
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    known = ", ".join(d.name for d in specs)
+    if section is None:
+        raise ConfigError(f"unknown {what} {name!r}; this profile prepares: {known}")
+    raise ConfigError(f"unknown {what} {name!r}; this profile prepares: {known or 'none'} (prepare.{section})")

@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
-from pbconfig.base import FrozenConfig, ModelShape, SeedPasses
+from pbconfig.base import FrozenConfig, ModelShape, SeedPasses, require_heads_divide
 
 SIMethod = Literal[
     "vanilla", "vanilla_kv", "mpcformer_2relu", "mpcformer_2quad", "thex", "merge_er", "merge_mm", "merge"
@@ -93,8 +93,7 @@ class SecureInferenceConfig(SeedPasses):
 
     @model_validator(mode="after")
     def _lengths(self) -> SecureInferenceConfig:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        require_heads_divide(self, "n_embd", "n_head")
         longest = self.prefix_len + max((self.gen_len, *self.scaling_gen_lens)) - 1
         if longest > self.n_positions:
             raise ValueError(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from pbconfig.base import Delta, Epsilon, FrozenConfig, SeedPasses
 
@@ -14,6 +15,105 @@ TANGENT_REGIMES: tuple[str, ...] = get_args(TangentRegime)
 RegStart = Literal["zero", "head"]
 TaskRunner = Literal["process", "thread", "dask"]
 TASK_RUNNERS: tuple[str, ...] = get_args(TaskRunner)
+Table1Method = Literal["taft", "nlft", "fc"]
+TABLE1_METHODS: tuple[str, ...] = get_args(Table1Method)
+# the methods whose shard models Table 2 composes (TAFT) or averages (Model Soup, from NLFT shards)
+TABLE2_METHODS: tuple[str, ...] = ("taft", "nlft")
+# the stage's one value a null knob of ``search`` keeps
+_SINGLE = {"taft": "lr", "nlft": "nlft_lr", "fc": "fc_lr", "pts": "not reinit_last_block", "cls": "linearize_cls_token"}
+
+
+def _check_lrs(values: tuple[float, ...], where: str) -> tuple[float, ...]:
+    if not values:
+        method = where.rsplit(".", 1)[-1]
+        raise ValueError(f"{where} is empty; give at least one learning rate, or null for [{_SINGLE[method]}]")
+    bad = [v for v in values if not (math.isfinite(v) and v > 0.0)]
+    if bad:
+        raise ValueError(f"every learning rate in {where} must be a finite number > 0, got {bad}; e.g. [0.001, 0.0001]")
+    if len(set(values)) != len(values):
+        raise ValueError(f"learning rates in {where} must be distinct, got {list(values)}")
+    return values
+
+
+def _check_flags(values: tuple[bool, ...] | None, name: str, knob: str) -> tuple[bool, ...] | None:
+    if values is not None and not values:
+        raise ValueError(f"{name} is empty; give [true], [false] or [true, false], or null for [{_SINGLE[knob]}]")
+    if values is not None and len(set(values)) != len(values):
+        raise ValueError(f"{name} values must be distinct, got {list(values)}; [true, false] searches both")
+    return values
+
+
+class TangentSearchLrs(FrozenConfig):
+    """The learning rates each Table 1 method searches (App. A: ``{1e-3, 1e-4}`` for TAFT and NLFT). A method left
+    null keeps its one rate (``lr``, ``nlft_lr``, ``fc_lr``): no search for it."""
+
+    taft: tuple[float, ...] | None = Field(None, description="TAFT-k's Adam learning rates; null: [lr]")
+    nlft: tuple[float, ...] | None = Field(
+        None, description="NLFT-k's (and so Model Soup's and SISA's shards'); null: [nlft_lr]"
+    )
+    fc: tuple[float, ...] | None = Field(None, description="the linear probe's; null: [fc_lr]")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_methods(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(str(k) for k in data if k not in TABLE1_METHODS)
+            if unknown:
+                raise ValueError(
+                    f"search.lrs names {unknown}, not Table 1 methods; known: {', '.join(TABLE1_METHODS)} "
+                    "(e.g. lrs: {taft: [0.001, 0.0001], nlft: [0.001, 0.0001]})"
+                )
+        return data
+
+    @field_validator("taft", "nlft", "fc")
+    @classmethod
+    def _lrs(cls, values: tuple[float, ...] | None, info: ValidationInfo) -> tuple[float, ...] | None:
+        return None if values is None else _check_lrs(values, f"search.lrs.{info.field_name}")
+
+
+class TangentSearchConfig(FrozenConfig):
+    """Tables 1-2: each method's fine-tuning recipe chosen on validation data (App. A).
+
+    TAFT searches ``lrs.taft x pts x cls`` (``pts``: PT, ``true`` linearises the pretrained last block, ``false``
+    resets it first; ``cls``: whether the CLS token is linearised, ``linearize_cls_token``); NLFT and FC search
+    their learning rates only (``lrs.nlft``, ``lrs.fc``: the paper tunes PT and CLS for TAFT). Every point trains on
+    the training images less a validation part (``val_fraction`` of them, drawn from the seed) and is scored there,
+    never on the test set; the best (the first in grid order on ties) is retrained on all the training images for
+    Table 1, and Table 2's shards (and Fig. 1, which reads them) train at the point TAFT and NLFT chose there. A
+    knob left null keeps the stage's one value (``lr``, ``nlft_lr``, ``fc_lr``, ``not reinit_last_block``,
+    ``linearize_cls_token``); a method whose grid has one point is not searched: it trains once, on all the images,
+    as without this section.
+    """
+
+    lrs: TangentSearchLrs = Field(default_factory=TangentSearchLrs, description="learning rates per method")
+    pts: tuple[bool, ...] | None = Field(None, description="TAFT's PT values searched; null: [not reinit_last_block]")
+    cls: tuple[bool, ...] | None = Field(None, description="TAFT's CLS values searched; null: [linearize_cls_token]")
+    val_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of the training images a searched method is scored on"
+    )
+
+    @field_validator("pts")
+    @classmethod
+    def _pts(cls, values: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+        return _check_flags(values, "search.pts (PT)", "pts")
+
+    @field_validator("cls")
+    @classmethod
+    def _cls(cls, values: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+        return _check_flags(values, "search.cls (CLS)", "cls")
+
+
+@dataclass(frozen=True)
+class MethodGrid:
+    """One Table 1 method's grid, every knob resolved: learning rates, PT and CLS values (one each: no search)."""
+
+    lrs: tuple[float, ...]
+    pts: tuple[bool, ...] = (True,)
+    cls: tuple[bool, ...] = (False,)
+
+    @property
+    def points(self) -> int:
+        return len(self.lrs) * len(self.pts) * len(self.cls)
 
 
 class TangentDPConfig(FrozenConfig):
@@ -103,7 +203,9 @@ class TangentConfig(SeedPasses):
     """Stage 3: Tangent Transformers (TAFT) on a pretrained ViT: Tables 1-3 and Fig. 1 of the paper.
 
     ``epochs``/``lr``/``batch_size``/``ridge``/``kappa`` are TAFT's (App. A: Adam, RSL with kappa 15);
-    ``nlft_lr`` and ``fc_lr`` the non-linear baselines' (cross-entropy). ``shards`` are the shard
+    ``nlft_lr`` and ``fc_lr`` the non-linear baselines' (cross-entropy); ``reinit_last_block`` and
+    ``linearize_cls_token`` TAFT's PT (reset: PT=F) and CLS. ``search`` (:class:`TangentSearchConfig`) replaces any
+    of these five by a grid chosen on validation for Tables 1-2 (the default searches nothing). ``shards`` are the shard
     counts of Table 2; ``fig1_shards`` (one of them) is the composition whose shards Fig. 1 removes,
     over ``fig1_trials`` random removal orders; ``forget_fractions`` are the shares of the training set
     forgotten by shard retraining in Fig. 1(c). One forget request of ``forget_request_examples`` images held by
@@ -136,6 +238,10 @@ class TangentConfig(SeedPasses):
     forget_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
     forget_request_examples: int = Field(1, ge=1, description="training images one forget request names")
     forget_request_shards: int = Field(1, ge=1, description="how many of the fig1_shards shards hold them")
+    search: TangentSearchConfig = Field(
+        default_factory=TangentSearchConfig,
+        description="Tables 1-2: each method's lr (TAFT: and PT, CLS) chosen on validation; default: no search",
+    )
     dp: TangentDPConfig | None = None
     workers: int = Field(2, ge=1, description="tasks trained in parallel")
     threads_per_worker: int = Field(1, ge=1)
@@ -190,3 +296,40 @@ class TangentConfig(SeedPasses):
     @property
     def fig1_n_shards(self) -> int:
         return self.fig1_shards if self.fig1_shards is not None else max(self.shards)
+
+    def method_grid(self, method: str) -> MethodGrid:
+        """The grid ``method`` (one of :data:`TABLE1_METHODS`) searches: ``search``'s knobs, each null one the
+        stage's single value (so the defaults are one point: today's recipe)."""
+        s = self.search
+        if method == "taft":
+            return MethodGrid(
+                s.lrs.taft or (self.lr,),
+                s.pts or (not self.reinit_last_block,),
+                s.cls or (self.linearize_cls_token,),
+            )
+        if method == "nlft":
+            return MethodGrid(s.lrs.nlft or (self.nlft_lr,))
+        if method == "fc":
+            return MethodGrid(s.lrs.fc or (self.fc_lr,))
+        raise ValueError(f"unknown Table 1 method {method!r}; known: {', '.join(TABLE1_METHODS)}")
+
+    @property
+    def searches_table2(self) -> bool:
+        """Whether a method whose shards Table 2 trains (TAFT, NLFT) is searched, so its shards wait for the choice."""
+        return any(self.method_grid(m).points > 1 for m in TABLE2_METHODS)
+
+    def with_point(self, method: str, *, lr: float, pretrained: bool = True, cls: bool = False) -> TangentConfig:
+        """This config with ``method``'s recipe fixed at one point (its grid collapsed to it): what Table 2's shards
+        and Fig. 1 train with once Table 1's search has chosen. PT and CLS are TAFT's only."""
+        s = self.search
+        if method == "taft":
+            update: dict[str, Any] = {"lr": lr, "reinit_last_block": not pretrained, "linearize_cls_token": cls}
+            search = s.model_copy(update={"lrs": s.lrs.model_copy(update={"taft": None}), "pts": None, "cls": None})
+        elif method in ("nlft", "fc"):
+            if not pretrained or cls:
+                raise ValueError(f"PT and CLS are TAFT's knobs; {method} has neither, got {pretrained=}, {cls=}")
+            update = {f"{method}_lr": lr}
+            search = s.model_copy(update={"lrs": s.lrs.model_copy(update={method: None})})
+        else:
+            raise ValueError(f"unknown Table 1 method {method!r}; known: {', '.join(TABLE1_METHODS)}")
+        return self.model_copy(update=update | {"search": search})

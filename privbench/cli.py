@@ -289,21 +289,31 @@ def report(
     err.print(_literal(f"{counts}; wrote {target} ({len(result.figures)} figures in {target.with_suffix('')}/)"))
 
 
-@app.command()
-def ui(
-    port: Annotated[int, typer.Option(help="port on 127.0.0.1")] = 5000,
-    host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")] = "127.0.0.1",
-    print_only: Annotated[bool, typer.Option("--print", help="only print the command")] = False,
-) -> None:
-    """Start the MLflow UI on the configured tracking store (or print the command with --print)."""
-    cmd = mlflow_ui_command(port=port, host=host)
+HostOpt = Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")]
+PrintOpt = Annotated[bool, typer.Option("--print", help="only print the command")]
+
+
+def _serve_or_print(name: str, cmd: list[str], *, host: str, port: int, print_only: bool, env: dict[str, str]) -> None:
+    """With ``--print``, print the server command ``cmd`` (passwords redacted); else say where ``name`` serves and
+    replace this process by ``cmd``, with ``env`` added to the environment."""
     shown = redact_url(shlex.join(cmd))  # the real command keeps the tracking store's password
     if print_only:
         print(shown)
         return
-    err.print(_literal(f"MLflow UI on http://{host}:{port}  (Ctrl-C stops)\n  {shown}"))
-    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    os.execvpe(cmd[0], cmd, env)
+    err.print(_literal(f"{name} on http://{host}:{port}  (Ctrl-C stops)\n  {shown}"))
+    os.execvpe(cmd[0], cmd, os.environ | env)
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1")] = 5000,
+    host: HostOpt = "127.0.0.1",
+    print_only: PrintOpt = False,
+) -> None:
+    """Start the MLflow UI on the configured tracking store (or print the command with --print)."""
+    cmd = mlflow_ui_command(port=port, host=host)
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    _serve_or_print("MLflow UI", cmd, host=host, port=port, print_only=print_only, env=env)
 
 
 NamesOpt = Annotated[list[str] | None, typer.Option("--only", help="only this deployment (repeatable)")]
@@ -396,17 +406,13 @@ def deploy(
 @app.command()
 def dashboard(
     port: Annotated[int, typer.Option(help="port")] = 8501,
-    host: Annotated[str, typer.Option(help="interface to bind (keep 127.0.0.1 unless you mean it)")] = "127.0.0.1",
-    print_only: Annotated[bool, typer.Option("--print", help="only print the command")] = False,
+    host: HostOpt = "127.0.0.1",
+    print_only: PrintOpt = False,
 ) -> None:
     """Start the Streamlit dashboard over the results store (links go to the MLflow UI of ``privbench ui``)."""
     cmd = dashboard_command(port=port, host=host)
-    shown = redact_url(shlex.join(cmd))
-    if print_only:
-        print(shown)
-        return
-    err.print(_literal(f"dashboard on http://{host}:{port}  (Ctrl-C stops)\n  {shown}"))
-    os.execvpe(cmd[0], cmd, os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
+    env = {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
+    _serve_or_print("dashboard", cmd, host=host, port=port, print_only=print_only, env=env)
 
 
 def dashboard_command(*, port: int, host: str) -> list[str]:

@@ -13,6 +13,8 @@ so a claim selects one setting with ``where: {config.utility.lm_vocab: full}``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from prefect import task
 
 from core.errors import ConfigError, DataError
 from pbconfig.attacks import AttacksConfig
-from storage.recording import RunRef
+from storage.recording import Recorder, RunRef
 from tasks.attacks_film import (  # noqa: F401  (re-exported: the stage's tasks in one place)
     client_sentences,
     film_attack,
@@ -56,11 +58,38 @@ def _mapping(cfg: AttacksConfig, vocab_size: int) -> torch.Tensor:
     return build_byte_mapping(vocab_size, n_bytes=s.n_bytes, byte_vocab=s.byte_vocab, seed=s.seed)
 
 
-def _threads(cfg: AttacksConfig) -> None:
+def _utility_seed(cfg: AttacksConfig, seed: int | None) -> int:
+    """A utility task's start: the worker's intra-op threads set; returns the run's seed (None: ``utility.seed``)."""
     torch.set_num_threads(cfg.threads_per_worker)
+    return cfg.utility.seed if seed is None else seed
 
 
 # ----------------------------------------------------------------------------------------------- utility
+
+
+@contextmanager
+def _utility_record(
+    cfg: AttacksConfig,
+    parent: RunRef,
+    technique: str,
+    dataset: str,
+    embedding: str,
+    seed: int,
+    utility: dict[str, Any],
+    run_name: str,
+) -> Iterator[Recorder]:
+    """The run of one utility model (result group ``utility``): its config carries the ``seed`` at its top level
+    (the claims pair the embeddings by seed), the ``utility`` settings it trained with and SEB's."""
+    config = {
+        "seed": seed,
+        "dataset": dataset,
+        "embedding": embedding,
+        "utility": utility,
+        "seb": cfg.seb.model_dump(mode="json"),
+    }
+    with task_record(parent=parent, technique=technique, config=config, dataset=dataset, run_name=run_name) as rec:
+        rec.tag("privbench.result_group", "utility")
+        yield rec
 
 
 def _lm_blocks(seqs: list[list[int]], max_len: int, eos: int) -> torch.Tensor:
@@ -101,27 +130,14 @@ def utility_lm(
     )
     from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, LM_VOCABS, lm_vocabulary
 
-    _threads(cfg)
+    seed = _utility_seed(cfg, seed)
     u = cfg.utility
-    seed = u.seed if seed is None else seed
     vocab = u.lm_vocab if vocab is None else vocab
     if vocab not in LM_VOCABS:  # refused before a run is recorded
         raise ConfigError(f"utility LM vocab={vocab!r} is unknown; use one of {LM_VOCABS} (None: utility.lm_vocab)")
-    config = {
-        "seed": seed,
-        "dataset": dataset,
-        "embedding": embedding,
-        "utility": u.model_dump(mode="json") | {"lm_vocab": vocab},  # the vocabulary this run trained at
-        "seb": cfg.seb.model_dump(mode="json"),
-    }
-    with task_record(
-        parent=parent,
-        technique=f"seb-lm-{embedding}",
-        config=config,
-        dataset=dataset,
-        run_name=f"LM {embedding} on {dataset} ({vocab} vocabulary), seed {seed}",
-    ) as rec:
-        rec.tag("privbench.result_group", "utility")
+    utility = u.model_dump(mode="json") | {"lm_vocab": vocab}  # the vocabulary this run trained at
+    run_name = f"LM {embedding} on {dataset} ({vocab} vocabulary), seed {seed}"
+    with _utility_record(cfg, parent, f"seb-lm-{embedding}", dataset, embedding, seed, utility, run_name) as rec:
         data = _texts(path)
         train, test = _encode(data["train"]), _encode(data["test"])
         plateau = None
@@ -207,24 +223,10 @@ def utility_translation(
     )
     from core.attacks.vocab import GPT2_EOS, CompactVocab
 
-    _threads(cfg)
+    seed = _utility_seed(cfg, seed)
     u = cfg.utility
-    seed = u.seed if seed is None else seed
-    config = {
-        "seed": seed,
-        "dataset": u.translation,
-        "embedding": embedding,
-        "utility": u.model_dump(mode="json"),
-        "seb": cfg.seb.model_dump(mode="json"),
-    }
-    with task_record(
-        parent=parent,
-        technique=f"seb-mt-{embedding}",
-        config=config,
-        dataset=u.translation,
-        run_name=f"de-en translation {embedding}, seed {seed}",
-    ) as rec:
-        rec.tag("privbench.result_group", "utility")
+    utility, run_name = u.model_dump(mode="json"), f"de-en translation {embedding}, seed {seed}"
+    with _utility_record(cfg, parent, f"seb-mt-{embedding}", u.translation, embedding, seed, utility, run_name) as rec:
         data = _texts(path)
         if not data["train"] or not isinstance(data["train"][0], list | tuple):
             raise DataError(

@@ -34,7 +34,7 @@ from pbconfig.attacks import AttacksConfig, FilmConfig, PriorSpec
 from pbconfig.canon import canonical_json
 from pbconfig.settings import get_settings
 from storage.recording import RunRef
-from tasks.prepare import MANIFEST, read_manifest, write_atomically
+from tasks.prepare import read_manifest, write_prepared
 from tasks.records import RESUMABLE, task_record
 
 PRIOR_VERSION = "film-prior-v1"
@@ -177,9 +177,8 @@ def _build_prior(
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         (tmp / "vocab.json").write_text(json.dumps(vocab.state()))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
-    write_atomically(out_dir, write)
+    write_prepared(out_dir, manifest, write)
     return manifest
 
 

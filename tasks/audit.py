@@ -187,6 +187,19 @@ def audit_point(
     return SeqrecAudit(target=target, results=results, delta=delta, n_users=n, train_s=train_s)
 
 
+def _attack_columns(r: dict[str, Any]) -> dict[str, Any]:
+    """The ``attack_results`` columns of one attack's audit result ``r`` (``core.attacks.audit``)."""
+    lo, hi = r["empirical_epsilon_ci"]
+    return {
+        "auc": r["auc"],
+        "tpr_at_0_1pct_fpr": r["tpr_at_0.1pct_fpr"],
+        "tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
+        "empirical_epsilon": r["empirical_epsilon"],
+        "empirical_epsilon_lo": lo,
+        "empirical_epsilon_hi": hi,
+    }
+
+
 @task(name="mia-audit", **RESUMABLE)
 def audit_seqrec(
     dataset: str,
@@ -241,17 +254,11 @@ def audit_seqrec(
         if ledger is not None:
             rec.ledger(ledger, unit=PRIVACY_UNIT, neighbouring=NEIGHBOURING)  # the train-dp trainer's user-level DP
         for name, r in results.items():
-            lo, hi = r["empirical_epsilon_ci"]
             rec.attack(
                 attack=name,
                 target=f"{dataset}:{method}",
                 setting=f"{label},shadows={cfg.shadows}",
-                auc=r["auc"],
-                tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"],
-                tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
-                empirical_epsilon=r["empirical_epsilon"],
-                empirical_epsilon_lo=lo,
-                empirical_epsilon_hi=hi,
+                **_attack_columns(r),
                 accountant_epsilon=r["accountant_epsilon"],
                 extra={
                     **{
@@ -287,7 +294,7 @@ def audit_seqrec(
                     f"{name}.tpr_at_0.1pct_fpr": r["tpr_at_0.1pct_fpr"],
                     f"{name}.tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
                     f"{name}.empirical_epsilon": r["empirical_epsilon"],
-                    f"{name}.empirical_epsilon_lo": lo,
+                    f"{name}.empirical_epsilon_lo": r["empirical_epsilon_ci"][0],
                     f"{name}.certifiable_epsilon_max": r["certifiable_epsilon_max"],
                 }
             )
@@ -386,7 +393,6 @@ def audit_unlearning(
         results = audit_groups(groups, delta=delta, alpha=cfg.alpha)
         forgotten_test = two_sample_test(after_train[gone], test_after)
         for setting, r in results.items():
-            lo, hi = r["empirical_epsilon_ci"]
             extra = {k: r[k] for k in ("delta", "alpha", "n_members", "n_nonmembers", "certifiable_epsilon_max")}
             extra |= {"auc_lo": r["auc_ci"][0], "auc_hi": r["auc_ci"][1]}
             if setting.startswith("after: forgotten"):
@@ -395,12 +401,7 @@ def audit_unlearning(
                 attack="loss",
                 target=f"{tangent.dataset}:taft-composed",
                 setting=setting,
-                auc=r["auc"],
-                tpr_at_0_1pct_fpr=r["tpr_at_0.1pct_fpr"],
-                tpr_at_1pct_fpr=r["tpr_at_1pct_fpr"],
-                empirical_epsilon=r["empirical_epsilon"],
-                empirical_epsilon_lo=lo,
-                empirical_epsilon_hi=hi,
+                **_attack_columns(r),
                 extra=extra,
             )
         short = {

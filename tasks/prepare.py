@@ -8,7 +8,7 @@ concurrent run never leaves a half-written dataset behind.
 
 Every preparation task (sequential datasets here, images and pretrained models in ``tasks.prepare_images``,
 texts in ``tasks.prepare_texts``) keys its folder with :func:`content_key`, writes it with
-:func:`write_atomically` and records itself with :func:`record_prepared`.
+:func:`write_prepared` and records itself with :func:`record_prepared` (a :class:`Preparation` names its kind).
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ class PreparedRef:
     run_id: str | None = None
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """A kind of prepared folder: the ``technique`` of its runs, the preparation ``version`` (in its cache key and
+    its manifest: bump it when the preparation changes) and the ``kind`` of its ``datasets`` row."""
+
+    technique: str
+    version: str
+    kind: str
+
+
+SEQREC_PREP = Preparation(technique="seqrec-prep", version=PREP_VERSION, kind="seqrec")
+
+
 @task(
     name="materialize-source", retries=2, retry_delay_seconds=1, retry_condition_fn=lambda t, r, s: retry_transient(s)
 )
@@ -96,15 +109,7 @@ def prepare_dataset(spec: DatasetSpec, source: SourceRef, parent: RunRef) -> Pre
         return manifest
 
     return record_prepared(
-        spec,
-        parent=parent,
-        technique="seqrec-prep",
-        key=key,
-        out_dir=out_dir,
-        version=PREP_VERSION,
-        build=build,
-        kind="seqrec",
-        source=source.origin,
+        spec, SEQREC_PREP, parent=parent, key=key, out_dir=out_dir, build=build, source=source.origin
     )
 
 
@@ -139,30 +144,41 @@ def timed(write: Callable[[], dict[str, Any]]) -> Callable[[Recorder], dict[str,
     return build
 
 
+def prepare_keyed(
+    spec: BaseModel, prep: Preparation, parent: RunRef, source_hash: str, write: Callable[[str, Path], dict[str, Any]]
+) -> PreparedRef:
+    """:func:`record_prepared` of ``spec``'s folder in the data directory (:func:`prepared_dir`), keyed by
+    :func:`content_key` of ``prep.version``, the spec and ``source_hash``; ``write(key, out_dir)`` builds it and
+    returns its manifest, timed (:func:`timed`)."""
+    key = content_key(prep.version, spec, source_hash)
+    out_dir = prepared_dir(spec.name, key)  # type: ignore[attr-defined]
+    return record_prepared(
+        spec, prep, parent=parent, key=key, out_dir=out_dir, build=timed(lambda: write(key, out_dir))
+    )
+
+
 def record_prepared(
     spec: BaseModel,
+    prep: Preparation,
     *,
     parent: RunRef,
-    technique: str,
     key: str,
     out_dir: Path,
-    version: str,
     build: Callable[[Recorder], dict[str, Any]],
-    kind: str,
     source: str | None = None,
     metric_keys: Sequence[str] | None = None,
 ) -> PreparedRef:
     """Prepare ``spec`` (a config with a ``name``) into ``out_dir`` once per content, recorded as one run.
 
-    The run (``technique``, a child of ``parent``) finds a complete folder of preparation ``version`` (a cache
-    hit) or calls ``build(rec)``, which writes the folder (:func:`write_atomically`) and returns its manifest
+    The run (``prep.technique``, a child of ``parent``) finds a complete folder of ``prep.version`` (a cache
+    hit) or calls ``build(rec)``, which writes the folder (:func:`write_prepared`) and returns its manifest
     (``content_hash``, ``stats``, ``source``), recording its own timings on ``rec``. Either way the run records
     the numeric ``stats`` (or only ``metric_keys``), ``cache_hit``, the ``datasets`` row of this (name, key) when
-    the store has none yet (``kind``; ``source`` defaults to the manifest's), the content hash tag and the
+    the store has none yet (``prep.kind``; ``source`` defaults to the manifest's), the content hash tag and the
     manifest artifact. Returns what later stages receive."""
     name = spec.name  # type: ignore[attr-defined]
-    with task_record(parent=parent, technique=technique, config=spec, dataset=name) as rec:
-        manifest = read_manifest(out_dir, version)
+    with task_record(parent=parent, technique=prep.technique, config=spec, dataset=name) as rec:
+        manifest = read_manifest(out_dir, prep.version)
         cached = manifest is not None
         if manifest is None:
             manifest = build(rec)
@@ -178,7 +194,7 @@ def record_prepared(
                 path=str(out_dir),
                 source=manifest["source"] if source is None else source,
                 stats=stats,
-                kind=kind,
+                kind=prep.kind,
             )
         rec.tag("privbench.dataset_hash", manifest["content_hash"])
         rec.artifact_json("manifest.json", manifest)
@@ -243,11 +259,7 @@ def _build(spec: DatasetSpec, source: SourceRef, key: str, out_dir: Path) -> tup
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
-    def write(tmp: Path) -> None:
-        data.save(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
-
-    write_atomically(out_dir, write)
+    write_prepared(out_dir, manifest, data.save)
     t3 = time.perf_counter()
     written = read_manifest(out_dir)  # a concurrent writer may have won the rename; theirs is identical
     return written or manifest, {"parse_s": t1 - t0, "preprocess_s": t2 - t1, "write_s": t3 - t2}
@@ -266,6 +278,17 @@ def _synthetic_source(spec: DatasetSpec) -> SourceRef:
     if not path.is_file():
         write_atomically(folder, lambda tmp: write_synthetic(tmp / path.name, shaped, fmt=syn.format, seed=syn.seed))
     return SourceRef(str(path), syn.format, sha256_file(path), f"synthetic {syn.preset} x{syn.scale} seed {syn.seed}")
+
+
+def write_prepared(out_dir: Path, manifest: dict[str, Any], write: Callable[[Path], object]) -> None:
+    """Write a prepared folder atomically (:func:`write_atomically`): ``write(tmp)`` fills it, then its manifest is
+    written, last: a folder with a manifest is complete."""
+
+    def fill(tmp: Path) -> None:
+        write(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+    write_atomically(out_dir, fill)
 
 
 def write_atomically(target: Path, write: Callable[[Path], object]) -> None:

@@ -12,7 +12,6 @@ a second run finds the manifest and records a cache hit.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -39,20 +38,22 @@ from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef
 from tasks.prepare import (
     MANIFEST,
+    Preparation,
     PreparedRef,
     content_key,
-    prepared_dir,
+    prepare_keyed,
     read_manifest,
     record_prepared,
     sha256_file,
-    timed,
-    write_atomically,
+    write_prepared,
 )
 from tasks.records import retry_transient
 
 IMAGE_PREP_VERSION = "images-v1"
 MODEL_PREP_VERSION = "dinov2-onnx-v1"
 TENSORS = "tensors.pt"
+IMAGE_PREP = Preparation(technique="image-prep", version=IMAGE_PREP_VERSION, kind="images")
+PRETRAINED_PREP = Preparation(technique="pretrained-convert", version=MODEL_PREP_VERSION, kind="model")
 
 
 # ----------------------------------------------------------------------------------------------- images
@@ -63,18 +64,11 @@ def prepare_image_dataset(spec: ImageDatasetSpec, parent: RunRef) -> PreparedRef
     """Split, subsample, resize and save ``spec``'s images once per content, recorded as one run."""
     files = _image_source_files(spec)
     source_hash = hashlib.sha256("|".join(sha256_file(f) for f in files).encode()).hexdigest()
-    key = content_key(IMAGE_PREP_VERSION, spec, source_hash)
-    out_dir = prepared_dir(spec.name, key)
-    return record_prepared(
-        spec,
-        parent=parent,
-        technique="image-prep",
-        key=key,
-        out_dir=out_dir,
-        version=IMAGE_PREP_VERSION,
-        build=timed(lambda: _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)),
-        kind="images",
-    )
+
+    def write(key: str, out_dir: Path) -> dict[str, Any]:
+        return _build_images(spec, key, source_hash, [str(f) for f in files], out_dir)
+
+    return prepare_keyed(spec, IMAGE_PREP, parent, source_hash, write)
 
 
 def load_prepared_images(path: str | Path) -> dict[str, Any]:
@@ -170,11 +164,7 @@ def _build_images(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
-    def write(tmp: Path) -> None:
-        torch.save(data, tmp / TENSORS)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
-
-    write_atomically(out_dir, write)
+    write_prepared(out_dir, manifest, lambda tmp: torch.save(data, tmp / TENSORS))
     return read_manifest(out_dir, IMAGE_PREP_VERSION) or manifest
 
 
@@ -217,13 +207,11 @@ def prepare_pretrained(spec: PretrainedSpec, parent: RunRef) -> PreparedRef:
 
     return record_prepared(
         spec,
+        PRETRAINED_PREP,
         parent=parent,
-        technique="pretrained-convert",
         key=key,
         out_dir=out_dir,
-        version=MODEL_PREP_VERSION,
         build=build,
-        kind="model",
         metric_keys=("n_parameters", "onnxruntime_max_abs_err", "num_hidden_layers", "hidden_size"),
     )
 
@@ -321,7 +309,6 @@ def write_prepared_model(
     def write(tmp: Path) -> None:
         hf_logging.disable_progress_bar()
         model.save_pretrained(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
-    write_atomically(Path(out_dir), write)
+    write_prepared(Path(out_dir), manifest, write)
     return read_manifest(Path(out_dir), MODEL_PREP_VERSION) or manifest

@@ -36,21 +36,12 @@ from core.data import text as textsrc
 from core.errors import DataError
 from pbconfig.data import TextDatasetSpec
 from storage.recording import RunRef
-from tasks.prepare import (
-    MANIFEST,
-    PreparedRef,
-    content_key,
-    prepared_dir,
-    read_manifest,
-    record_prepared,
-    sha256_file,
-    timed,
-    write_atomically,
-)
+from tasks.prepare import MANIFEST, Preparation, PreparedRef, prepare_keyed, read_manifest, sha256_file, write_prepared
 from tasks.records import retry_transient
 
 TEXT_PREP_VERSION = "texts-v1"
 TEXTS = "texts.json"
+TEXT_PREP = Preparation(technique="text-prep", version=TEXT_PREP_VERSION, kind="text")
 SHAKESPEARE_ENV = "PRIVBENCH_SHAKESPEARE_DIR"
 LOCALE_DE_DIR = Path("/usr/share/locale/de/LC_MESSAGES")
 _SHAKESPEARE_HINT = (
@@ -84,17 +75,8 @@ def shakespeare_dir() -> Path:
 def prepare_text_dataset(spec: TextDatasetSpec, parent: RunRef) -> PreparedRef:
     """Read, filter, deduplicate, shuffle, split and save ``spec``'s texts once per content, recorded as one run."""
     source = locate_text_source(spec)
-    key = content_key(TEXT_PREP_VERSION, spec, source.sha256)
-    out_dir = prepared_dir(spec.name, key)
-    return record_prepared(
-        spec,
-        parent=parent,
-        technique="text-prep",
-        key=key,
-        out_dir=out_dir,
-        version=TEXT_PREP_VERSION,
-        build=timed(lambda: _build_texts(spec, source, key, out_dir)),
-        kind="text",
+    return prepare_keyed(
+        spec, TEXT_PREP, parent, source.sha256, lambda key, out_dir: _build_texts(spec, source, key, out_dir)
     )
 
 
@@ -236,11 +218,7 @@ def _build_texts(spec: TextDatasetSpec, source: TextSource, key: str, out_dir: P
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
-    def write(tmp: Path) -> None:
-        (tmp / TEXTS).write_bytes(payload)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
-
-    write_atomically(out_dir, write)
+    write_prepared(out_dir, manifest, lambda tmp: (tmp / TEXTS).write_bytes(payload))
     return read_manifest(out_dir, TEXT_PREP_VERSION) or manifest
 
 

@@ -22,7 +22,6 @@ model training and the prompts only and never reaches a share.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from core.secret_source import SECRET_SOURCE_TAG
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef
-from tasks.prepare import MANIFEST, read_manifest, write_atomically
+from tasks.prepare import read_manifest, write_prepared
 from tasks.records import RESUMABLE, task_record
 from tasks.secure_inference_models import (
     EOS,
@@ -131,9 +130,8 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
                 torch.save(done.payload, tmp / "payload.pt")
                 if kind.keeps_state:
                     torch.save(done.model.state_dict(), tmp / "state.pt")
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: a folder with it is complete
 
-            write_atomically(out_dir, write)
+            write_prepared(out_dir, manifest, write)
         for curve, values in manifest["curves"].items():
             record_curve(rec, curve, curve_from_json(values))
         rec.metrics(manifest["metrics"], units={"train_s": "s"})

@@ -14,6 +14,8 @@ split. Each run records where its secrets came from (tag ``privbench.secret_sour
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,12 +27,25 @@ from core.stip import recovery as R
 from core.stip.keys import SECRET_SOURCE
 from core.stip.models import build_model
 from pbconfig.stip import StipConfig, StipModelSpec
+from storage.recording import Recorder
 from tasks.records import RESUMABLE, task_record
 
 
 def _model(spec: StipModelSpec, seed: int) -> torch.nn.Module:
     """The spec's model (``core.stip.models.build_model``, cached per process; do not modify it)."""
     return build_model(spec.source, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head, seed=seed)
+
+
+@contextmanager
+def _stip_record(
+    parent: Any, group: str, technique: str, config: dict[str, Any], spec: StipModelSpec, run_name: str
+) -> Iterator[Recorder]:
+    """The run of one STIP task on ``spec``'s model: in result group ``group``, tagged with where its secrets came
+    from."""
+    with task_record(parent=parent, technique=technique, config=config, dataset=spec.name, run_name=run_name) as rec:
+        rec.tag("privbench.result_group", group)
+        rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
+        yield rec
 
 
 def _prompt(model: torch.nn.Module, length: int, seed: int) -> torch.Tensor:
@@ -50,15 +65,7 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
         "gen_len": cfg.gen_len,
         "repeats": cfg.timing_repeats,
     }
-    with task_record(
-        parent=parent,
-        technique=f"stip-{design}",
-        config=config,
-        dataset=spec.name,
-        run_name=f"STIP {design} on {spec.name}",
-    ) as rec:
-        rec.tag("privbench.result_group", "protocol")
-        rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
+    with _stip_record(parent, "protocol", f"stip-{design}", config, spec, f"STIP {design} on {spec.name}") as rec:
         out = E.protocol_costs(
             model,
             _prompt(model, cfg.prompt_len, cfg.seed),
@@ -95,15 +102,8 @@ def attack(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> di
         "queries": cfg.attack_queries,
         "stream_tokens": cfg.stream_tokens,
     }
-    with task_record(
-        parent=parent,
-        technique=f"attacks-{design}",
-        config=config,
-        dataset=spec.name,
-        run_name=f"attacks on STIP {design} on {spec.name}",
-    ) as rec:
-        rec.tag("privbench.result_group", "attacks")
-        rec.tag(SECRET_SOURCE_TAG, SECRET_SOURCE)
+    run_name = f"attacks on STIP {design} on {spec.name}"
+    with _stip_record(parent, "attacks", f"attacks-{design}", config, spec, run_name) as rec:
         stream, reference = R.model_streams(model, cfg.stream_tokens, cfg.seed)
         rows = R.recovery_rows(
             model,

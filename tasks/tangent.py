@@ -8,9 +8,11 @@ folder, and trained deltas / shard models are written to a folder of the flow ru
 
 Result groups (tag ``privbench.result_group``), the paper's analogues:
 
-* ``table1``: TAFT-k vs NLFT-k vs FC on the full training set (techniques ``taft-<k>``, ``nlft-<k>``, ``fc``);
+* ``table1``: TAFT-k vs NLFT-k vs FC on the full training set (techniques ``taft-<k>``, ``nlft-<k>``, ``fc``), each
+  method's recipe chosen on a validation part of the training images where ``tangent.search`` gives it a grid;
 * ``table2``: per shard count N, TAFT composed by averaging deltas (``taft-composed``, eq. 13) vs Model Soup
-  (``model-soup``) and the SISA output ensemble (``sisa``), from shard models (``taft-shard``, ``nlft-shard``);
+  (``model-soup``) and the SISA output ensemble (``sisa``), from shard models (``taft-shard``, ``nlft-shard``)
+  trained at the point Table 1's search chose for TAFT and NLFT (:func:`tune_table2`);
 * ``fig1``: forgetting (its tasks are in :mod:`tasks.tangent_unlearning`);
 * ``table3``: DP fine-tuning of tangent vs original parameters per regime and epsilon (``dp-<regime>``; its task
   is in :mod:`tasks.tangent_dp`).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import replace
@@ -34,13 +37,15 @@ import torch
 from prefect import task
 from torch import Tensor, nn
 
+from core.errors import PrivbenchError
 from core.registry import lookup
 from core.tangent import experiments as X
-from core.tangent.baselines import NonlinearSuffix, train_fc, train_nonlinear
+from core.tangent.baselines import NonlinearSuffix, train_nonlinear
 from core.tangent.model import TangentModel
+from core.tangent.search import FTPoint, Selection, fine_tune_grid, search_table1, validation_split
 from core.tangent.train import TangentTrainConfig, train_tangent
 from pbconfig.settings import get_settings
-from pbconfig.tangent import TangentConfig
+from pbconfig.tangent import TABLE2_METHODS, TangentConfig
 from storage.recording import Recorder, RunRef
 from tasks.prepare_images import load_prepared_images, load_pretrained, to_pixels
 from tasks.records import RESUMABLE, task_record
@@ -156,79 +161,170 @@ def parent_workdir(parent: RunRef) -> str:
 
 # ----------------------------------------------------------------------------------------------- Table 1
 
-
-def _table1_taft(
-    inputs: TangentInputs, cfg: TangentConfig, f: dict[str, Tensor], tcfg: TangentTrainConfig
-) -> tuple[Any, float, float, int]:
-    model = tangent_model(inputs, cfg)
-    stats = train_tangent(model, f["train_h"], f["train_y"], tcfg)
-    return stats, *_suffix_accuracies(model, f, cfg), sum(p.numel() for p in model.tangent_parameters())
+# method -> its technique name (given k); what each method trains is core's (core.tangent.experiments.table1_cell)
+TABLE1: dict[str, str] = {"taft": "taft-{k}", "nlft": "nlft-{k}", "fc": "fc"}
 
 
-def _table1_nlft(
-    inputs: TangentInputs, cfg: TangentConfig, f: dict[str, Tensor], tcfg: TangentTrainConfig
-) -> tuple[Any, float, float, int]:
-    model, stats = train_nonlinear(
-        load_backbone(inputs.model_path), nonlinear_model(inputs, cfg).head, f["train_h"], f["train_y"], tcfg, k=cfg.k
-    )
-    return stats, *_suffix_accuracies(model, f, cfg), sum(p.numel() for p in model.parameters())
+def method_grid(cfg: TangentConfig, method: str) -> tuple[FTPoint, ...]:
+    """The grid ``method`` searches (``cfg.search``'s knobs, the stage's values where null): one point is no search."""
+    g = cfg.method_grid(method)
+    return fine_tune_grid(g.lrs, g.pts, g.cls)
 
 
-def _table1_fc(
-    inputs: TangentInputs, cfg: TangentConfig, f: dict[str, Tensor], tcfg: TangentTrainConfig
-) -> tuple[Any, float, float, int]:
-    base = nonlinear_model(inputs, cfg)
-    z_train, z_test = X.cls_features(base, f["train_h"]), X.cls_features(base, f["test_h"])
-    fc, stats = train_fc(base.head, z_train, f["train_y"], tcfg)
-    with torch.no_grad():
-        test_acc, train_acc = X.accuracy(fc(z_test), f["test_y"]), X.accuracy(fc(z_train), f["train_y"])
-    return stats, test_acc, train_acc, sum(p.numel() for p in fc.parameters())
-
-
-def _suffix_accuracies(model: nn.Module, f: dict[str, Tensor], cfg: TangentConfig) -> tuple[float, float]:
-    """(test, train) accuracy of a model read from the cached features."""
-    return (
-        X.accuracy(X.logits_of(model, f["test_h"], cfg.eval_batch_size), f["test_y"]),
-        X.accuracy(X.logits_of(model, f["train_h"], cfg.eval_batch_size), f["train_y"]),
+def _split(cfg: TangentConfig, n_train: int) -> tuple[Tensor, Tensor]:
+    return validation_split(
+        n_train,
+        cfg.search.val_fraction,
+        cfg.seed,
+        what="training images",
+        fix="raise prepare.images[].n_train or change tangent.search.val_fraction",
     )
 
 
-# method -> its technique name (given k) and how it trains; the only list of Table 1's methods
-TABLE1: dict[str, tuple[str, Any]] = {
-    "taft": ("taft-{k}", _table1_taft),
-    "nlft": ("nlft-{k}", _table1_nlft),
-    "fc": ("fc", _table1_fc),
-}
+def check_search(cfg: TangentConfig, inputs: TangentInputs) -> None:
+    """Refuse a Table 1 search whose validation part would leave either side of the training images empty, before
+    anything trains."""
+    if any(len(method_grid(cfg, m)) > 1 for m in TABLE1):
+        _split(cfg, inputs.n_train)
+
+
+def grid_config(method: str, grid: tuple[FTPoint, ...], val_fraction: float) -> dict[str, Any]:
+    """The params of a searched method's grid: ``search_grid`` (TAFT: ``[lr, PT, CLS]`` per point, in grid order;
+    the others: the lr) and ``val_fraction``."""
+    taft = method == "taft"
+    return {"search_grid": [[p.lr, p.pretrained, p.cls] if taft else p.lr for p in grid], "val_fraction": val_fraction}
+
+
+def chosen_config(method: str, point: FTPoint) -> dict[str, Any]:
+    """The chosen point's knobs: ``lr``, and TAFT's ``pretrained`` (PT) and ``cls`` (CLS)."""
+    return {"lr": point.lr} | ({"pretrained": point.pretrained, "cls": point.cls} if method == "taft" else {})
+
+
+def search_config(method: str, search: Selection, val_fraction: float) -> dict[str, Any]:
+    """The params of a run whose recipe a search chose: its grid and the chosen point."""
+    return grid_config(method, search.grid, val_fraction) | chosen_config(method, search.point)
+
+
+def record_search(
+    rec: Recorder, search: Selection, *, ran_here: bool, extra: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """The search behind a run (Tables 1-2's :class:`Selection` or Table 3's DP search): its size, each point's
+    validation accuracy (series ``tuning.valid_accuracy_by_point``, step = the point's index in
+    ``config.search_grid``; also the artifact ``tuning.json``), the chosen one's, the sizes of the two parts, any
+    ``extra`` metrics, and its wall seconds in the run whose task ran it (``ran_here``)."""
+    for j, v in enumerate(search.valid_accuracy):
+        if math.isfinite(v):
+            rec.metric("tuning.valid_accuracy_by_point", v, step=j)
+    out = {
+        "tuning.points": search.points,
+        "tuning.valid_accuracy": search.valid_accuracy[search.chosen],
+        "tuning.n_fit": search.n_fit,
+        "tuning.n_val": search.n_val,
+        "tuning.diverged": sum(not math.isfinite(v) for v in search.valid_accuracy),
+    } | (extra or {})
+    rec.metrics(out)
+    if ran_here:
+        rec.metric("tuning.search_s", search.seconds, unit="s")
+    rec.artifact_json(
+        "tuning.json",
+        [
+            {"lr": p.lr, "pt": p.pretrained}
+            | ({"cls": p.cls} if hasattr(p, "cls") else {})
+            | {"valid_accuracy": v, "chosen": j == search.chosen}
+            for j, (p, v) in enumerate(zip(search.grid, search.valid_accuracy, strict=True))
+        ],
+    )
+    return out
 
 
 @task(name="tangent-table1", **RESUMABLE)
 def train_full(method: str, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
     """Table 1: one method on the whole training set; ``method`` is one of :data:`TABLE1` (``taft``, ``nlft``,
-    ``fc``)."""
-    name, train = lookup("Table 1 method", TABLE1, method)
+    ``fc``). When ``cfg.search`` gives the method more than one point, the point is first chosen on a validation
+    part of the training images (:func:`core.tangent.search.search_table1`; the test set is not read) and then
+    retrained on all of them; the run records the search (``search_grid``, ``tuning.*``) and the result carries it
+    (``search``) for Table 2. One point trains once, on all the images, as it always did."""
+    name = lookup("Table 1 method", TABLE1, method)
     set_threads(cfg)
     f = load_features(inputs.features_path)
     technique = name.format(k=cfg.k)
-    tcfg = train_config(cfg, method)
-    with task_record(
-        parent=parent,
-        technique=technique,
-        config={"method": method, **config_json(tcfg), "k": cfg.k},
-        dataset=cfg.dataset,
-    ) as rec:
+    grid = method_grid(cfg, method)
+    backbone = load_backbone(inputs.model_path)
+    head = X.make_head(backbone.config.hidden_size, inputs.n_classes, cfg.seed)
+    record = {"parent": parent, "technique": technique, "dataset": cfg.dataset}
+    config = {"method": method, **config_json(train_config(cfg, method)), "k": cfg.k}
+    search: Selection | None = None
+    if len(grid) > 1:
+        config |= grid_config(method, grid, cfg.search.val_fraction)
+        try:
+            fit, val = _split(cfg, inputs.n_train)
+            search = search_table1(
+                method,
+                backbone,
+                head,
+                (f["train_h"][fit], f["train_y"][fit]),
+                (f["train_h"][val], f["train_y"][val]),
+                grid,
+                train_config(cfg, method),
+                k=cfg.k,
+                seed=cfg.seed,
+                batch_size=cfg.eval_batch_size,
+            )
+        except PrivbenchError:
+            with task_record(**record, config=config):  # the run that needed the search fails with it
+                raise
+    point = search.point if search is not None else grid[0]
+    tcfg = replace(train_config(cfg, method), lr=point.lr)
+    config |= config_json(tcfg) | (chosen_config(method, point) if search is not None else {})
+    with task_record(**record, config=config) as rec:
         rec.tag("privbench.result_group", "table1")
-        stats, test_acc, train_acc, n_params = train(inputs, cfg, f, tcfg)
-        record_epochs(rec, stats)
-        result = {
+        cell = X.table1_cell(
+            method,
+            backbone,
+            head,
+            f["train_h"],
+            f["train_y"],
+            f["test_h"],
+            f["test_y"],
+            tcfg,
+            k=cfg.k,
+            pretrained=point.pretrained,
+            cls=point.cls,
+            seed=cfg.seed,
+            batch_size=cfg.eval_batch_size,
+        )
+        record_epochs(rec, cell.stats)
+        result: dict[str, Any] = {
             "method": technique,
-            "test_accuracy": test_acc,
-            "train_accuracy": train_acc,
-            "train_s": stats.seconds,
-            "trainable_parameters": n_params,
-            "steps": stats.steps,
+            "test_accuracy": cell.eval_accuracy,
+            "train_accuracy": cell.train_accuracy,
+            "train_s": cell.stats.seconds,
+            "trainable_parameters": cell.trainable,
+            "steps": cell.stats.steps,
         }
         rec.metrics({k: v for k, v in result.items() if k != "method"}, units={"train_s": "s"})
+        if search is not None:
+            chosen = chosen_config(method, point)
+            rec.metrics({k: float(v) for k, v in chosen.items()})
+            result |= chosen | record_search(rec, search, ran_here=True) | {"search": search.as_dict()}
     return result
+
+
+def tune_table2(cfg: TangentConfig, table1: dict[str, dict[str, Any]]) -> tuple[TangentConfig, dict[str, Selection]]:
+    """Table 2's recipe from Table 1's choices: ``cfg`` with each searched method of Table 2 (TAFT; NLFT, whose
+    shards Model Soup averages and SISA ensembles) fixed at the point its Table 1 search chose, and those searches
+    (for the Table 2 runs to record). ``table1`` maps a method to its :func:`train_full` result; a method not
+    searched keeps its one point."""
+    tuning: dict[str, Selection] = {}
+    for method in TABLE2_METHODS:
+        row = table1.get(method, {})
+        if "search" not in row:
+            continue
+        search = Selection.from_dict(row["search"])
+        p = search.point
+        cfg = cfg.with_point(method, lr=p.lr, pretrained=p.pretrained, cls=p.cls)
+        tuning[method] = search
+    return cfg, tuning
 
 
 def config_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
@@ -239,14 +335,25 @@ def config_json(tcfg: TangentTrainConfig) -> dict[str, Any]:
 
 
 @task(name="tangent-shard", **RESUMABLE)
-def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent: RunRef) -> dict[str, Any]:
-    """One shard model (TAFT delta or NLFT suffix) of a split into ``job.n_shards``, saved for composition."""
+def train_shard(
+    job: ShardJob,
+    cfg: TangentConfig,
+    inputs: TangentInputs,
+    parent: RunRef,
+    tuning: dict[str, Selection] | None = None,
+) -> dict[str, Any]:
+    """One shard model (TAFT delta or NLFT suffix) of a split into ``job.n_shards``, saved for composition. ``cfg``
+    carries the recipe (after a Table 1 search, :func:`tune_table2`'s: the chosen point); ``tuning`` holds the
+    searches that chose it, recorded with the run."""
+    search = (tuning or {}).get(job.kind)
     set_threads(cfg)
     f = load_features(inputs.features_path)
     idx = X.shard_index(inputs.n_train, job.n_shards, cfg.seed).shards[job.index]
     tcfg = replace(train_config(cfg, job.kind), seed=cfg.seed + job.index)
     h, y = f["train_h"][idx], f["train_y"][idx]
     config = {"kind": job.kind, "n_shards": job.n_shards, "shard": job.index, "k": cfg.k, **config_json(tcfg)}
+    if search is not None:
+        config |= search_config(job.kind, search, cfg.search.val_fraction)
     with task_record(
         parent=parent,
         technique=f"{job.kind}-shard",
@@ -278,6 +385,8 @@ def train_shard(job: ShardJob, cfg: TangentConfig, inputs: TangentInputs, parent
         rec.metrics(
             {"n_train": result["n_train"], "train_s": stats.seconds, "test_accuracy": test_acc}, units={"train_s": "s"}
         )
+        if search is not None:
+            record_search(rec, search, ran_here=False)
     return result
 
 
@@ -299,10 +408,18 @@ def load_suffixes(inputs: TangentInputs, cfg: TangentConfig, n_shards: int) -> l
 
 @task(name="tangent-table2", **RESUMABLE)
 def compose_shards(
-    n_shards: int, shards: list[dict[str, Any]], cfg: TangentConfig, inputs: TangentInputs, parent: RunRef
+    n_shards: int,
+    shards: list[dict[str, Any]],
+    cfg: TangentConfig,
+    inputs: TangentInputs,
+    parent: RunRef,
+    tuning: dict[str, Selection] | None = None,
 ) -> dict[str, Any]:
     """Table 2 for one shard count: TAFT composed by averaging deltas (eq. 13, one forward per input) vs
-    Model Soup (weight average of the non-linear shard models) and SISA (output ensemble, N forwards)."""
+    Model Soup (weight average of the non-linear shard models) and SISA (output ensemble, N forwards). With
+    ``tuning`` (Table 1's searches, :func:`tune_table2`) the TAFT run records TAFT's search and the Model Soup and
+    SISA runs NLFT's, whose chosen points their shards trained at."""
+    tuning = tuning or {}
     set_threads(cfg)
     f = load_features(inputs.features_path)
     h, y, bs = f["test_h"], f["test_y"], cfg.eval_batch_size
@@ -310,10 +427,11 @@ def compose_shards(
     mean_acc = {k: sum(s["test_accuracy"] for s in shards if s["kind"] == k) / n_shards for k in ("taft", "nlft")}
     out: dict[str, Any] = {"n_shards": n_shards}
     config = {"n_shards": n_shards, "k": cfg.k}
+    searched = {k: config | search_config(k, v, cfg.search.val_fraction) for k, v in tuning.items()}
     with task_record(
         parent=parent,
         technique="taft-composed",
-        config=config,
+        config=searched.get("taft", config),
         dataset=cfg.dataset,
         run_name=f"TAFT composed from {n_shards} shards",
     ) as rec:
@@ -324,11 +442,13 @@ def compose_shards(
             "mean_component_accuracy": mean_acc["taft"],
         }
         rec.metrics(out["taft"], units={"compose_s": "s", "inference_s": "s", "mean_shard_train_s": "s"})
+        if "taft" in tuning:
+            record_search(rec, tuning["taft"], ran_here=False)
     suffixes = load_suffixes(inputs, cfg, n_shards)
     with task_record(
         parent=parent,
         technique="model-soup",
-        config=config,
+        config=searched.get("nlft", config),
         dataset=cfg.dataset,
         run_name=f"Model Soup of {n_shards} shards",
     ) as rec:
@@ -339,16 +459,20 @@ def compose_shards(
             "mean_component_accuracy": mean_acc["nlft"],
         }
         rec.metrics(out["soup"], units={"inference_s": "s", "mean_shard_train_s": "s"})
+        if "nlft" in tuning:
+            record_search(rec, tuning["nlft"], ran_here=False)
     with task_record(
         parent=parent,
         technique="sisa",
-        config=config,
+        config=searched.get("nlft", config),
         dataset=cfg.dataset,
         run_name=f"SISA ensemble of {n_shards} shards",
     ) as rec:
         rec.tag("privbench.result_group", "table2")
         out["sisa"] = {**X.sisa_accuracy(suffixes, h, y, batch_size=bs), "mean_shard_train_s": mean_shard_s["nlft"]}
         rec.metrics(out["sisa"], units={"inference_s": "s", "mean_shard_train_s": "s"})
+        if "nlft" in tuning:
+            record_search(rec, tuning["nlft"], ran_here=False)
     return out
 
 

@@ -26,7 +26,7 @@ from core.tangent.train import DP_NEIGHBOURING, DP_PRIVACY_UNIT, TangentTrainCon
 from pbconfig.tangent import TangentConfig, TangentDPConfig
 from storage.recording import Recorder, RunRef
 from tasks.records import RESUMABLE, task_record
-from tasks.tangent import config_json, load_backbone, load_features, record_epochs, set_threads
+from tasks.tangent import config_json, load_backbone, load_features, record_epochs, record_search, set_threads
 from tasks.tangent_inputs import TangentInputs
 
 # the search's runs draw their noise from the stage seed + this, the final runs from the stage seed itself
@@ -155,32 +155,13 @@ class DPColumn:
 
 
 def _record_search(rec: Recorder, search: DPSearch, epsilon: float, delta: float, ran_here: bool) -> dict[str, Any]:
-    """The search behind a cell: its size, each point's validation accuracy (series ``tuning.valid_accuracy_by_point``,
-    step = the point's index in ``config.search_grid``), the chosen one's, and the privacy of the search and this
-    run together under basic composition; its wall seconds in the cell that ran it."""
-    for j, v in enumerate(search.valid_accuracy):
-        if math.isfinite(v):
-            rec.metric("tuning.valid_accuracy_by_point", v, step=j)
-    out = {
-        "tuning.points": search.points,
-        "tuning.valid_accuracy": search.valid_accuracy[search.chosen],
-        "tuning.n_fit": search.n_fit,
-        "tuning.n_val": search.n_val,
-        "tuning.diverged": sum(not math.isfinite(v) for v in search.valid_accuracy),
+    """The search behind a cell (:func:`tasks.tangent.record_search`) and the privacy of the search and this run
+    together under basic composition; its wall seconds in the cell that ran it."""
+    extra = {
         "epsilon_with_tuning": search.epsilon_with_tuning(epsilon),
         "delta_with_tuning": (search.points + 1) * delta,
     }
-    rec.metrics(out)
-    if ran_here:
-        rec.metric("tuning.search_s", search.seconds, unit="s")
-    rec.artifact_json(
-        "tuning.json",
-        [
-            {"lr": p.lr, "pt": p.pretrained, "valid_accuracy": v, "chosen": j == search.chosen}
-            for j, (p, v) in enumerate(zip(search.grid, search.valid_accuracy, strict=True))
-        ],
-    )
-    return out
+    return record_search(rec, search, ran_here=ran_here, extra=extra)
 
 
 @task(name="tangent-table3", **RESUMABLE)

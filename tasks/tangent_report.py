@@ -63,7 +63,9 @@ def tangent_summary(
             "request": request,
         },
         "details": {"table1": table1, "table2": table2, "table3": table3},
-        "markdown": markdown_report(cfg, t1, t2, sub, one, fig1["fractions"], t3, request, table3_choices(table3)),
+        "markdown": markdown_report(
+            cfg, t1, t2, sub, one, fig1["fractions"], t3, request, table3_choices(table3), table1_choices(table1)
+        ),
         "metrics": metrics,
     }
 
@@ -76,6 +78,18 @@ def fc_control_gap(t3: dict[str, dict[str, dict[str, float]]]) -> float | None:
     ours, reg = fc.get("ours", {}), fc.get("reg", {})
     both = [e for e in ours if e in reg]
     return max(abs(ours[e] - reg[e]) for e in both) if both else None
+
+
+def table1_choices(table1: list[dict[str, Any]]) -> dict[str, str]:
+    """``{method: "lr [PT CLS] (validation %)"}`` for the Table 1 methods a search chose (none without one); Table 2's
+    shards of TAFT and NLFT train at these points."""
+    out = {}
+    for r in table1:
+        if "tuning.points" not in r:
+            continue
+        knobs = f" PT={'T' if r['pretrained'] else 'F'} CLS={'T' if r['cls'] else 'F'}" if "pretrained" in r else ""
+        out[r["method"]] = f"{r['lr']:g}{knobs} ({100 * r['tuning.valid_accuracy']:.1f} of {r['tuning.points']})"
+    return out
 
 
 def table3_choices(table3: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, str]]]:
@@ -111,6 +125,7 @@ def markdown_report(
     t3: dict[str, Any],
     request: dict[str, Any] | None = None,
     choices: dict[str, dict[str, dict[str, str]]] | None = None,
+    table1_chosen: dict[str, str] | None = None,
 ) -> str:
     """Tables 1-3 and Fig. 1 as Markdown (accuracies in %), for the run's ``summary.json`` and the README."""
     pct = lambda v: f"{100 * v:.1f}"
@@ -121,6 +136,17 @@ def markdown_report(
         "|" + "---|" * len(t1),
         "| " + " | ".join(pct(v) for v in t1.values()) + " |",
         "",
+    ]
+    if table1_chosen:
+        lines += [
+            "Tables 1-2, each searched method's point chosen on validation (its validation accuracy %, of n points)",
+            "",
+            "| " + " | ".join(table1_chosen) + " |",
+            "|" + "---|" * len(table1_chosen),
+            "| " + " | ".join(table1_chosen.values()) + " |",
+            "",
+        ]
+    lines += [
         "Table 2",
         "",
         "| shards | Model Soup | TAFT (composed) | SISA |",

@@ -17,13 +17,47 @@ PG_ENV = "PRIVBENCH_TEST_PG_URL"
 STORE_FIXTURES = {"stage_store", "filled_store", "prefect_harness"}
 
 
+# under pytest-xdist (``make test`` runs ``-n 2``), the tests that share one process-wide thing run on one worker:
+# the session's stage store (filled once, by the worker that holds its tests) and the system tests (real servers,
+# signals to process trees), each a group of its own
+STAGE_STORE_FIXTURES = {"stage_store", "filled_store"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that fills or reads the session's stage store ``integration``, so that e.g.
     ``pytest tests/storage -m 'not integration and not slow and not gpu and not system'`` runs the unit tests alone
-    and no stage flow starts unasked."""
+    and no stage flow starts unasked; and group, for pytest-xdist's ``--dist loadgroup``, the stage store's tests
+    on one worker (so that it is filled once) and the system tests on one worker."""
     for item in items:
-        if STORE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if STORE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.integration)
+        if STAGE_STORE_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.xdist_group("stage-store"))
+        elif item.get_closest_marker("system") is not None:
+            item.add_marker(pytest.mark.xdist_group("system"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker computes with its share of the cores (torch's default is all of them, and two workers
+    each spinning every core's thread slow each other down); a test that sets threads itself still does."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread (as the stages' workers run, ``threads_per_worker``: 1; tiny models run fastest on it and
+    the test machine's cores are shared); the count is restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +78,34 @@ def postgres_url() -> str:
     """The CI PostgreSQL URL; outside CI a missing server skips with a reason, in CI it fails."""
     url = os.environ.get(PG_ENV)
     if url:
-        return url
+        return _worker_database(url)
     if os.environ.get("CI"):
         pytest.fail(f"CI must provide PostgreSQL through {PG_ENV} (.ci/run starts one)")
     pytest.skip(f"no PostgreSQL: set {PG_ENV}=postgresql+psycopg://user@127.0.0.1:5432/db to run this test")
+
+
+_WORKER_DATABASES: set[str] = set()
+
+
+def _worker_database(url: str) -> str:
+    """``url`` itself, or under pytest-xdist a database of this worker's own beside it (``<db>_gw0``, created on
+    first use), so that one worker's ``reset_postgres`` never drops the schema another worker's test is using."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return url
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    base = make_url(url)
+    name = f"{base.database}_{worker}"
+    if name not in _WORKER_DATABASES:
+        engine = create_engine(base, isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            if conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).scalar() is None:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+        engine.dispose()
+        _WORKER_DATABASES.add(name)
+    return base.set(database=name).render_as_string(hide_password=False)
 
 
 def reset_postgres(url: str) -> None:

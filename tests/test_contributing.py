@@ -116,15 +116,6 @@ def test_the_page_marks_every_example_as_tested() -> None:
 
 
 @pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Training sets the thread count (the train-dp task: ``threads_per_worker``); put it back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def clippers() -> Iterator[dict[str, type[Clipper]]]:
     """The clipper registry, restored in place afterwards (``core.dp.methods`` holds the same dict)."""
     saved = dict(CLIPPERS)

@@ -228,10 +228,40 @@ def train_lm(
     if plateau is not None:
         _check_data(plateau.ids, plateau.mask)
     with flush_denormals(flush_denormal):
-        fit = _train_loop(
-            model, ids, mask, steps, batch_size, lr, seed, warmup, weight_decay, max_seconds, grad_clip, plateau
-        )
-    return fit
+        device = next(model.parameters()).device
+        labels = lm_labels(ids, mask)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
+        gen = torch.Generator().manual_seed(seed)
+        guard = DivergenceGuard(hint=f"lower the learning rate (lr={lr:g})")
+        watch = _Watch(plateau) if plateau is not None else None
+        model.train()
+        losses: list[float] = []
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            idx = torch.randint(ids.shape[0], (batch_size,), generator=gen)
+            out = model(
+                input_ids=ids[idx].to(device),
+                attention_mask=mask[idx].to(device).long(),
+                labels=labels[idx].to(device),
+            )
+            losses.append(guard.check(out.loss, step=step))  # DivergedError: NaN/inf or exploding
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            sched.step()
+            if watch is not None and (step % plateau.every == 0 or step == steps) and watch.measure(model, step):
+                break
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                break
+        model.eval()
+        tail = losses[-50:]
+        out = {"steps": len(losses), "train_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - start}
+        if watch is not None:
+            out |= watch.finish(model, len(losses))
+        return out
 
 
 @dataclass(frozen=True)
@@ -252,56 +282,6 @@ class Plateau:
                 f"plateau needs every >= 1, patience >= 1 and min_delta >= 0, got every={self.every}, "
                 f"patience={self.patience}, min_delta={self.min_delta}"
             )
-
-
-def _train_loop(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    warmup: int,
-    weight_decay: float,
-    max_seconds: float | None,
-    grad_clip: float | None,
-    plateau: Plateau | None = None,
-) -> dict:
-    device = next(model.parameters()).device
-    labels = lm_labels(ids, mask)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
-    gen = torch.Generator().manual_seed(seed)
-    guard = DivergenceGuard(hint=f"lower the learning rate (lr={lr:g})")
-    watch = _Watch(plateau) if plateau is not None else None
-    model.train()
-    losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        idx = torch.randint(ids.shape[0], (batch_size,), generator=gen)
-        out = model(
-            input_ids=ids[idx].to(device),
-            attention_mask=mask[idx].to(device).long(),
-            labels=labels[idx].to(device),
-        )
-        losses.append(guard.check(out.loss, step=step))  # DivergedError: NaN/inf or exploding
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        sched.step()
-        if watch is not None and (step % plateau.every == 0 or step == steps) and watch.measure(model, step):
-            break
-        if max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
-    model.eval()
-    tail = losses[-50:]
-    out = {"steps": len(losses), "train_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - start}
-    if watch is not None:
-        out |= watch.finish(model, len(losses))
-    return out
 
 
 class _Watch:

@@ -72,46 +72,39 @@ from enum import Enum
 
 import torch
 
-# Re-exported: the moment primitives lived here before core.dp.moments existed.
+from core.dp import moments
 from core.dp.moments import (
     GaussianMoments,
     _check_nonnegative,
     _check_variance_tensor,
     add_moments,
-    attention_moments,
     embedding_moments,
     layer_norm_linear_moments,
-    layer_norm_moments,
     linear_moments,
-    logit_variance,
-    projected_variance,
-    relu_moments,
-    softmax_moments,
 )
 from core.errors import ConfigError, DataError
 
 __all__ = [
-    "GaussianMoments",
     "KeyPropagation",
     "LogitCorrection",
     "PositionAlignment",
     "ReAttention",
     "ScoreCorrection",
-    "add_moments",
-    "attention_moments",
     "block_error_variance",
     "embedding_error_variance",
-    "embedding_moments",
-    "layer_norm_linear_moments",
-    "layer_norm_moments",
-    "linear_moments",
-    "logit_variance",
-    "projected_variance",
     "reattention_correction",
-    "relu_moments",
-    "softmax_moments",
     "token_presence_frequency",
 ]
+__all__ += moments.__all__  # re-exported, see __getattr__
+
+
+def __getattr__(name: str) -> object:
+    """The moment primitives lived here before :mod:`core.dp.moments` existed: the old import path still gives
+    them (``from core.dp.reattention import linear_moments``)."""
+    if name in moments.__all__:
+        return getattr(moments, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: ``ScoreCorrection`` satisfies this: the model's ``score_correction`` hook on (B, H, L, L) logits.
 LogitCorrection = Callable[[torch.Tensor], torch.Tensor]

@@ -155,6 +155,18 @@ def check_mode(mode: str, known: tuple[str, ...] = GENERATION_MODES + ("merge",)
     return ops.check_choice("generation mode", mode, known)
 
 
+def prefix_shape(
+    prefix_ids: torch.Tensor | None, shape: tuple[int, int] | None, max_new_tokens: int, n_positions: int
+) -> tuple[int, int]:
+    """The (B, N) of a generation's prefix: ``prefix_ids``' on the client, ``shape`` on a party that holds no ids;
+    the prefix and the new tokens checked against ``n_positions`` (:func:`check_lengths`)."""
+    shape = tuple(prefix_ids.shape) if prefix_ids is not None else shape
+    if shape is None:
+        raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
+    check_lengths(int(shape[1]), max_new_tokens, n_positions)
+    return shape
+
+
 @dataclass
 class StepLog:
     """Wall seconds, bytes and rounds of each generation step, read from the meter around the step, and of the
@@ -347,10 +359,7 @@ class EncryptedGPT2:
     ) -> GenerationResult:
         """Greedy generation; ``prefix_ids`` (B, N) on the client (others may pass None with ``shape``)."""
         check_mode(mode, GENERATION_MODES)
-        shape = tuple(prefix_ids.shape) if prefix_ids is not None else shape
-        if shape is None:
-            raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
-        check_lengths(int(shape[1]), max_new_tokens, self.n_positions)
+        shape = prefix_shape(prefix_ids, shape, max_new_tokens, self.n_positions)
         self.meter = m = CostMeter()
         crypten, log = import_crypten(), StepLog()
         with m.region():
@@ -551,10 +560,7 @@ class EncryptedMerge:
         selects a token under MPC (LM head + argmax) and looks its embedding up privately, like vanilla.
         Each step processes only the new position (``recompute=True``: the whole sequence, the reference)."""
         check_mode(mode, ("merge", "mm"))
-        shape = tuple(prefix_ids.shape) if prefix_ids is not None else shape
-        if shape is None:
-            raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
-        check_lengths(int(shape[1]), max_new_tokens, self.n_max)
+        shape = prefix_shape(prefix_ids, shape, max_new_tokens, self.n_max)
         self.meter = m = CostMeter()
         crypten, log = import_crypten(), StepLog()
         with m.region():

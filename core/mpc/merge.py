@@ -22,7 +22,7 @@ default).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +170,33 @@ def _check_training(steps: int, lr: float, batches: list) -> None:
         raise ConfigError("training needs at least one batch, got none")
 
 
+def _train_cycled(
+    model: nn.Module,
+    batches: Sequence | Iterable,
+    steps: int,
+    lr: float,
+    what: str,
+    step_loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> list[float]:
+    """``steps`` AdamW steps on ``model``'s parameters, the ``batches`` (ids or (ids, mask)) cycled, each step
+    minimising ``step_loss(ids, mask)``; a diverging loss stops it (``what`` names the learning rate to lower).
+    Returns the per-step losses."""
+    batches = list(batches)
+    _check_training(steps, lr, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    guard = DivergenceGuard(hint=f"lower the {what} learning rate (lr={lr:g})")
+    model.train()
+    losses = []
+    for step in range(steps):
+        ids, mask = _unpack(batches[step % len(batches)])
+        loss = step_loss(ids, mask)
+        losses.append(guard.check(loss, step=step + 1))  # DivergedError: NaN/inf or exploding
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
 def train_er(
     model: nn.Module,
     batches: Sequence | Iterable,
@@ -180,21 +207,15 @@ def train_er(
     seed: int = 0,
 ) -> list[dict[str, float]]:
     """ER fine-tuning (eq. 7) with AdamW; batches (ids or (ids, mask)) are cycled. Returns per-step losses."""
-    batches = list(batches)
-    _check_training(steps, lr, batches)
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    guard = DivergenceGuard(hint=f"lower the ER learning rate (lr={lr:g})")
-    model.train()
     history = []
-    for step in range(steps):
-        ids, mask = _unpack(batches[step % len(batches)])
+
+    def step_loss(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         loss = er_loss(model, ids, mask, cfg=cfg, generator=gen)
-        guard.check(loss.total, step=step + 1)  # DivergedError: NaN/inf or exploding
-        opt.zero_grad()
-        loss.total.backward()
-        opt.step()
         history.append({k: float(getattr(loss, k).detach()) for k in ("total", "align", "ce")})
+        return loss.total
+
+    _train_cycled(model, batches, steps, lr, "ER", step_loss)
     return history
 
 
@@ -378,21 +399,10 @@ def train_mm(
     cfg: MMConfig = MMConfig(),
 ) -> list[float]:
     """Train the merge module by weighted distillation from the frozen ER model; returns per-step losses."""
-    batches = list(batches)
-    _check_training(steps, lr, batches)
     teacher.eval()
-    opt = torch.optim.AdamW(student.parameters(), lr=lr)
-    guard = DivergenceGuard(hint=f"lower the merge-module learning rate (lr={lr:g})")
-    student.train()
-    losses = []
-    for step in range(steps):
-        ids, mask = _unpack(batches[step % len(batches)])
-        loss = mm_loss(student, teacher, ids, mask, cfg=cfg)
-        losses.append(guard.check(loss, step=step + 1))  # DivergedError: NaN/inf or exploding
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return losses
+    return _train_cycled(
+        student, batches, steps, lr, "merge-module", lambda ids, mask: mm_loss(student, teacher, ids, mask, cfg=cfg)
+    )
 
 
 # --- export (eq. 10) and generation (eq. 3) --------------------------------------------------------------

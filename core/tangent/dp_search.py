@@ -7,7 +7,8 @@ that "Ours" (tangent parameters) and "Reg" (original parameters) are compared li
 same search: a grid of (lr, PT) points (:func:`search_grid`), each trained with DP-SGD on the fitting part of the DP
 training images and scored on a validation part carved from the same images (:func:`validation_split`), the best
 validation accuracy chosen (:func:`choose_point`); the caller then retrains the chosen point on all the DP training
-images and evaluates it on the test set, which no function here receives.
+images and evaluates it on the test set, which no function here receives. The split and the choice are
+:mod:`core.tangent.search`'s, which Tables 1 and 2 use too.
 
 Privacy: every search run is a DP-SGD release of (a subset of) the same images, so under basic composition the
 search and the final run together spend ``points x epsilon_search + epsilon`` (:meth:`DPSearch.epsilon_with_tuning`,
@@ -20,13 +21,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
-import torch
 from torch import Tensor, nn
 
-from core.errors import ConfigError, DataError, DivergedError
+from core.errors import ConfigError, DivergedError
 from core.tangent.experiments import dp_regime_cell
+from core.tangent.search import Selection, choose_point, validation_split
 from core.tangent.train import TangentTrainConfig
 
 __all__ = [
@@ -65,22 +67,6 @@ def search_grid(lrs: Sequence[float], pts: Sequence[bool]) -> tuple[DPPoint, ...
     return tuple(DPPoint(float(lr), bool(pt)) for lr in lrs for pt in pts)
 
 
-def validation_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """Split ``range(n)`` (the DP training images) at random from ``seed`` into ``(fit, val)`` index tensors, both
-    sorted, disjoint and covering ``range(n)``; ``val`` holds ``round(fraction n)`` of them. Raises
-    :class:`DataError` when either part would be empty."""
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"the validation fraction must lie in (0, 1), got {fraction=}")
-    n_val = round(fraction * n)
-    if not 1 <= n_val <= n - 1:
-        raise DataError(
-            f"a validation fraction of {fraction:g} of {n} DP training images leaves an empty part "
-            f"({n_val} for validation); raise tangent.dp.n_train or change tangent.dp.val_fraction"
-        )
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return perm[n_val:].sort().values, perm[:n_val].sort().values
-
-
 def dp_train_config(
     n: int, *, epochs: int, lr: float, seed: int, batch_size: int | None, n_full: int | None = None
 ) -> TangentTrainConfig:
@@ -101,35 +87,14 @@ def dp_train_config(
     return TangentTrainConfig(epochs=epochs, batch_size=batch, lr=lr, loss="ce", seed=seed)
 
 
-def choose_point(valid: Sequence[float]) -> int:
-    """Index of the highest validation accuracy, the first in grid order on ties; a diverged point (NaN) is never
-    chosen. Raises :class:`DivergedError` when every point diverged."""
-    done = [(v, -i) for i, v in enumerate(valid) if math.isfinite(v)]
-    if not done:
-        raise DivergedError(f"every point of the search diverged ({len(valid)} points); add smaller lrs")
-    return -max(done)[1]
-
-
 @dataclass(frozen=True)
-class DPSearch:
-    """A finished search: the grid, each point's validation accuracy (NaN: diverged) in grid order, the chosen
-    index, the epsilon every search run spent, the sizes of the two parts and the wall seconds it took."""
+class DPSearch(Selection[DPPoint]):
+    """A finished DP search (:class:`~core.tangent.search.Selection` over :class:`DPPoint`) and the epsilon every
+    search run spent."""
 
-    grid: tuple[DPPoint, ...]
-    valid_accuracy: tuple[float, ...]
-    chosen: int
-    epsilon: float
-    n_fit: int
-    n_val: int
-    seconds: float
+    point_type: ClassVar[type] = DPPoint
 
-    @property
-    def point(self) -> DPPoint:
-        return self.grid[self.chosen]
-
-    @property
-    def points(self) -> int:
-        return len(self.grid)
+    epsilon: float = field(kw_only=True)
 
     def epsilon_with_tuning(self, final_epsilon: float) -> float:
         """Basic composition of the search's runs and a final run at ``final_epsilon`` on the same images."""

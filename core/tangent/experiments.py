@@ -1,7 +1,9 @@
 """The experiment procedures of the tangent stage on cached frozen features: what one cell of the TAFT paper's
 Tables 1-3 and Fig. 1 computes, free of recording and caching (``tasks.tangent`` wraps each in a task).
 
-* Table 1: :func:`make_head` (the classifier every method starts from), :func:`cls_features` (what FC reads);
+* Table 1: :func:`make_head` (the classifier every method starts from), :func:`cls_features` (what FC reads),
+  :func:`table1_cell` (one of :data:`TABLE1_METHODS` trained and evaluated; :mod:`core.tangent.search` scores it
+  on validation data to choose each method's point);
 * Table 2: :func:`compose_and_check` (TAFT composed by averaging deltas, eq. 13, with the composition identity
   checked in float32 and float64), :func:`soup_accuracy` and :func:`sisa_accuracy` (the non-linear baselines);
 * Fig. 1: :func:`forget_by_subtraction_curve` (accuracy vs shards removed, TAFT by subtraction vs SISA, with
@@ -28,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from core.dp.accounting import PrivacyLedger
-from core.errors import DataError
-from core.tangent.baselines import NonlinearSuffix, forget_by_retraining, model_soup
+from core.errors import ConfigError, DataError
+from core.registry import lookup
+from core.tangent.baselines import NonlinearSuffix, forget_by_retraining, model_soup, train_fc, train_nonlinear
 from core.tangent.compose import compose, ensemble_logits, remove_component
 from core.tangent.model import TangentModel
 from core.tangent.regimes import build_regime_model, regime_parameter_names
@@ -37,7 +40,9 @@ from core.tangent.shards import ShardIndex
 from core.tangent.train import TangentTrainConfig, TrainStats, train_dp, train_tangent
 
 __all__ = [
+    "TABLE1_METHODS",
     "DPCell",
+    "Table1Cell",
     "accuracy",
     "cls_features",
     "compose_and_check",
@@ -55,9 +60,11 @@ __all__ = [
     "shard_index",
     "sisa_accuracy",
     "soup_accuracy",
+    "table1_cell",
 ]
 
 Deltas = Sequence[dict[str, Tensor]]
+Data = tuple[Tensor, Tensor]  # cached prefix activations (n, N, D) and labels (n,)
 
 
 # ----------------------------------------------------------------------------------------------- basics
@@ -111,6 +118,119 @@ def cls_features(model: NonlinearSuffix, h: Tensor, batch_size: int = 256) -> Te
 def _seeded(cfg: TangentTrainConfig, k: int) -> TangentTrainConfig:
     """Shard ``k``'s config: seed ``cfg.seed + k`` (its retraining reuses it)."""
     return replace(cfg, seed=cfg.seed + k)
+
+
+# ----------------------------------------------------------------------------------------------- Table 1
+
+
+@dataclass(frozen=True)
+class Table1Cell:
+    """One Table 1 method trained on ``(h, y)``: its accuracy on the evaluation set (the test set, or the validation
+    part when :mod:`core.tangent.search` scores a point), its accuracy on its own training set, its training stats
+    and the number of trained scalars."""
+
+    eval_accuracy: float
+    train_accuracy: float
+    stats: TrainStats
+    trainable: int
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """What a Table 1 cell trains from: the model's knobs (TAFT's PT and CLS; the reset's seed) and the batch size
+    of its evaluation."""
+
+    k: int
+    pretrained: bool
+    cls: bool
+    seed: int
+    batch_size: int
+
+
+def _suffix_cell(model: nn.Module, stats: TrainStats, trainable: int, train: Data, evals: Data, bs: int) -> Table1Cell:
+    """A trained suffix model's accuracies, read from the cached features."""
+    return Table1Cell(
+        accuracy(logits_of(model, evals[0], bs), evals[1]),
+        accuracy(logits_of(model, train[0], bs), train[1]),
+        stats,
+        trainable,
+    )
+
+
+def _taft_cell(
+    backbone: nn.Module, head: nn.Linear, train: Data, evals: Data, cfg: TangentTrainConfig, r: _Recipe
+) -> Table1Cell:
+    """TAFT-k: a tangent model at PT/CLS, its delta trained with ``cfg`` (the stage's loss: RSL, eq. 2)."""
+    model = TangentModel(
+        backbone,
+        head.out_features,
+        r.k,
+        reinit_last_block=not r.pretrained,
+        linearize_cls_token=r.cls,
+        head=head,
+        seed=r.seed,
+    )
+    stats = train_tangent(model, *train, cfg)
+    trainable = sum(p.numel() for p in model.tangent_parameters())
+    return _suffix_cell(model, stats, trainable, train, evals, r.batch_size)
+
+
+def _nlft_cell(
+    backbone: nn.Module, head: nn.Linear, train: Data, evals: Data, cfg: TangentTrainConfig, r: _Recipe
+) -> Table1Cell:
+    """NLFT-k: the last k blocks, final LN and head fine-tuned non-linearly (cross-entropy)."""
+    model, stats = train_nonlinear(backbone, head, *train, cfg, k=r.k)
+    trainable = sum(p.numel() for p in model.parameters())
+    return _suffix_cell(model, stats, trainable, train, evals, r.batch_size)
+
+
+def _fc_cell(
+    backbone: nn.Module, head: nn.Linear, train: Data, evals: Data, cfg: TangentTrainConfig, r: _Recipe
+) -> Table1Cell:
+    """FC: the linear probe on the pretrained model's CLS features."""
+    base = NonlinearSuffix(backbone, head, r.k)
+    z_train, z_eval = cls_features(base, train[0]), cls_features(base, evals[0])
+    fc, stats = train_fc(base.head, z_train, train[1], cfg)
+    with torch.no_grad():
+        eval_acc, train_acc = accuracy(fc(z_eval), evals[1]), accuracy(fc(z_train), train[1])
+    return Table1Cell(eval_acc, train_acc, stats, sum(p.numel() for p in fc.parameters()))
+
+
+# method -> how it trains and evaluates; the only list of Table 1's methods
+_TABLE1: dict[str, Callable[[nn.Module, nn.Linear, Data, Data, TangentTrainConfig, _Recipe], Table1Cell]] = {
+    "taft": _taft_cell,
+    "nlft": _nlft_cell,
+    "fc": _fc_cell,
+}
+TABLE1_METHODS: tuple[str, ...] = tuple(_TABLE1)
+
+
+def table1_cell(
+    method: str,
+    backbone: nn.Module,
+    head: nn.Linear,
+    h: Tensor,
+    y: Tensor,
+    eval_h: Tensor,
+    eval_y: Tensor,
+    cfg: TangentTrainConfig,
+    *,
+    k: int = 1,
+    pretrained: bool = True,
+    cls: bool = False,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> Table1Cell:
+    """Table 1: ``method`` (``taft``: TAFT-k; ``nlft``: NLFT-k; ``fc``: the linear probe) trained with ``cfg`` on the
+    cached prefix activations ``(h, y)`` from ``head`` (neither it nor ``backbone`` is modified) and evaluated on
+    ``(eval_h, eval_y)``. ``pretrained`` and ``cls`` are TAFT's PT and CLS (App. A; the last block reset from
+    ``seed`` where ``pretrained=False``); the other methods have neither and refuse PT=F or CLS=T."""
+    train = lookup("Table 1 method", _TABLE1, method)
+    if method != "taft" and (not pretrained or cls):
+        raise ConfigError(
+            f"PT and CLS are TAFT's knobs (App. A); {method} has neither, got pretrained={pretrained}, cls={cls}"
+        )
+    return train(backbone, head, (h, y), (eval_h, eval_y), cfg, _Recipe(k, pretrained, cls, seed, batch_size))
 
 
 # ----------------------------------------------------------------------------------------------- Table 2

@@ -344,6 +344,21 @@ def _worker_kwargs(
     }
 
 
+def _run_worker(
+    setting: Setting, method: str, label: str, *, device: str, threads: int, **options: Any
+) -> dict[str, Any]:
+    """One fresh worker process measuring ``method`` (``options``: the rest of :func:`_worker_kwargs`), killed after
+    the setting's timeout; ``label`` names it in errors."""
+    return run_in_fresh_process(
+        WORKER_TARGET,
+        _worker_kwargs(setting, method, device=device, threads=threads, **options),
+        label=label,
+        timeout=setting.timeout_s,
+        threads=threads,
+        extra_env=_worker_env(setting, device),
+    )
+
+
 def resolve_settings(profile: str, options: Mapping[str, Any]) -> list[Setting]:
     """Every setting the profile measures: ``recsys`` (``PROFILES``), then ``large_vocab`` (``LARGE_VOCAB``).
 
@@ -432,23 +447,16 @@ def _run_setting(
     def measure(method: str) -> dict[str, Any]:
         profile = setting.kernel_profile and method not in profiled
         profiled.add(method)
-        kwargs = _worker_kwargs(
+        return _run_worker(
             setting,
             method,
-            batch=setting.batch,
+            f"method {method!r}",
             device=device,
             threads=threads,
+            batch=setting.batch,
             warmup=setting.warmup,
             steps=setting.steps,
             kernel_profile=profile,
-        )
-        return run_in_fresh_process(
-            WORKER_TARGET,
-            kwargs,
-            label=f"method {method!r}",
-            timeout=setting.timeout_s,
-            threads=threads,
-            extra_env=_worker_env(setting, device),
         )
 
     def report(r: int, method: str, out: dict[str, Any]) -> None:
@@ -554,17 +562,18 @@ def _max_batch_search(setting: Setting, device: str, threads: int, progress: Pro
 
 
 def _trial(setting: Setting, method: str, batch: int, cap: float | None, device: str, threads: int) -> dict[str, Any]:
-    kwargs = _worker_kwargs(
-        setting, method, batch=batch, device=device, threads=threads, warmup=1, steps=1, fit_trial=True, mem_cap_mb=cap
-    )
     try:
-        out = run_in_fresh_process(
-            WORKER_TARGET,
-            kwargs,
-            label=f"method {method!r} (batch {batch})",
-            timeout=setting.timeout_s,
+        out = _run_worker(
+            setting,
+            method,
+            f"method {method!r} (batch {batch})",
+            device=device,
             threads=threads,
-            extra_env=_worker_env(setting, device),
+            batch=batch,
+            warmup=1,
+            steps=1,
+            fit_trial=True,
+            mem_cap_mb=cap,
         )
     except BenchmarkError as exc:
         if exc.timed_out or (exc.returncode is not None and exc.returncode < 0):

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from core.errors import ConfigError
-from pbconfig.base import FrozenConfig
+from pbconfig.base import FrozenConfig, require_heads_divide
 from pbconfig.benchmark import with_overrides
 from pbconfig.secure_inference import SI_METHODS, SIMethod
 from privbench.bench.harness import Progress, bench_threads, register
@@ -98,8 +98,7 @@ class Setting(FrozenConfig):
 
     @model_validator(mode="after")
     def _shape(self) -> Setting:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        require_heads_divide(self, "n_embd", "n_head")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
         bad = [f"{p}+{g}" for p, g in self.more_runs if p < 1 or g < 1]

@@ -61,7 +61,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from core.errors import ConfigError
-from pbconfig.base import FrozenConfig
+from pbconfig.base import FrozenConfig, require_heads_divide
 from pbconfig.benchmark import with_overrides
 from privbench.bench.harness import Progress, bench_threads, register, run_in_fresh_process
 
@@ -94,8 +94,7 @@ class Setting(FrozenConfig):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Setting:
-        if self.hidden_size % self.n_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of n_heads={self.n_heads}")
+        require_heads_divide(self, "hidden_size", "n_heads")
         return self
 
 

@@ -53,6 +53,19 @@ class Server:
             return conn.execute(sql).fetchall()
 
 
+def _deploy(server: Server, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """``privbench deploy ARGS`` against ``server``, from its folder, the output captured (``check``: raise on a
+    failure)."""
+    return subprocess.run(
+        [str(BIN / "privbench"), "deploy", *args],
+        env=server.env,
+        cwd=server.tmp,
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,16 +147,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     try:
         _wait(healthy, 180, "the Prefect server")
-        done = subprocess.run(
-            [str(BIN / "privbench"), "deploy", "--zombie-after", str(ZOMBIE_AFTER_S)],
-            env=env,
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        started = Server(url, env, tmp)
+        done = _deploy(started, "--zombie-after", str(ZOMBIE_AFTER_S))
         assert done.returncode == 0, done.stderr
-        yield Server(url, env, tmp)
+        yield started
     finally:
         _stop(proc, signal.SIGINT, timeout=60)
         log.close()
@@ -273,35 +280,15 @@ def test_deploy_registers_every_deployment_with_schedules_pools_and_limits(serve
     assert zombie.trigger.after == {"prefect.flow-run.heartbeat"} and zombie.trigger.posture == "Proactive"
     assert [(a.type, a.state.value) for a in zombie.actions] == [("change-flow-run-state", "CRASHED")]
     # deploying again updates the one automation instead of adding a second
-    done = subprocess.run(
-        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "600"],
-        env=server.env,
-        cwd=server.tmp,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = _deploy(server, "--only", "prepare", "--zombie-after", "600")
     assert done.returncode == 0 and "updated automation" in done.stderr, done.stderr
     with api(server) as client:
         (zombie,) = client.read_automations_by_name("privbench: crash flow runs that stopped heartbeating")
     assert zombie.trigger.within.total_seconds() == 600
-    done = subprocess.run(
-        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", "10"],
-        env=server.env,
-        cwd=server.tmp,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = _deploy(server, "--only", "prepare", "--zombie-after", "10")
     assert done.returncode == 2 and "--zombie-after 10 s is shorter than the heartbeat period" in done.stderr
     assert "deployed" not in done.stderr  # refused before anything was registered
-    subprocess.run(
-        [str(BIN / "privbench"), "deploy", "--only", "prepare", "--zombie-after", str(ZOMBIE_AFTER_S)],
-        env=server.env,
-        cwd=server.tmp,
-        check=True,
-        capture_output=True,
-    )
+    _deploy(server, "--only", "prepare", "--zombie-after", str(ZOMBIE_AFTER_S), check=True)
 
 
 def test_worker_runs_a_deployment_and_the_limit_cancels_a_second_run(server: Server) -> None:
@@ -397,13 +384,7 @@ def test_privbench_serve_runs_a_triggered_deployment_from_outside_the_checkout(s
         finally:
             assert _stop(proc, signal.SIGINT, timeout=90) is not None
             _settle(server)
-            subprocess.run(
-                [str(BIN / "privbench"), "deploy", "--only", "train-dp", "--zombie-after", str(ZOMBIE_AFTER_S)],
-                env=server.env,
-                cwd=server.tmp,
-                check=True,
-                capture_output=True,
-            )
+            _deploy(server, "--only", "train-dp", "--zombie-after", str(ZOMBIE_AFTER_S), check=True)
     new = [
         (st, t, s) for i, st, t, s in server.sqlite("select id, stage, technique, status from runs") if i not in before
     ]

@@ -216,6 +216,40 @@ def test_seeds_run_the_stage_once_per_seed_and_the_taft_claims_pair_by_seed(prep
                 assert ctx.interval == "paired t over seeds", (result.claim.id, ctx)
 
 
+def test_table2_trains_at_the_point_table1_chose_on_validation(prepared: dict[str, str]) -> None:
+    """``tangent.search``: Table 1 chooses TAFT's (lr, PT, CLS) and NLFT's lr on validation, and Table 2's shards,
+    its composition, Model Soup, SISA and Fig. 1 train at those points, each run recording the search; the runs are
+    the same as without a search (the search trains inside the Table 1 runs), and composition stays exact."""
+    search = {"lrs": {"taft": [0.01, 0.001], "nlft": [0.01, 0.001]}, "pts": [True, False], "cls": [False, True]}
+    cfg = _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=None, search=search | {"val_fraction": 0.25})
+    assert cfg.tangent is not None and cfg.tangent.searches_table2
+    summary = tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
+        cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
+    )
+    repo = ResultsRepository()
+    _, rows = repo.query("select id, technique, status, config_json from runs where stage = 'tangent'")
+    assert all(status == "finished" for _, _, status, _ in rows)
+    assert len(rows) == plan("tangent", _config(shards=[2], fig1_shards=2, fig1_trials=1, dp=None))["tangent"]
+    config = {t: [json.loads(c) for _, tt, _, c in rows if tt == t] for t in {r[1] for r in rows}}
+    (taft,), (nlft,) = config["taft-1"], config["nlft-1"]
+    assert len(taft["search_grid"]) == 8 and len(nlft["search_grid"]) == 2 and "search_grid" not in config["fc"][0]
+    chosen = {k: taft[k] for k in ("lr", "pretrained", "cls")}
+    for technique in ("taft-shard", "taft-composed"):  # Table 2's TAFT at Table 1's choice, the search recorded
+        assert all(
+            {k: c[k] for k in chosen} == chosen and c["search_grid"] == taft["search_grid"] for c in config[technique]
+        )
+    for technique in ("nlft-shard", "model-soup", "sisa"):
+        assert all(c["lr"] == nlft["lr"] and c["search_grid"] == nlft["search_grid"] for c in config[technique])
+    assert config["forget-retrain"][0]["lr"] == chosen["lr"]  # Fig. 1 reads Table 2's shards: the same recipe
+    ids = [run_id for run_id, t, _, _ in rows if t in ("taft-composed", "model-soup", "sisa")]
+    _, points = repo.query(
+        "select value from metrics where name = 'tuning.points' and run_id in (" + ",".join(f"'{i}'" for i in ids) + ")"
+    )
+    assert sorted(v for (v,) in points) == [2.0, 2.0, 8.0]
+    assert all(r["taft"]["composition_max_abs_err"] < 1e-10 for r in summary["details"]["table2"])  # eq. 13 at PT/CLS
+    assert "chosen on validation" in summary["markdown"]
+
+
 def test_more_shards_than_images_fails_with_the_fix_and_leaves_nothing_running(prepared: dict[str, str]) -> None:
     cfg = _config(shards=[2, 49], fig1_shards=2, dp=None)
     assert cfg.tangent is not None

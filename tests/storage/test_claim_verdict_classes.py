@@ -13,7 +13,7 @@ import pytest
 
 from storage import claims as sc
 from storage.recording import record_run
-from tests.storage.test_claims import _claim, at_commit
+from tests.storage.test_claims import _claim, _metric_run, at_commit
 
 SCORE = {"source": "metrics", "stage": "tangent", "techniques": ["gen"], "value": "score"}
 ABOVE_0 = {"kind": "above", "bound": 0.0, "min_n": 3}
@@ -22,20 +22,9 @@ AT_MOST = {"kind": "all_at_most", "bound": 1e-4}
 GPT2 = {"where": {"config.n_layer": 12}, "scale": "GPT-2 124M shape (12 layers)"}
 
 
-def _run(metrics: dict[str, float], config: dict[str, Any] | None = None, **kw: Any) -> str:
+def _run(metrics: dict[str, float], config: dict[str, Any] | None = None, technique: str = "gen", **kw: Any) -> str:
     """One finished ``tangent`` run of technique ``gen`` with ``metrics``; returns its id."""
-    with record_run(
-        flow="tangent",
-        stage="tangent",
-        technique=kw.pop("technique", "gen"),
-        dataset="imgs",
-        profile="tiny",
-        config=config or {},
-        track=False,
-        **kw,
-    ) as rec:
-        rec.metrics(metrics)
-    return rec.run_id
+    return _metric_run(technique, metrics, config, **kw)
 
 
 def _seeds(values: list[float], name: str = "score", **config: Any) -> None:

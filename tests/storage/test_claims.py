@@ -265,7 +265,9 @@ def test_unpaired_sides_use_welch(home: Path) -> None:
     assert (context.low, context.high) == pytest.approx((1.5 - half, 1.5 + half))
 
 
-def _metric_run(technique: str, metrics: dict[str, float], config: dict[str, Any] | None = None) -> None:
+def _metric_run(technique: str, metrics: dict[str, float], config: dict[str, Any] | None = None, **kw: Any) -> str:
+    """One finished ``tangent`` run of ``technique`` that records ``metrics`` (``kw``: more ``record_run``
+    arguments, such as ``parent``); returns its id."""
     with record_run(
         flow="tangent",
         stage="tangent",
@@ -274,8 +276,10 @@ def _metric_run(technique: str, metrics: dict[str, float], config: dict[str, Any
         profile="tiny",
         config=config or {},
         track=False,
+        **kw,
     ) as rec:
         rec.metrics(metrics)
+    return rec.run_id
 
 
 def test_bound_on_every_run_from_metrics(home: Path) -> None:

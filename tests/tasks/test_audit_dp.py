@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from core.data.sequential import SequentialDataset
 from core.dp import trainer
@@ -23,6 +22,7 @@ from storage.recording import record_run
 from tasks.audit import audit_point, audit_seqrec
 from tasks.prepare import MANIFEST, PREP_VERSION
 from tasks.train_dp import GridPoint, train_overrides
+from tests.core.data.random_sequences import random_sequences
 
 EPSILON = 1.0
 AUDIT = AuditConfig(
@@ -52,28 +52,12 @@ TRAIN = TrainDPConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """One intra-op thread, as the audit's workers run (``threads_per_worker``); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(n_users: int = 200, n_items: int = 300, seed: int = 0) -> SequentialDataset:
     """Users with random sequences of 12-16 items: nothing to generalise, everything to memorise."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(12, 17, size=n_users)
-    items = rng.integers(1, n_items + 1, size=int(lens.sum()))
-    return SequentialDataset(
-        items=items,
-        timestamps=np.arange(items.size),
-        offsets=np.concatenate([[0], np.cumsum(lens)]),
-        raw_user_ids=np.arange(n_users),
-        raw_item_ids=np.arange(n_items),
-        source="tiny random sequences",
-    )
+    return random_sequences(n_users, n_items, min_len=12, max_len=16, seed=seed, source="tiny random sequences")
 
 
 def _overrides() -> dict[str, Any]:

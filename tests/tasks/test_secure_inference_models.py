@@ -23,26 +23,10 @@ from pbconfig.base import ModelShape
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import record_run
 from storage.repository import ResultsRepository
+from tests.flows.test_secure_inference_flow import TINY as FLOW_TINY
 
-TINY = SecureInferenceConfig(
-    methods=("vanilla", "mpcformer_2quad", "merge"),
-    n_layer=1,
-    n_embd=16,
-    n_head=2,
-    n_positions=16,
-    max_len=16,
-    batch_size=8,
-    max_pairs=400,
-    train_steps=3,
-    distill_steps=2,
-    er_steps=2,
-    mm_steps=2,
-    prefix_len=3,
-    gen_len=2,
-    n_prompts=2,
-    scaling_gen_lens=(1,),
-    scaling_methods=("merge",),
-)
+# the flow test's tiny config, with fewer training steps and no quality prompts
+TINY = SecureInferenceConfig(**{**FLOW_TINY.model_dump(), "train_steps": 3, "quality_prompts": 0})
 
 
 def _parent():

@@ -1,8 +1,9 @@
-"""The tangent report's Table 3 parts: the fc control's gap and the table of the points each column's search chose."""
+"""The tangent report's search parts: the fc control's gap, the table of the points each Table 3 column's search chose,
+and the row of the points each searched Table 1 method chose."""
 
 from __future__ import annotations
 
-from tasks.tangent_report import fc_control_gap, table3_choices
+from tasks.tangent_report import fc_control_gap, table1_choices, table3_choices
 
 
 def _cell(regime: str, kind: str, eps: float, acc: float, **tuning: object) -> dict[str, object]:
@@ -25,3 +26,16 @@ def test_choices_list_the_searched_cells_only() -> None:
     ]
     assert table3_choices(rows) == {"full": {"ours": {"3": "0.01 PT=F (41.2)"}, "reg": {"3": "0.001 PT=T (41.2)"}}}
     assert table3_choices(rows[2:]) == {}
+
+
+def test_table1_choices_list_the_searched_methods_only() -> None:
+    base = {"test_accuracy": 0.5, "train_accuracy": 0.6, "train_s": 1.0, "trainable_parameters": 10, "steps": 4}
+    rows = [
+        base
+        | {"method": "taft-1", "lr": 0.0001, "pretrained": False, "cls": True}
+        | {"tuning.points": 8, "tuning.valid_accuracy": 0.4125},
+        base | {"method": "nlft-1", "lr": 0.001, "tuning.points": 2, "tuning.valid_accuracy": 0.5},
+        base | {"method": "fc"},  # one point: nothing was chosen
+    ]
+    assert table1_choices(rows) == {"taft-1": "0.0001 PT=F CLS=T (41.2 of 8)", "nlft-1": "0.001 (50.0 of 2)"}
+    assert table1_choices(rows[2:]) == {}

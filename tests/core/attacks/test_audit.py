@@ -14,19 +14,11 @@ from core.data.sequential import SequentialDataset
 from core.errors import ConfigError, DataError
 from core.models.loss import sequence_loss
 from core.models.seqrec import SeqRecConfig, build_seqrec
+from tests.core.data.random_sequences import random_sequences
 
 
 def _data(n_users: int = 12, n_items: int = 20, seed: int = 0) -> SequentialDataset:
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(3, 9, size=n_users)
-    items = rng.integers(1, n_items + 1, size=int(lens.sum()))
-    return SequentialDataset(
-        items=items,
-        timestamps=np.arange(items.size),
-        offsets=np.concatenate([[0], np.cumsum(lens)]),
-        raw_user_ids=np.arange(n_users),
-        raw_item_ids=np.arange(n_items),
-    )
+    return random_sequences(n_users, n_items, min_len=3, max_len=8, seed=seed)
 
 
 def test_subset_users_keeps_each_sequence_and_the_item_space() -> None:

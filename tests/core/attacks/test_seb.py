@@ -17,6 +17,7 @@ from core.attacks.seb import (
     mapping_is_unique,
 )
 from core.errors import ConfigError, DataError
+from core.models.gpt2 import tiny_gpt2
 
 V, D = 50, 16
 
@@ -177,14 +178,11 @@ def test_lm_head_scores_the_whole_vocabulary(mapping: torch.Tensor) -> None:
 
 
 def tiny_model(kind: str, vocab: int = 97) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = GPT2Config(
-            vocab_size=vocab, n_positions=32, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0
-        )
-        return GPT2LMHeadModel(cfg)
+        return tiny_gpt2(vocab, n_layer=1, n_embd=32, n_head=4, n_positions=32, eos_token_id=0)
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=32,

@@ -169,44 +169,26 @@ def test_embedding_options_that_change_gradients_are_rejected():
         PhantomClipping(_model(), strategy="fast")
 
 
-class FunctionalUse(nn.Module):
+class _EmbeddingHead(nn.Module):
+    """An embedding and a linear head; each subclass below uses them in a way Phantom Clipping must refuse."""
+
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(M + 1, 4)
         self.head = nn.Linear(4, M + 1)
 
+
+class FunctionalUse(_EmbeddingHead):
     def forward(self, ids):
         return F.linear(self.emb(ids), self.head.weight)  # bypasses head's forward
 
 
-def test_functional_parameter_use_is_detected():
-    model = FunctionalUse()
-    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="without a recorded call"):
-        phantom.per_sample_norms(_loss(model))
-
-
-class SeqFirst(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(M + 1, 4)
-        self.head = nn.Linear(4, M + 1)
-
+class SeqFirst(_EmbeddingHead):
     def forward(self, ids):
         return self.head(self.emb(ids).transpose(0, 1)).transpose(0, 1)  # head sees (L, B, d)
 
 
-def test_layer_without_batch_first_dimension_raises():
-    model = SeqFirst()
-    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="batch size 6"):
-        phantom.per_sample_norms(_loss(model))
-
-
-class InPlace(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(M + 1, 4)
-        self.head = nn.Linear(4, M + 1)
-
+class InPlace(_EmbeddingHead):
     def forward(self, ids):
         h = self.emb(ids)
         out = self.head(h)
@@ -214,9 +196,17 @@ class InPlace(nn.Module):
         return out
 
 
-def test_in_place_modification_is_detected():
-    model = InPlace()
-    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match="modified in place"):
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (FunctionalUse, "without a recorded call"),  # a functional use of a parameter is detected
+        (SeqFirst, "batch size 6"),  # a layer without a batch-first dimension raises
+        (InPlace, "modified in place"),  # an in-place modification is detected
+    ],
+)
+def test_misused_layers_raise_privacy_errors(module: type[_EmbeddingHead], message: str):
+    model = module()
+    with PhantomClipping(model) as phantom, pytest.raises(PrivacyError, match=message):
         phantom.per_sample_norms(_loss(model))
 
 

@@ -1,9 +1,6 @@
 """Re-Attention (paper Sec. 5): effective error, key propagation vs Monte Carlo, score correction.
 
-Monte Carlo tolerances: a sample variance over n draws has relative sd sqrt((kurtosis - 1) / n);
-with n = 40_000 and kurtosis <= 9 (products of Gaussians) that is <= 1.4%, so the 6% bands used for
-exact formulas are >= 4 sd. First-order (delta-method) formulas get wider, stated bands. All seeds
-are fixed, so the tests are deterministic.
+Monte Carlo tolerances: see :mod:`tests.core.dp.montecarlo`.
 """
 
 from __future__ import annotations

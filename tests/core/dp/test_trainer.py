@@ -25,6 +25,7 @@ from core.dp.trainer import (
 from core.errors import ConfigError, DataError, PrivacyError
 from core.models import SeqRecConfig, build_seqrec
 from core.models.attention import attention_mask
+from tests.core.data.random_sequences import random_sequences
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning"),  # Opacus RDP, extreme eps
@@ -351,16 +352,7 @@ def test_reattention_corrects_every_block_in_both_layouts(
 # ------------------------------------------------------------------------- every target, user-level
 def _ragged_dataset(seed: int = 0) -> SequentialDataset:
     """Users of 4 to 30 items, so that max_len 5 gives them 1 to 6 windows."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(4, 31, size=24)
-    items = rng.integers(1, N_ITEMS + 1, size=int(lens.sum()))
-    return SequentialDataset(
-        items=items,
-        timestamps=np.arange(len(items)),
-        offsets=np.concatenate([[0], np.cumsum(lens)]),
-        raw_user_ids=np.arange(len(lens)),
-        raw_item_ids=np.arange(N_ITEMS),
-    )
+    return random_sequences(24, N_ITEMS, min_len=4, max_len=30, seed=seed)
 
 
 @pytest.mark.parametrize("name", ["transformer", "dpformer", "gru"])

@@ -132,7 +132,7 @@ def test_grid_order_and_choice() -> None:
         search_grid([-1], [True])
     with pytest.raises(ConfigError, match="must not repeat"):
         search_grid([1e-3], [True, True])
-    search = DPSearch(grid, (0.2, 0.5, 0.5, 0.1), 1, 3.0, 80, 20, 1.0)
+    search = DPSearch(grid, (0.2, 0.5, 0.5, 0.1), 1, 80, 20, 1.0, epsilon=3.0)
     assert search.point == DPPoint(1e-3, False) and search.points == 4
     assert search.epsilon_with_tuning(1.0) == 4 * 3.0 + 1.0  # basic composition of the search and the final run
 
