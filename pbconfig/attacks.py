@@ -264,11 +264,12 @@ class AuditConfig(SeedPasses):
     For every dataset x (method x epsilon [+ non-private]) the audit trains a target on a random half of the
     users and ``shadows`` shadow models on random halves (every user in exactly half of them), with the same
     training code at the recipe of the ``train_dp`` section's runs (the searched (lr, batch size) where
-    ``train_dp.tuning`` is set, the non-private schedule for the non-private model; ``epochs`` overrides the epoch
-    count), then
+    ``train_dp.tuning`` is set; the non-private model trains at the same recipe, less the DP step; ``epochs`` overrides
+    the epoch count), then
     runs each attack of ``attacks`` (loss threshold; LiRA online and offline, Carlini et al. 2022). The member
     unit is a user's sequence, as in user-level DP. ``delta`` for the empirical epsilon: None = the target's
-    accountant delta (non-private targets: 1/n users). ``alpha``: 1 - confidence of the Clopper-Pearson bounds.
+    accountant delta (non-private targets: the delta of their DP twins, 1/(10 N) for their N member users unless
+    ``train_dp.delta`` sets one). ``alpha``: 1 - confidence of the Clopper-Pearson bounds.
     ``seeds`` audits every target once per seed (each seed its own target and shadow models, and its own halves of
     the users), so a comparison of audited models gets an interval over trainings, not only over users; the
     TAFT forgetting audit runs at ``seed``.

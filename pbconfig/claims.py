@@ -212,8 +212,12 @@ class Measure(FrozenConfig):
     # "reproduced"; ``validation`` is the fit's relative prediction error on a measured run it was not fitted on
     projected: bool = False
     validation: str | None = None
+    # per row, the share of alpha its bound was computed at (a Bonferroni family: a claim that takes the strongest of
+    # many bounds): the judged rows' shares must add up to at most 1 - CONFIDENCE, else the strongest of them is not a
+    # 95% statement and the verdict is "inconclusive" (e.g. seeds audited after the family was fixed)
+    family: str | None = None
 
-    @field_validator("value", "value_b", "power", "validation")
+    @field_validator("value", "value_b", "power", "validation", "family")
     @classmethod
     def _expression(cls, value: str | None) -> str | None:
         if value is not None and not _names(value):
@@ -256,7 +260,7 @@ class Measure(FrozenConfig):
         cols = _names(self.value) | _names(self.value_b or "0") | set(self.where) | set(self.a) | set(self.per)
         for bound in self.run_interval or ():
             cols |= _names(bound)
-        for extra in (self.power, self.validation):
+        for extra in (self.power, self.validation, self.family):
             cols |= _names(extra) if extra else set()
         return cols | set(self.b or {})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from storage import views
+from storage import view_query as vq
 
 
 def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
@@ -16,7 +16,7 @@ def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: s
     from storage.models import Metric, Run
 
     columns = ["benchmark", "run_id", "started_at", "duration_s", "git_commit", "host", "device"]
-    f = views._filters({"profile": profile, "root": root})
+    f = vq.filters({"profile": profile, "root": root})
     stmt = select(
         Run.technique.label("benchmark"),
         Run.id.label("run_id"),
@@ -26,11 +26,11 @@ def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: s
         Run.host,
         Run.device,
     ).where(Run.status == "finished", Run.flow == "bench")
-    engine = views._engine(db_url)
-    frame = views._timestamps(views._read(engine, f.apply(stmt), columns), "started_at")
+    engine = vq.engine(db_url)
+    frame = vq.timestamps(vq.read(engine, f.apply(stmt), columns), "started_at")
     if frame.empty:
         return pd.DataFrame(columns=[*columns, "ratios"])
-    ratios = views._read(
+    ratios = vq.read(
         engine,
         select(Metric.run_id, Metric.name, Metric.value).where(
             Metric.run_id.in_(list(frame["run_id"])), Metric.name.like("ratios.%")

@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from core.errors import ConfigError
 from pbconfig.claims import Claim, SideSource, dotted_name
+from storage import view_query as vq
 from storage import views
 
 
@@ -51,21 +52,21 @@ def _metric_rows(
     values named in ``columns``."""
     from storage.models import Run
 
-    engine, f = views._engine(db_url), views._filters(filters)
+    engine, f = vq.engine(db_url), vq.filters(filters)
     conditions = [Run.stage == stage]
     if techniques:
         conditions.append(Run.technique.in_(list(techniques)))
-    base = views._result_runs(engine, f, *conditions)
+    base = vq.result_runs(engine, f, *conditions)
     base = base.rename(columns={"technique": "method"})
     base["technique"] = base["method"]
-    configs = [flat_config(views._config(c)) for c in base["config_json"]]
+    configs = [flat_config(vq.parse_config(c)) for c in base["config_json"]]
     for key in sorted({k for c in configs for k in c} & columns):
         base[key] = [c.get(key) for c in configs]
     own = set(base.columns)
     names = sorted(c for c in columns if c not in own)
     if base.empty:
         return base.assign(**{n: pd.Series(dtype=float) for n in names})
-    return base.merge(views._metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
+    return base.merge(vq.metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
 
 
 def flat_config(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
@@ -127,7 +128,7 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
     if m.run_interval is not None:
         for column, expression in zip(("low", "high"), m.run_interval, strict=True):
             frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
-    for column, expression in (("power", m.power), ("validation", m.validation)):
+    for column, expression in (("power", m.power), ("validation", m.validation), ("family", m.family)):
         if expression is not None:
             frame[column] = _evaluate(expression, frame) if len(frame) else pd.Series(dtype=float)
     if m.value_b is not None and len(frame):
@@ -197,20 +198,20 @@ def run_configs(db_url: str | None, run_ids: Sequence[str]) -> dict[str, dict[st
     ancestor's config (a method's child run holds only what differs from its stage run)."""
     from storage.models import Run
 
-    engine = views._engine(db_url)
+    engine = vq.engine(db_url)
     known: dict[str, tuple[str | None, dict[str, Any]]] = {}
     pending = list(dict.fromkeys(run_ids))
     for _ in range(8):  # flow > task > sub-task: a few levels at most
         todo = [r for r in pending if r and r not in known]
         if not todo:
             break
-        found = views._read(
+        found = vq.read(
             engine,
             select(Run.id, Run.parent_id, Run.config_json.label("c")).where(Run.id.in_(todo)),
             ["id", "parent_id", "c"],
         )
         for run, parent, config in zip(found["id"], found["parent_id"], found["c"], strict=True):
-            known[run] = (parent, flat_config(views._config(config)))
+            known[run] = (parent, flat_config(vq.parse_config(config)))
         pending = [p for p, _ in (known[r] for r in todo if r in known) if p]
     out: dict[str, dict[str, Any]] = {}
     for run in run_ids:

@@ -451,6 +451,8 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
             if not any(part in c.context.split(", ") for c in contexts):
                 contexts.append(ContextResult(part, NOT_RUN, math.nan, math.nan, math.nan, 0, 0, "none", (), "not run"))
     verdict, reason = _combine(contexts, claim.rule.min_n)
+    if m.family is not None and verdict in (REPRODUCED, NOT_REPRODUCED):
+        verdict, reason = _family_spent(rows, per_context, verdict, reason)
     half = sorted(name or "-" for name, sides in per_context.items() if m.stat != "value" and not (sides.a and sides.b))
     if verdict == NOT_RUN and half:
         reason = f"only one side measured ({', '.join(half)}): {_how(claim, filters.get('profile'))}"
@@ -465,6 +467,26 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     return ClaimResult(
         claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded, _recipes(rows, m)
     )
+
+
+def _family_spent(
+    rows: pd.DataFrame, per_context: dict[str, _Sides], verdict: Verdict, reason: str
+) -> tuple[Verdict, str]:
+    """``measure.family``: the verdict stands only where the alpha shares of the bounds it judged (every row of the
+    runs that count) add up to at most 1 - CONFIDENCE, so that all of them hold together at 95% (Bonferroni); a row
+    without a share (computed at the full alpha) or more bounds than the family was fixed for (seeds or targets
+    audited after it) make it ``inconclusive``."""
+    counted = set().union(*(s.runs for s in per_context.values())) if per_context else set()
+    shares = rows.loc[rows["run_id"].isin(counted), "family"]
+    spent = float(shares.sum()) if shares.notna().all() else math.inf
+    if spent <= (1 - CONFIDENCE) * (1 + 1e-9):
+        return verdict, reason
+    why = (
+        f"its {len(shares)} bounds were computed for a smaller family (their alpha shares add up to {spent:.3g} > "
+        f"{1 - CONFIDENCE:.2g}), so the strongest of them is not a {CONFIDENCE:.0%} statement; re-run the audit with "
+        "every target it judges in one family"
+    )
+    return INCONCLUSIVE, f"its rule reads {verdict}{f' ({reason})' if reason else ''}, but {why}"
 
 
 def _recipes(rows: pd.DataFrame, m: Any) -> tuple[str, ...]:

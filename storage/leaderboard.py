@@ -35,6 +35,7 @@ from scipy import stats
 from sqlalchemy import select
 
 from core.errors import ConfigError
+from storage import view_query as vq
 from storage import views
 from storage.models import Run
 
@@ -269,12 +270,12 @@ def _lookup(config: dict[str, Any], path: str) -> Any:
     return value
 
 
-config_seed = views.config_seed  # a run's seed from its config (storage.views, where the membership view needs it)
+config_seed = vq.config_seed  # a run's seed from its config (storage.view_query, which the membership view uses too)
 
 
 def run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per run: started_at, git commit, MLflow ids, config (parsed) and seed (its own, else the nearest ancestor's)."""
-    engine = views._engine(db_url)
+    engine = vq.engine(db_url)
     columns = [
         "run_id",
         "parent_id",
@@ -285,7 +286,7 @@ def run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
         "config_json",
     ]
     parts = [
-        views._read(
+        vq.read(
             engine,
             select(
                 Run.id.label("run_id"),
@@ -295,26 +296,26 @@ def run_meta(db_url: str | None, run_ids: Sequence[str]) -> pd.DataFrame:
                 Run.mlflow_run_id,
                 Run.mlflow_experiment_id,
                 Run.config_json,
-            ).where(Run.id.in_(list(run_ids[i : i + views._CHUNK]))),
+            ).where(Run.id.in_(list(run_ids[i : i + vq.CHUNK]))),
             columns,
         )
-        for i in range(0, len(run_ids), views._CHUNK)
+        for i in range(0, len(run_ids), vq.CHUNK)
     ]
     meta = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
-    meta["config"] = [views._config(c) for c in meta["config_json"]]
+    meta["config"] = [vq.parse_config(c) for c in meta["config_json"]]
     seeds = {r: config_seed(c) for r, c in zip(meta["run_id"], meta["config"], strict=True)}
     parent_of = dict(zip(meta["run_id"], meta["parent_id"], strict=True))
     pending = {r: parent_of[r] for r, s in seeds.items() if s is None and parent_of[r]}
     for _ in range(8):  # flow > task > sub-task: a few levels at most
         if not pending:
             break
-        ancestors = views._read(
+        ancestors = vq.read(
             engine,
             select(Run.id, Run.parent_id, Run.config_json).where(Run.id.in_(sorted(set(pending.values())))),
             ["id", "parent_id", "config_json"],
         )
         found = {
-            a: (config_seed(views._config(c)), p)
+            a: (config_seed(vq.parse_config(c)), p)
             for a, p, c in zip(ancestors["id"], ancestors["parent_id"], ancestors["config_json"], strict=True)
         }
         nxt = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from pbconfig.stages import FLOW_NAMES
-from storage import views
+from storage import view_query as vq
 
 STAGE_FLOWS = FLOW_NAMES  # the chain's flows in its order (pbconfig.stages)
 
@@ -20,7 +20,7 @@ def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: s
     from storage.models import Run
 
     columns = ["flow", "run_id", "stage", "started_at", "duration_s", "git_commit", "device", "profile"]
-    f = views._filters({"profile": profile, "root": root})
+    f = vq.filters({"profile": profile, "root": root})
     stmt = select(
         Run.parent_id,
         Run.flow,
@@ -32,7 +32,7 @@ def stage_runs(db_url: str | None = None, *, profile: str | None = None, root: s
         Run.device,
         Run.profile,
     ).where(Run.status == "finished", Run.technique == "flow", Run.flow.in_(STAGE_FLOWS))
-    frame = views._timestamps(views._read(views._engine(db_url), f.apply(stmt), ["parent_id", *columns]), "started_at")
+    frame = vq.timestamps(vq.read(vq.engine(db_url), f.apply(stmt), ["parent_id", *columns]), "started_at")
     # a pass of a stage under that stage's own flow run (tangent's one pass per seed) is part of it, not the stage
     own = set(zip(frame["flow"], frame["run_id"], strict=True))
     frame = frame[[(fl, p) not in own for fl, p in zip(frame["flow"], frame["parent_id"], strict=True)]]
@@ -53,7 +53,7 @@ def unfinished_runs(db_url: str | None = None, *, profile: str | None = None, ro
     from storage.models import Run
 
     columns = ["flow", "run_id", "parent_id", "status", "error", "started_at", "duration_s", "git_commit"]
-    f = views._filters({"profile": profile, "root": root})
+    f = vq.filters({"profile": profile, "root": root})
     stmt = select(
         Run.flow,
         Run.id.label("run_id"),
@@ -64,7 +64,7 @@ def unfinished_runs(db_url: str | None = None, *, profile: str | None = None, ro
         Run.duration_s,
         Run.git_commit,
     ).where(Run.status != "finished", Run.technique == "flow", Run.flow.in_(STAGE_FLOWS))
-    frame = views._timestamps(views._read(views._engine(db_url), f.apply(stmt), columns), "started_at")
+    frame = vq.timestamps(vq.read(vq.engine(db_url), f.apply(stmt), columns), "started_at")
     if frame.empty:
         return pd.DataFrame(columns=columns)
     return frame.sort_values("started_at", kind="stable").reset_index(drop=True)[columns]

@@ -14,167 +14,39 @@ columns on an empty store. Result views keep finished runs only; ``runs`` lists 
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Select, func, select
+from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from core.errors import ConfigError
-from pbconfig.settings import get_settings
-from storage.db import get_engine
-from storage.models import AttackResult, Metric, MpcCost, PrivacyLedger, Run
+from storage.attack_views import film, membership, membership_roc, stip_attacks
+from storage.models import Metric, MpcCost, PrivacyLedger, Run
 from storage.view_columns import (
     CLIPPING_COLUMNS,
-    FILM_COLUMNS,
-    MEMBERSHIP_COLUMNS,
     MPC_COSTS_COLUMNS,
     PRIVACY_UTILITY_COLUMNS,
     REATTENTION_COLUMNS,
-    ROC_COLUMNS,
     RUNS_COLUMNS,
-    STIP_ATTACKS_COLUMNS,
     STIP_OVERHEAD_COLUMNS,
     TANGENT_ACCURACY_COLUMNS,
     TRAIN_SEARCH_COLUMNS,
     UNLEARNING_COLUMNS,
 )
+from storage.view_query import Filters
+from storage.view_query import engine as _engine
+from storage.view_query import filters as _filters
+from storage.view_query import finish as _finish
+from storage.view_query import metrics_wide as _metrics_wide
+from storage.view_query import parse_config as _config
+from storage.view_query import read as _read
+from storage.view_query import result_runs as _result_runs
+from storage.view_query import timestamps as _timestamps
 
-MIA_ATTACKS = ("loss", "lira_online", "lira_offline")
 _NOT_TRAINED_MODELS = ("flow", "feature-cache")
-_CHUNK = 500
-
-
-@dataclass(frozen=True, kw_only=True)
-class Filters:
-    """The dashboard's filters (see the module docstring); ``None`` means no restriction."""
-
-    dataset: str | None = None
-    profile: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-    commit: str | None = None
-    root: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.since is not None and self.until is not None and _utc(self.since) > _utc(self.until):
-            raise ConfigError(
-                f"since must not be after until, got since={self.since!r}, until={self.until!r}; swap them"
-            )
-
-    def apply(self, stmt: Select[Any]) -> Select[Any]:
-        """``stmt`` (which selects from ``runs``) restricted to the filtered runs."""
-        if self.dataset is not None:
-            stmt = stmt.where(Run.dataset == self.dataset)
-        if self.profile is not None:
-            stmt = stmt.where(Run.profile == self.profile)
-        if self.since is not None:
-            stmt = stmt.where(Run.started_at >= _utc(self.since))
-        if self.until is not None:
-            stmt = stmt.where(Run.started_at <= _utc(self.until))
-        if self.commit:
-            stmt = stmt.where(Run.git_commit.startswith(self.commit, autoescape=True))
-        if self.root is not None:
-            tree = select(Run.id).where(Run.id == self.root).cte("subtree", recursive=True)
-            tree = tree.union_all(select(Run.id).where(Run.parent_id == tree.c.id))
-            stmt = stmt.where(Run.id.in_(select(tree.c.id)))
-        return stmt
-
-
-def _filters(given: dict[str, Any]) -> Filters:
-    known = [f.name for f in fields(Filters)]
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise TypeError(f"unknown filter(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return Filters(**given)
-
-
-def _utc(moment: datetime) -> datetime:
-    """Naive datetimes are UTC (the store writes UTC); SQLite compares the stored text without an offset."""
-    aware = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-    return aware.replace(tzinfo=None)
-
-
-def _engine(db_url: str | None) -> Engine:
-    return get_engine(db_url or get_settings().db_url)
-
-
-def _read(engine: Engine, stmt: Select[Any], columns: list[str] | None = None) -> pd.DataFrame:
-    with engine.connect() as conn:
-        result = conn.execute(stmt)
-        frame = pd.DataFrame(result.fetchall(), columns=list(result.keys()))
-    if columns is not None and frame.empty:
-        return pd.DataFrame(columns=columns)
-    return frame
-
-
-def _timestamps(frame: pd.DataFrame, *names: str) -> pd.DataFrame:
-    for name in names:
-        if name in frame:
-            frame[name] = pd.to_datetime(frame[name], utc=True)
-    return frame
-
-
-def _result_runs(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
-    """Finished runs matching ``f`` and ``conditions``: id, technique, dataset, config_json, started_at, ..."""
-    stmt = select(
-        Run.id.label("run_id"),
-        Run.technique,
-        Run.dataset,
-        Run.config_json,
-        Run.started_at,
-        Run.git_commit,
-        Run.mlflow_run_id,
-        Run.device,
-    ).where(Run.status == "finished", *conditions)
-    frame = _read(engine, f.apply(stmt).order_by(Run.started_at, Run.id))
-    return _timestamps(frame, "started_at")
-
-
-def _metrics_wide(
-    engine: Engine, run_ids: list[str], names: list[str] | None = None, like: str | None = None
-) -> pd.DataFrame:
-    """Scalar metrics (no step) of ``run_ids`` as one row per run, one column per metric name."""
-    parts = []
-    for start in range(0, len(run_ids), _CHUNK):
-        stmt = select(Metric.run_id, Metric.name, Metric.value).where(
-            Metric.run_id.in_(run_ids[start : start + _CHUNK]), Metric.step.is_(None)
-        )
-        if names is not None:
-            stmt = stmt.where(Metric.name.in_(names))
-        if like is not None:
-            stmt = stmt.where(Metric.name.like(like))
-        parts.append(_read(engine, stmt, ["run_id", "name", "value"]))
-    long = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run_id", "name", "value"])
-    wide = long.pivot_table(index="run_id", columns="name", values="value", aggfunc="last") if len(long) else None
-    out = pd.DataFrame({"run_id": run_ids})
-    if wide is not None:
-        out = out.merge(wide.reset_index(), on="run_id", how="left")
-    for name in names or ():
-        if name not in out:
-            out[name] = math.nan
-    return out
-
-
-def _finish(frame: pd.DataFrame, columns: list[str], sort: list[str]) -> pd.DataFrame:
-    if frame.empty:
-        return pd.DataFrame(columns=columns)
-    return frame[columns].sort_values(sort, kind="stable").reset_index(drop=True)
-
-
-def _config(text: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def runs(
@@ -450,170 +322,6 @@ def stip_overhead(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     frame["design"] = frame["technique"].str.removeprefix("stip-")
     frame = frame.rename(columns={"dataset": "model"})
     return _finish(frame, STIP_OVERHEAD_COLUMNS, ["model", "design", "started_at"])
-
-
-def config_seed(config: dict[str, Any]) -> int | None:
-    """The shallowest integer ``seed`` of a run's config (breadth first, keys in order), None if it has none."""
-    level: list[dict[str, Any]] = [config]
-    while level:
-        for node in level:
-            seed = node.get("seed")
-            if isinstance(seed, int) and not isinstance(seed, bool):
-                return seed
-        level = [v for node in level for v in node.values() if isinstance(v, dict)]
-    return None
-
-
-def _attacks(engine: Engine, f: Filters, *conditions: Any) -> pd.DataFrame:
-    stmt = (
-        select(
-            AttackResult, Run.dataset, Run.technique, Run.started_at, Run.mlflow_run_id, Run.parent_id, Run.config_json
-        )
-        .join(Run, Run.id == AttackResult.run_id)
-        .where(Run.status == "finished", *conditions)
-    )
-    with engine.connect() as conn:
-        rows = conn.execute(f.apply(stmt).order_by(Run.started_at, AttackResult.id)).mappings().all()
-    return _timestamps(pd.DataFrame([dict(r) for r in rows]), "started_at")
-
-
-def stip_attacks(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
-    """Permutation-recovery attacks on STIP (``STIP_ATTACKS_COLUMNS``): the fraction of the secret permutation
-    recovered (``recovery_rate``) and of the input tokens, by attack and model."""
-    engine, f = _engine(db_url), _filters(filters)
-    frame = _attacks(engine, f, Run.stage == "stip")
-    if frame.empty:
-        return pd.DataFrame(columns=STIP_ATTACKS_COLUMNS)
-    extra = [_config(e) for e in frame["extra_json"]]
-    frame["model"] = frame["target"].str.removeprefix("stip:")
-    frame["attack"] = frame["attack"].str.removeprefix("stip_")
-    frame["recovery_rate"] = frame["recovered_fraction"].fillna(pd.Series([e.get("recovery_rate") for e in extra]))
-    frame["input_tokens_recovered"] = [e.get("input_tokens_recovered", math.nan) for e in extra]
-    return _finish(frame, STIP_ATTACKS_COLUMNS, ["model", "attack", "started_at"])
-
-
-_BATCH = re.compile(r"batch=(\d+)")
-
-
-def film(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
-    """FILM text recovery from FedSGD embedding gradients (``FILM_COLUMNS``): ROUGE-1/2/L of the recovered
-    sentences (``rouge_min``: the lowest of the three) and the recall of their tokens, by victim embedding
-    (``subword``, ``seb_*``), attacker setting (``subwords``; against SEB ``bytes``, ``positional``, ``relaxed``),
-    the attacker's prior (``film.priors``' name; NaN for runs recorded before priors were named) and batch size."""
-    engine, f = _engine(db_url), _filters(filters)
-    frame = _attacks(engine, f, Run.stage == "attacks", AttackResult.attack == "film")
-    if frame.empty:
-        return pd.DataFrame(columns=FILM_COLUMNS)
-    extra = [_config(e) for e in frame["extra_json"]]
-    frame["embedding"] = frame["target"]
-    frame["attacker"] = frame["setting"].fillna("").str.split(",").str[0]
-    frame["prior"] = frame["setting"].fillna("").str.extract(r"prior=([^,]+)", expand=False)  # NaN: one prior
-    frame["batch_size"] = [_batch_size(e, s) for e, s in zip(extra, frame["setting"], strict=True)]
-    frame["precision"] = [e.get("precision", math.nan) for e in extra]
-    frame["n_candidates"] = [e.get("n_candidates", math.nan) for e in extra]
-    frame["rouge_min"] = frame[["rouge1", "rouge2", "rougeL"]].min(axis=1, skipna=False)
-    return _finish(frame, FILM_COLUMNS, ["embedding", "attacker", "prior", "batch_size", "started_at"])
-
-
-def _batch_size(extra: dict[str, Any], setting: str | None) -> float:
-    if extra.get("batch_size") is not None:
-        return float(extra["batch_size"])
-    found = _BATCH.search(setting or "")
-    return float(found.group(1)) if found else math.nan
-
-
-_EPS = re.compile(r"eps=([0-9.eE+-]+)")
-
-
-def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
-    """Membership-inference audits (``MEMBERSHIP_COLUMNS``), with the AUC's 95% interval over the audited users
-    (``auc_lo``, ``auc_hi``: DeLong), the attack chosen on one half of the users (``selected``) with every
-    attack's AUC on the other half (``auc_heldout``, ``auc_heldout_lo``, ``auc_heldout_hi``), and the audit's power
-    ``certifiable_epsilon_max`` (the largest ``empirical_epsilon_lo`` the audit could report at its sample sizes, a
-    perfect attack's; a run where it does not exceed ``accountant_epsilon`` cannot show the guarantee broken) and
-    the attacks' reach ``nonprivate_epsilon_lo`` (what they certified on the same audit's non-private model).
-    ``audit`` is ``dp`` for the DP-trained recommenders (``method`` and target ``epsilon``; NaN and ``private``
-    False for non-private targets) and ``unlearning`` for TAFT's forgetting audit (``setting`` says before/after
-    and which users)."""
-    engine, f = _engine(db_url), _filters(filters)
-    frame = _attacks(engine, f, Run.stage == "attacks", AttackResult.attack.in_(MIA_ATTACKS))
-    if frame.empty:
-        return pd.DataFrame(columns=MEMBERSHIP_COLUMNS)
-    target = frame["target"].str.split(":", n=1)
-    frame["dataset"] = target.str[0]
-    frame["method"] = target.str[1]
-    frame["audit"] = ["unlearning" if t == "mia-unlearning" else "dp" for t in frame["technique"]]
-    eps = [(float(m.group(1)) if (m := _EPS.search(s or "")) else math.nan) for s in frame["setting"]]
-    frame["epsilon"] = pd.Series(eps, dtype=float)
-    frame["private"] = frame["epsilon"].notna() | frame["accountant_epsilon"].notna()
-    extra = [_config(e) for e in frame["extra_json"]]
-    for bound in ("auc_lo", "auc_hi"):  # DeLong's 95% interval over the audited users (NaN before it was recorded)
-        frame[bound] = pd.Series([e.get(bound, math.nan) for e in extra], index=frame.index, dtype=float)
-    # the attack the audit chose on one half of its users, and every attack's AUC on the other half with its DeLong
-    # interval (``core.attacks.audit``; NaN, and selected False, before it was recorded)
-    frame["selected"] = pd.Series([bool(e.get("selected", False)) for e in extra], index=frame.index, dtype=bool)
-    for column in ("auc_heldout", "auc_heldout_lo", "auc_heldout_hi"):
-        frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
-    # the audit's power: the largest empirical_epsilon_lo it could certify at its size (NaN before it was recorded)
-    # the audited models' recipe (config.train: NaN for the unlearning audit)
-    train = [_config(c).get("train") or {} for c in frame["config_json"]]
-    for column in ("lr", "batch_size", "epochs"):
-        frame[column] = pd.Series([t.get(column, math.nan) for t in train], index=frame.index, dtype=float)
-    # and both at the audit's family confidence, 1 - alpha / family (Bonferroni; NaN before it was recorded)
-    for column in ("certifiable_epsilon_max", "empirical_epsilon_lo_family", "certifiable_epsilon_max_family"):
-        frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
-    # the attacks' own reach: the strongest empirical_epsilon_lo the same audit (same attacks run, same dataset)
-    # certified on its non-private model, which no noise protects; a DP model audited at an accountant epsilon
-    # above it could not have been caught over-spending by these attacks (NaN: the audit had no such model)
-    # (same seed: with several audit seeds under one parent, each DP model against its own seed's control, not the
-    # strongest of them)
-    dp = frame["audit"] == "dp"
-    seeds = [config_seed(_config(c)) for c in frame["config_json"]]
-    frame["_seed"] = [-1 if seed is None else seed for seed in seeds]  # a run without a seed: one group, not NaN
-    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"])
-    for column in ("empirical_epsilon_lo", "empirical_epsilon_lo_family"):
-        best = control[column].max()
-        frame[column.replace("empirical", "nonprivate")] = [
-            float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan
-            for parent, ds, seed, is_dp in zip(frame["parent_id"], frame["dataset"], frame["_seed"], dp, strict=True)
-        ]
-    return _finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
-
-
-def membership_roc(db_url: str | None = None, artifact_root: Path | None = None, **filters: Any) -> pd.DataFrame:
-    """ROC curve points of the DP audits (``ROC_COLUMNS``), one row per point. The store keeps the audits'
-    AUC and TPR at low FPR; the curves are each audited run's MLflow artifact ``roc.json``. It is read from the
-    local artifact root (``artifact_root``, default ``<PRIVBENCH_HOME>/mlartifacts``) when it is there, and
-    otherwise fetched from the configured MLflow tracking store (``MLFLOW_TRACKING_URI``: an MLflow server with
-    served artifacts, object storage); runs whose artifact cannot be had are left out."""
-    audits = membership(db_url, **filters)
-    audits = audits[audits["audit"] == "dp"].drop_duplicates("run_id")
-    root = artifact_root or get_settings().artifact_root
-    tracker = None
-    rows: list[dict[str, Any]] = []
-    for audit in audits.to_dict("records"):
-        if not audit["mlflow_run_id"]:
-            continue
-        local = sorted(root.glob(f"*/{audit['mlflow_run_id']}/artifacts/roc.json")) if root.is_dir() else []
-        if local:
-            curves = _config(local[0].read_text())
-        else:
-            if tracker is None:
-                from storage.tracking import Tracker
-
-                tracker = Tracker(get_settings().tracking_uri)
-            curves = tracker.load_json(audit["mlflow_run_id"], "roc.json") or {}
-        for attack, curve in curves.items():
-            for fpr, tpr in zip(curve.get("fpr", ()), curve.get("tpr", ()), strict=False):
-                rows.append(
-                    {
-                        **{k: audit[k] for k in ("run_id", "dataset", "method", "setting")},
-                        "attack": attack,
-                        "fpr": fpr,
-                        "tpr": tpr,
-                    }
-                )
-    return pd.DataFrame(rows, columns=ROC_COLUMNS)
 
 
 def filter_options(db_url: str | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from prefect import task
 from core.attacks.audit import AuditTarget, audit, seqrec_user_stats, subset_users
 from core.attacks.membership import split_halves
 from core.data.sequential import SequentialDataset
+from core.dp.accounting import default_delta
 from core.dp.trainer import NEIGHBOURING, PRIVACY_UNIT, TrainResult, method_config, train_seqrec
 from core.errors import ConfigError
 from pbconfig.attacks import AuditConfig
@@ -99,6 +100,13 @@ def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None
     return {k: chosen[k] for k in wanted}
 
 
+def matched_delta(overrides: dict[str, Any], n_members: int) -> float:
+    """The delta the DP trainer takes for ``n_members`` users at the training ``overrides`` (their ``delta``, else
+    ``default_delta``: 1 / (10 N)): what a DP target trained on those members accounts at, and so the delta at
+    which its non-private twin is audited."""
+    return overrides.get("delta") or default_delta(n_members)
+
+
 MATCHED_EPSILON = 1.0  # any epsilon: it only marks a point private so that at_recipe gives it the DP recipe
 
 
@@ -168,7 +176,9 @@ def audit_point(
     train_s = time.perf_counter() - t0
     ledger = target.ledger
     label = "nonprivate" if epsilon is None else f"eps={epsilon:g}"
-    delta = cfg.delta or (ledger.delta if ledger is not None else 1.0 / n)
+    # a non-private control is bounded at the delta its DP twins are (same members, so the trainer's delta for them):
+    # a larger delta lowers a bound, and the control says how much this audit can show at the DP targets' delta
+    delta = cfg.delta or (ledger.delta if ledger is not None else matched_delta(overrides, int(target_in.sum())))
     results = audit(
         AuditTarget(
             name=f"{method}:{label}",
@@ -274,6 +284,11 @@ def audit_seqrec(
                             "empirical_epsilon_lo_family",
                             "certifiable_epsilon_max_family",
                             "alpha_family",
+                            # the one-run bound (Steinke, Nasr and Jagielski 2023), at both confidences
+                            "one_run_epsilon_lo",
+                            "one_run_epsilon_lo_family",
+                            "one_run_certifiable_epsilon_max",
+                            "one_run_certifiable_epsilon_max_family",
                         )
                     },
                     "auc_lo": r["auc_ci"][0],

@@ -121,6 +121,17 @@ def audit(
     ``selected``: the strongest by AUC on a fixed random half of the examples (``auc_selection``); every attack's
     AUC on the other half is ``auc_heldout`` (DeLong interval ``auc_heldout_ci``), which judges the selected one.
 
+    ``empirical_epsilon_ci`` counts every example as an independent trial of the Clopper-Pearson rates, an
+    analysis established for many training runs (Jagielski et al. 2020), not for the members of ONE run. The
+    one-run audit of Steinke, Nasr & Jagielski 2023 is valid for one run whose members were drawn independently
+    with probability 1/2 (as ``tasks.audit`` draws them): ``one_run_epsilon_lo`` is
+    ``membership.one_run_epsilon_lower_bound(split=True)`` at ``delta`` and confidence 1 - alpha (the attack guesses
+    its k+ highest-scoring examples IN and its k- lowest OUT and abstains on the rest; the counts are chosen on a
+    random half of the examples, :func:`one_run_selection` with ``ONE_RUN_SEED``, drawn without reading membership,
+    and the bound comes from the right guesses on the other half), ``one_run_epsilon_lo_family`` the same at
+    1 - alpha / family, and ``one_run_certifiable_epsilon_max`` / ``one_run_certifiable_epsilon_max_family`` what a
+    perfect attack reports at these sizes (``membership.one_run_certifiable_epsilon_max``), the power of that audit.
+
     Raises:
         ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
         DataError: shadow statistics that do not match the target's examples.
@@ -159,6 +170,11 @@ def audit(
         )
     alpha_family = alpha / (family or max(len(attacks), 1))
     power_family = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha_family, split=True)
+    one_run_power = {
+        a: M.one_run_certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=a, split=True)
+        for a in dict.fromkeys((alpha, alpha_family))
+    }
+    one_run_pick = one_run_selection(members.size, seed=ONE_RUN_SEED)
     choose = selection_half(members, seed=SELECTION_SEED)
     out: dict[str, dict] = {}
     for name in attacks:
@@ -179,6 +195,19 @@ def audit(
             for a in dict.fromkeys((alpha, alpha_family))
         }
         eps, family = bounds[alpha], bounds[alpha_family]
+        one_run = {  # the same halves at each confidence; each picks its guess counts on the selection half
+            a: M.one_run_epsilon_lower_bound(
+                scores[members],
+                scores[~members],
+                delta=delta,
+                alpha=a,
+                split=True,
+                seed=0,
+                selection=(one_run_pick[members], one_run_pick[~members]),
+                max_counts=max_thresholds,
+            )["epsilon_lo"]
+            for a in dict.fromkeys((alpha, alpha_family))
+        }
         out[name] = {
             "auc": float(curve["auc"]),
             "auc_ci": list(M.auc_interval(scores[members], scores[~members])),
@@ -190,6 +219,10 @@ def audit(
             "empirical_epsilon_lo_family": float(family["epsilon_lo"]),
             "certifiable_epsilon_max_family": power_family,
             "alpha_family": alpha_family,
+            "one_run_epsilon_lo": one_run[alpha],
+            "one_run_epsilon_lo_family": one_run[alpha_family],
+            "one_run_certifiable_epsilon_max": one_run_power[alpha],
+            "one_run_certifiable_epsilon_max_family": one_run_power[alpha_family],
             "threshold_tpr": float(eps["tpr"]),
             "threshold_fpr": float(eps["fpr"]),
             "accountant_epsilon": target.accountant_epsilon,
@@ -235,6 +268,18 @@ def selection_half(members: np.ndarray, *, seed: int) -> np.ndarray | None:
     for group in (np.flatnonzero(members), np.flatnonzero(~members)):
         mask[rng.permutation(group)[: group.size // 2]] = True
     return mask
+
+
+ONE_RUN_SEED = 20261129  # fixed, and apart from the membership seeds: the one-run audit's halves must not read them
+
+
+def one_run_selection(n: int, *, seed: int) -> np.ndarray:
+    """A mask of ``n // 2`` of ``n`` examples at random with ``seed``, drawn without reading membership, on which
+    the one-run audit chooses its guess counts: unlike :func:`selection_half` it is not half of each group, since
+    the one-run theorem needs the other half's memberships independent and uniform given what the guesses read."""
+    if not (isinstance(n, (int, np.integer)) and n >= 2):
+        raise DataError(f"the one-run audit needs >= 2 examples to halve, got {n=}")
+    return np.random.default_rng(seed).permutation(int(n)) < n // 2
 
 
 def _point_epsilon(eps: dict, delta: float) -> float:

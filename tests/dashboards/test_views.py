@@ -9,22 +9,23 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from storage import view_columns as cols
 from storage import views
 from storage.repository import ResultsRepository
 from tests.filled_store import FilledStore
 
 EMPTY_VIEWS = {
-    "runs": views.RUNS_COLUMNS,
-    "privacy_utility": views.PRIVACY_UTILITY_COLUMNS,
-    "clipping_bench": views.CLIPPING_COLUMNS,
-    "tangent_accuracy": views.TANGENT_ACCURACY_COLUMNS,
-    "unlearning": views.UNLEARNING_COLUMNS,
-    "mpc_costs": views.MPC_COSTS_COLUMNS,
-    "stip_overhead": views.STIP_OVERHEAD_COLUMNS,
-    "stip_attacks": views.STIP_ATTACKS_COLUMNS,
-    "film": views.FILM_COLUMNS,
-    "membership": views.MEMBERSHIP_COLUMNS,
-    "membership_roc": views.ROC_COLUMNS,
+    "runs": cols.RUNS_COLUMNS,
+    "privacy_utility": cols.PRIVACY_UTILITY_COLUMNS,
+    "clipping_bench": cols.CLIPPING_COLUMNS,
+    "tangent_accuracy": cols.TANGENT_ACCURACY_COLUMNS,
+    "unlearning": cols.UNLEARNING_COLUMNS,
+    "mpc_costs": cols.MPC_COSTS_COLUMNS,
+    "stip_overhead": cols.STIP_OVERHEAD_COLUMNS,
+    "stip_attacks": cols.STIP_ATTACKS_COLUMNS,
+    "film": cols.FILM_COLUMNS,
+    "membership": cols.MEMBERSHIP_COLUMNS,
+    "membership_roc": cols.ROC_COLUMNS,
 }
 
 

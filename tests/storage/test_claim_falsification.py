@@ -4,7 +4,8 @@ context) stand in for the store. Values on the wrong side of the bound with n = 
 reproduced`` (a projected claim: ``projected``, its reason saying the projection misses the bound); a measurement
 with no power (one seed without an interval; every run's ``power`` short of the bound) gives ``underpowered``; an
 every-run rule without ``power`` is a deterministic check that one run on the wrong side fails; one run whose own
-interval (``run_interval``) lies on the wrong side fails a claim."""
+interval (``run_interval``) lies on the wrong side fails a claim. A claim with a ``family`` gets bounds of one family
+(their alpha shares add up to 0.05)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def _frame(
                 rows.append(row)
                 meta.append({"run_id": run_id, "seed": seed, "started_at": started, "git_commit": COMMIT})
     frame = pd.DataFrame(rows)
+    if m.family is not None:  # every bound of one family: their alpha shares add up to the claim's 0.05
+        frame["family"] = 0.05 / len(frame)
     if m.b_source is not None:  # claim_rows keeps these columns of both sides
         frame = frame.reindex(columns=list(dict.fromkeys(["run_id", "value", "dataset", *m.per, "side"])))
     return frame, pd.DataFrame(meta)

@@ -211,6 +211,35 @@ def test_a_run_with_power_past_the_bound_decides(home: Path) -> None:
     )
 
 
+# --- family: the strongest of many bounds is a 95% statement only for the family they were computed for ---
+
+FAMILY = {**POWERED, "family": "share"}  # share: the alpha each run's bound was computed at (alpha / family)
+
+
+@pytest.mark.parametrize("verdict_gap", [-0.3, 0.5], ids=["would-reproduce", "would-fail"])
+def test_bounds_of_a_larger_family_than_computed_for_are_inconclusive(home: Path, verdict_gap: float) -> None:
+    """Two bounds each at alpha / 2 hold together at 95%; a third run of the same family (a seed audited after the
+    family was fixed) spends 0.075 > 0.05, and neither verdict stands, whichever way the rule reads."""
+    for seed in (0, 1):
+        _run({"gap": verdict_gap, "gap_max": 2.0, "share": 0.025}, {"seed": seed})
+    claim = _claim(FAMILY, GAP, stage="tangent")
+    first = sc.evaluate_claim(None, claim)
+    assert first.verdict == (sc.REPRODUCED if verdict_gap < 0 else sc.NOT_REPRODUCED)
+    _run({"gap": -0.3, "gap_max": 2.0, "share": 0.025}, {"seed": 2})
+    result = sc.evaluate_claim(None, claim)
+    assert result.verdict == sc.INCONCLUSIVE
+    assert f"its rule reads {first.verdict}" in result.reason
+    assert (
+        "its 3 bounds were computed for a smaller family (their alpha shares add up to 0.075 > 0.05)" in result.reason
+    )
+
+
+def test_a_bound_without_a_family_share_is_inconclusive(home: Path) -> None:
+    _run({"gap": -0.3, "gap_max": 2.0, "share": 0.025}, {"seed": 0})
+    _run({"gap": -0.3, "gap_max": 2.0}, {"seed": 1})  # recorded at the full alpha, outside any family
+    assert sc.evaluate_claim(None, _claim(FAMILY, GAP, stage="tangent")).verdict == sc.INCONCLUSIVE
+
+
 # --- projected: read from a fit, never reproduced ---
 
 
