@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import unmapped
 
 from core.errors import ConfigError
 from flows.prepare import prepare_flow
+from flows.recorded import recorded_flow
 from flows.runners import task_runner
 from pbconfig.attacks import AttacksConfig
 from pbconfig.data import PrepareConfig
@@ -20,12 +21,12 @@ from storage.recording import RunRef
 from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
 from tasks.attacks_report import attacks_summary
 from tasks.audit import audit_recipes, audit_seqrec, audit_targets, audit_unlearning, epsilon_family
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 
 STAGE = "attacks"
 
 
-@flow(name="attacks", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+@recorded_flow("attacks")
 def attacks_flow(
     config: AttacksConfig,
     prepare: PrepareConfig,

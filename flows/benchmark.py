@@ -10,18 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
 from flows.prepare import prepare_flow
+from flows.recorded import recorded_flow
 from flows.registry import run_stages
 from pbconfig.benchmark import BenchmarkConfig
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 from tasks.report import claims_report
 
 
-@flow(
-    name="benchmark", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed]
-)
+@recorded_flow("benchmark")
 def benchmark_flow(config: BenchmarkConfig) -> dict[str, Any]:
     run = open_flow_record(flow="benchmark", stage="benchmark", config=config, profile=config.profile)
     prepared = prepare_flow(config.prepare, profile=config.profile, parent=run)

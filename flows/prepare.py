@@ -5,25 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import unmapped
 
+from flows.recorded import recorded_flow
 from pbconfig.data import PrepareConfig
 from storage.recording import RunRef
 from tasks.prepare import materialize_source, prepare_dataset
 from tasks.prepare_images import prepare_image_dataset, prepare_pretrained
 from tasks.prepare_texts import prepare_text_dataset
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 
 STAGE = "data"
 
 
-@flow(
-    name="prepare",
-    on_failure=[mark_flow_failed],
-    on_crashed=[mark_flow_failed],
-    on_cancellation=[mark_flow_failed],
-    log_prints=True,
-)
+@recorded_flow("prepare", log_prints=True)
 def prepare_flow(config: PrepareConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     """Materialise each dataset's source, then parse, filter, split and save it, once per content; split,
     resize and save each image dataset; filter, split and save each text dataset; convert and check each

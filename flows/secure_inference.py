@@ -7,11 +7,10 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from prefect import flow
-
+from flows.recorded import over_seeds, recorded_flow
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import RunRef
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 from tasks.secure_inference import (
     check_prompts,
     collect_models,
@@ -26,25 +25,14 @@ from tasks.secure_inference_models import ModelRef, models_needed, teacher_of
 STAGE = "secure-inference"
 
 
-@flow(
-    name="secure-inference",
-    on_failure=[mark_flow_failed],
-    on_crashed=[mark_flow_failed],
-    on_cancellation=[mark_flow_failed],
-)
+@recorded_flow("secure-inference")
 def secure_inference_flow(
     config: SecureInferenceConfig, profile: str = "quick", parent: RunRef | None = None
 ) -> dict[str, Any]:
     """Tables 1-2 analogues (per-op time and communication per method), quality of the decrypted text, and
     time/bytes vs generated length and model size; once, or with ``config.seeds`` once per seed: a run of the flow
     with its config (``n_seeds``) holds one seed pass each, a pass's run recording its own seed."""
-    if config.seeds is None:
-        return seed_pass(config, profile, parent)
-    run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
-    passes = {str(c.seed): seed_pass(c, profile, run) for c in config.seed_configs()}
-    summary = {"run_id": run.run_id, "seeds": passes}
-    close_flow_record(run, metrics={"n_seeds": len(passes)}, summary=summary)
-    return summary
+    return over_seeds("secure-inference", STAGE, config, profile, parent, seed_pass)
 
 
 def seed_pass(config: SecureInferenceConfig, profile: str, parent: RunRef | None) -> dict[str, Any]:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
+from flows.recorded import recorded_flow
 from pbconfig.stip import StipConfig
 from storage.recording import RunRef
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 from tasks.stip import attack, protocol
 
 STAGE = "stip"
 
 
-@flow(name="stip", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+@recorded_flow("stip")
 def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     run = open_flow_record(flow="stip", stage=STAGE, config=config, profile=profile, parent=parent)
     runs = [protocol(m, d, config, run) for m in config.models for d in (m.designs or config.designs)]

@@ -9,14 +9,15 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import unmapped
 
 from flows.prepare import prepare_flow
+from flows.recorded import over_seeds, recorded_flow
 from flows.runners import task_runner
 from pbconfig.data import PrepareConfig
 from pbconfig.tangent import TangentConfig
 from storage.recording import RunRef
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 from tasks.tangent import (
     TABLE1,
     ShardJob,
@@ -41,7 +42,7 @@ from tasks.tangent_unlearning import (
 STAGE = "tangent"
 
 
-@flow(name="tangent", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+@recorded_flow("tangent")
 def tangent_flow(
     config: TangentConfig,
     prepare: PrepareConfig,
@@ -56,13 +57,8 @@ def tangent_flow(
         wanted = PrepareConfig(images=(prepare.image_dataset(config.dataset),), models=(prepare.model(config.model),))
         done = prepare_flow(wanted, profile=profile, parent=parent)
         prepared = {"images": done["images"][config.dataset]["path"], "model": done["models"][config.model]["path"]}
-    if config.seeds is None:
-        return seed_pass(config, profile, parent, prepared)
-    run = open_flow_record(flow="tangent", stage=STAGE, config=config, profile=profile, parent=parent)
-    passes = {str(c.seed): seed_pass(c, profile, run, prepared) for c in config.seed_configs()}
-    summary = {"run_id": run.run_id, "seeds": passes}
-    close_flow_record(run, metrics={"n_seeds": len(passes)}, summary=summary)
-    return summary
+    images = prepared
+    return over_seeds("tangent", STAGE, config, profile, parent, lambda c, p, r: seed_pass(c, p, r, images))
 
 
 def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepared: dict[str, str]) -> dict[str, Any]:

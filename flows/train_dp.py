@@ -4,22 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import unmapped
 
 from core.errors import DivergedError
 from flows.prepare import prepare_flow
+from flows.recorded import recorded_flow
 from flows.runners import task_runner
 from pbconfig.data import PrepareConfig
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
-from tasks.records import close_flow_record, mark_flow_failed, open_flow_record
+from tasks.records import close_flow_record, open_flow_record
 from tasks.train_dp import choose_recipes, plan_grid, plan_tuning, train_point
 
 STAGE = "train-dp"
 TUNING_STAGE = "train-dp-tuning"  # the search's runs: never read as results (storage.views reads stage train-dp)
 
 
-@flow(name="train-dp", on_failure=[mark_flow_failed], on_crashed=[mark_flow_failed], on_cancellation=[mark_flow_failed])
+@recorded_flow("train-dp")
 def train_dp_flow(
     config: TrainDPConfig,
     prepare: PrepareConfig,

@@ -52,7 +52,7 @@ from pbconfig.benchmark import BenchmarkConfig, load_config, validate
 from pbconfig.stages import CHAIN
 from pbconfig.train_dp import PEER_METHODS, TrainDPConfig
 from tests.core.dp.test_trainer import cyclic_dataset
-from tests.flows.test_registry import FLOW_MODULES, Recorder, _prepared
+from tests.flows.test_registry import Recorder, _prepared, stub_flows
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "contributing.md"
@@ -347,12 +347,7 @@ def _chain_with_toy() -> tuple[Any, ...]:
 
 
 def _stub_flows(monkeypatch: pytest.MonkeyPatch, toy: ModuleType) -> list[tuple[str, tuple, dict]]:
-    made: list[tuple[str, tuple, dict]] = []
-    for stage, (module, flow, runner) in FLOW_MODULES.items():
-        mod = importlib.import_module(module)
-        monkeypatch.setattr(mod, flow, Recorder(stage, made))
-        if runner:
-            monkeypatch.setattr(mod, runner, lambda cfg: None)
+    made = stub_flows(monkeypatch)
     monkeypatch.setattr(toy, "toy_flow", Recorder("toy", made))
     return made
 

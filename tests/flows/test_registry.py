@@ -38,8 +38,9 @@ class Recorder:
         return {"stage": self.name}
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
+def stub_flows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
+    """Every stage's flow replaced by a :class:`Recorder` (and its task runner factory by a no-op); returns the list
+    of calls they record, in order."""
     made: list[tuple[str, tuple, dict]] = []
     for stage, (module, flow, runner) in FLOW_MODULES.items():
         mod = importlib.import_module(module)
@@ -47,6 +48,11 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
         if runner:
             monkeypatch.setattr(mod, runner, lambda cfg: None)
     return made
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, dict]]:
+    return stub_flows(monkeypatch)
 
 
 def _prepared(cfg: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The DP membership audit can fail: a DP step with its noise switched off (the accountant still reporting the
 configured epsilon) is caught, its one-run lower bound (one_run_epsilon_lo, the claim's) above the accountant's
-epsilon and within the audit's power (one_run_certifiable_epsilon_max), while the same audit of the intact DP step stays below it. The audit runs
-through its real code path on a tiny recommender that can memorise its users: the task's logic
-(``audit_point``) and, for the recorded rows, the task itself (``audit_seqrec.fn``) and the membership view."""
+epsilon and within the audit's power (one_run_certifiable_epsilon_max), while the same audit of the intact DP step
+stays below it. The audit runs through its real code path on a tiny recommender that can memorise its users: the
+task's logic (``audit_point``) and, for the recorded rows, the task itself (``audit_seqrec.fn``) and the membership
+view."""
 
 from __future__ import annotations
 
