@@ -194,7 +194,8 @@ def _attacks_runs(cfg: BenchmarkConfig) -> int:
     film = trained + 1 + len(f.victims) * len(f.batch_sizes) if f else 0  # priors, coverage, FILM
     per_seed = len(u.lm_datasets) * len(u.embeddings) + (len(u.mt_embeddings) if u.translation else 0) if u else 0
     utility = per_seed * len(u.run_seeds) if u else 0
-    audits = len(audit_targets(audit)) + bool(audit.unlearning) if audit else 0
+    # one run per audited target; the unlearning audit's own run and the feature cache it records first
+    audits = len(audit_targets(audit)) + 2 * bool(audit.unlearning) if audit else 0
     return 1 + film + utility + audits
 
 
