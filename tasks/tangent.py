@@ -29,6 +29,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -428,51 +429,46 @@ def compose_shards(
     out: dict[str, Any] = {"n_shards": n_shards}
     config = {"n_shards": n_shards, "k": cfg.k}
     searched = {k: config | search_config(k, v, cfg.search.val_fraction) for k, v in tuning.items()}
-    with task_record(
-        parent=parent,
-        technique="taft-composed",
-        config=searched.get("taft", config),
-        dataset=cfg.dataset,
-        run_name=f"TAFT composed from {n_shards} shards",
-    ) as rec:
-        rec.tag("privbench.result_group", "table2")
-        out["taft"] = {
+
+    def row(technique: str, method: str, run_name: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """One Table 2 run: ``compute()`` under its record, with the search of ``method`` (TAFT or NLFT) whose
+        chosen point the shards trained at."""
+        recorded = {"config": searched.get(method, config), "dataset": cfg.dataset, "run_name": run_name}
+        with task_record(parent=parent, technique=technique, **recorded) as rec:
+            rec.tag("privbench.result_group", "table2")
+            result = compute()
+            rec.metrics(result, units={k: "s" for k in result if k.endswith("_s")})
+            if method in tuning:
+                record_search(rec, tuning[method], ran_here=False)
+        return result
+
+    out["taft"] = row(
+        "taft-composed",
+        "taft",
+        f"TAFT composed from {n_shards} shards",
+        lambda: {
             **X.compose_and_check(tangent_model(inputs, cfg), load_deltas(inputs, n_shards), h, y, batch_size=bs),
             "mean_shard_train_s": mean_shard_s["taft"],
             "mean_component_accuracy": mean_acc["taft"],
-        }
-        rec.metrics(out["taft"], units={"compose_s": "s", "inference_s": "s", "mean_shard_train_s": "s"})
-        if "taft" in tuning:
-            record_search(rec, tuning["taft"], ran_here=False)
+        },
+    )
     suffixes = load_suffixes(inputs, cfg, n_shards)
-    with task_record(
-        parent=parent,
-        technique="model-soup",
-        config=searched.get("nlft", config),
-        dataset=cfg.dataset,
-        run_name=f"Model Soup of {n_shards} shards",
-    ) as rec:
-        rec.tag("privbench.result_group", "table2")
-        out["soup"] = {
+    out["soup"] = row(
+        "model-soup",
+        "nlft",
+        f"Model Soup of {n_shards} shards",
+        lambda: {
             **X.soup_accuracy(suffixes, h, y, batch_size=bs),
             "mean_shard_train_s": mean_shard_s["nlft"],
             "mean_component_accuracy": mean_acc["nlft"],
-        }
-        rec.metrics(out["soup"], units={"inference_s": "s", "mean_shard_train_s": "s"})
-        if "nlft" in tuning:
-            record_search(rec, tuning["nlft"], ran_here=False)
-    with task_record(
-        parent=parent,
-        technique="sisa",
-        config=searched.get("nlft", config),
-        dataset=cfg.dataset,
-        run_name=f"SISA ensemble of {n_shards} shards",
-    ) as rec:
-        rec.tag("privbench.result_group", "table2")
-        out["sisa"] = {**X.sisa_accuracy(suffixes, h, y, batch_size=bs), "mean_shard_train_s": mean_shard_s["nlft"]}
-        rec.metrics(out["sisa"], units={"inference_s": "s", "mean_shard_train_s": "s"})
-        if "nlft" in tuning:
-            record_search(rec, tuning["nlft"], ran_here=False)
+        },
+    )
+    out["sisa"] = row(
+        "sisa",
+        "nlft",
+        f"SISA ensemble of {n_shards} shards",
+        lambda: {**X.sisa_accuracy(suffixes, h, y, batch_size=bs), "mean_shard_train_s": mean_shard_s["nlft"]},
+    )
     return out
 
 
