@@ -135,11 +135,11 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     # certified on its non-private model, which no noise protects; a DP model audited at an accountant epsilon
     # above it could not have been caught over-spending by these attacks (NaN: the audit had no such model)
     # (same seed: with several audit seeds under one parent, each DP model against its own seed's control, not the
-    # strongest of them)
+    # strongest of them; same method: a DP model whose method has no non-private model, DPFormer, has no control)
     dp = frame["audit"] == "dp"
     seeds = [config_seed(parse_config(c)) for c in frame["config_json"]]
     frame["_seed"] = [-1 if seed is None else seed for seed in seeds]  # a run without a seed: one group, not NaN
-    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed"])
+    control = frame[dp & ~frame["private"]].groupby(["parent_id", "dataset", "_seed", "method"])
     for column in ("empirical_epsilon_lo", "empirical_epsilon_lo_family", "one_run_epsilon_lo_family"):
         best = control[column].max()
         name = (
@@ -147,10 +147,8 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
             if column.startswith("one_run")
             else column.replace("empirical", "nonprivate")
         )
-        frame[name] = [
-            float(best.get((parent, ds, seed), math.nan)) if is_dp else math.nan
-            for parent, ds, seed, is_dp in zip(frame["parent_id"], frame["dataset"], frame["_seed"], dp, strict=True)
-        ]
+        keys = zip(frame["parent_id"], frame["dataset"], frame["_seed"], frame["method"], dp, strict=True)
+        frame[name] = [float(best.get(tuple(key), math.nan)) if is_dp else math.nan for *key, is_dp in keys]
     return finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

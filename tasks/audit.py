@@ -289,6 +289,10 @@ def audit_seqrec(
                             "one_run_epsilon_lo_family",
                             "one_run_certifiable_epsilon_max",
                             "one_run_certifiable_epsilon_max_family",
+                            "one_run_k_plus",
+                            "one_run_k_minus",
+                            "one_run_k_plus_family",
+                            "one_run_k_minus_family",
                         )
                     },
                     "auc_lo": r["auc_ci"][0],

@@ -124,13 +124,15 @@ def audit(
     ``empirical_epsilon_ci`` counts every example as an independent trial of the Clopper-Pearson rates, an
     analysis established for many training runs (Jagielski et al. 2020), not for the members of ONE run. The
     one-run audit of Steinke, Nasr & Jagielski 2023 is valid for one run whose members were drawn independently
-    with probability 1/2 (as ``tasks.audit`` draws them): ``one_run_epsilon_lo`` is
-    ``membership.one_run_epsilon_lower_bound(split=True)`` at ``delta`` and confidence 1 - alpha (the attack guesses
-    its k+ highest-scoring examples IN and its k- lowest OUT and abstains on the rest; the counts are chosen on a
-    random half of the examples, :func:`one_run_selection` with ``ONE_RUN_SEED``, drawn without reading membership,
-    and the bound comes from the right guesses on the other half), ``one_run_epsilon_lo_family`` the same at
-    1 - alpha / family, and ``one_run_certifiable_epsilon_max`` / ``one_run_certifiable_epsilon_max_family`` what a
-    perfect attack reports at these sizes (``membership.one_run_certifiable_epsilon_max``), the power of that audit.
+    with probability 1/2 (as ``tasks.audit`` draws them) and whose number of guesses is fixed independently of that
+    membership: ``one_run_epsilon_lo`` is ``membership.one_run_epsilon_lower_bound`` on every example at ``delta``
+    and confidence 1 - alpha, the attack guessing its k+ highest-scoring examples IN and its k- lowest OUT and
+    abstaining on the rest, with (k+, k-) chosen on the shadow models alone (:func:`one_run_counts`: their
+    membership is known and drawn independently of the target's, so the counts do not depend on it; without
+    shadows every example is guessed, half each way). ``one_run_epsilon_lo_family`` is the same at 1 - alpha /
+    family (its own counts), and ``one_run_certifiable_epsilon_max`` / ``one_run_certifiable_epsilon_max_family``
+    what a perfect attack reports with those counts (every guess right), the power of that audit;
+    ``one_run_k_plus`` / ``one_run_k_minus`` (and ``..._family``) record the counts.
 
     Raises:
         ConfigError: the target's membership was not recorded; an unknown attack; LiRA without shadows.
@@ -170,11 +172,14 @@ def audit(
         )
     alpha_family = alpha / (family or max(len(attacks), 1))
     power_family = M.certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=alpha_family, split=True)
-    one_run_power = {
-        a: M.one_run_certifiable_epsilon_max(n_members, n_nonmembers, delta=delta, alpha=a, split=True)
+    n = members.size
+    counts = {  # per confidence: the counts are chosen for the bound they will be read at
+        a: one_run_counts(shadow_stats, shadow_in, n, delta=delta, alpha=a, max_counts=max_thresholds)
         for a in dict.fromkeys((alpha, alpha_family))
     }
-    one_run_pick = one_run_selection(members.size, seed=ONE_RUN_SEED)
+    one_run_power = {
+        a: M.one_run_epsilon_from_counts(n, sum(k), sum(k), delta=delta, alpha=a) for a, k in counts.items()
+    }
     choose = selection_half(members, seed=SELECTION_SEED)
     out: dict[str, dict] = {}
     for name in attacks:
@@ -195,18 +200,11 @@ def audit(
             for a in dict.fromkeys((alpha, alpha_family))
         }
         eps, family = bounds[alpha], bounds[alpha_family]
-        one_run = {  # the same halves at each confidence; each picks its guess counts on the selection half
+        one_run = {  # every example, at counts fixed by the shadows
             a: M.one_run_epsilon_lower_bound(
-                scores[members],
-                scores[~members],
-                delta=delta,
-                alpha=a,
-                split=True,
-                seed=0,
-                selection=(one_run_pick[members], one_run_pick[~members]),
-                max_counts=max_thresholds,
+                scores[members], scores[~members], delta=delta, alpha=a, k_plus=k[0], k_minus=k[1]
             )["epsilon_lo"]
-            for a in dict.fromkeys((alpha, alpha_family))
+            for a, k in counts.items()
         }
         out[name] = {
             "auc": float(curve["auc"]),
@@ -223,6 +221,10 @@ def audit(
             "one_run_epsilon_lo_family": one_run[alpha_family],
             "one_run_certifiable_epsilon_max": one_run_power[alpha],
             "one_run_certifiable_epsilon_max_family": one_run_power[alpha_family],
+            "one_run_k_plus": counts[alpha][0],
+            "one_run_k_minus": counts[alpha][1],
+            "one_run_k_plus_family": counts[alpha_family][0],
+            "one_run_k_minus_family": counts[alpha_family][1],
             "threshold_tpr": float(eps["tpr"]),
             "threshold_fpr": float(eps["fpr"]),
             "accountant_epsilon": target.accountant_epsilon,
@@ -270,16 +272,39 @@ def selection_half(members: np.ndarray, *, seed: int) -> np.ndarray | None:
     return mask
 
 
-ONE_RUN_SEED = 20261129  # fixed, and apart from the membership seeds: the one-run audit's halves must not read them
-
-
-def one_run_selection(n: int, *, seed: int) -> np.ndarray:
-    """A mask of ``n // 2`` of ``n`` examples at random with ``seed``, drawn without reading membership, on which
-    the one-run audit chooses its guess counts: unlike :func:`selection_half` it is not half of each group, since
-    the one-run theorem needs the other half's memberships independent and uniform given what the guesses read."""
-    if not (isinstance(n, (int, np.integer)) and n >= 2):
-        raise DataError(f"the one-run audit needs >= 2 examples to halve, got {n=}")
-    return np.random.default_rng(seed).permutation(int(n)) < n // 2
+def one_run_counts(
+    shadow_stats: np.ndarray | None,
+    shadow_in: np.ndarray | None,
+    n: int,
+    *,
+    delta: float,
+    alpha: float,
+    max_counts: int | None = 2000,
+) -> tuple[int, int]:
+    """(k+, k-): how many of a target's ``n`` examples the one-run audit guesses IN (its highest scores) and OUT
+    (its lowest), chosen without the target: on each shadow model (``shadow_stats`` (k, n), higher = more likely
+    a member, with its membership ``shadow_in``) the loss attack's best counts by the one-run bound at ``delta`` and
+    ``alpha`` (``membership.one_run_epsilon_lower_bound`` choosing on that shadow's own examples), the median share
+    of its examples over the shadows, scaled to ``n``. The shadows' memberships are drawn independently of the
+    target's, so the counts are fixed with respect to it, as the one-run theorem needs. Without shadows: every
+    example, ``n // 2`` each way."""
+    if shadow_stats is None or shadow_in is None or len(shadow_stats) == 0:
+        return n // 2, n - n // 2
+    stats, inside = np.asarray(shadow_stats, dtype=np.float64), np.asarray(shadow_in, dtype=bool)
+    if stats.shape != inside.shape or stats.shape[1] != n:
+        raise DataError(f"shadow statistics {stats.shape} and memberships {inside.shape} must both be (k, {n})")
+    shares = []
+    for s, m in zip(stats, inside, strict=True):
+        if m.all() or not m.any():
+            continue
+        best = M.one_run_epsilon_lower_bound(s[m], s[~m], delta=delta, alpha=alpha, max_counts=max_counts)
+        shares.append((best["k_plus"] / n, best["k_minus"] / n))
+    if not shares:
+        return n // 2, n - n // 2
+    k_plus, k_minus = (round(float(np.median([sh[i] for sh in shares])) * n) for i in (0, 1))
+    if k_plus + k_minus == 0:
+        return n // 2, n - n // 2
+    return k_plus, min(k_minus, n - k_plus)
 
 
 def _point_epsilon(eps: dict, delta: float) -> float:

@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from core.attacks.audit import ONE_RUN_SEED, AuditTarget, audit, one_run_selection
+from core.attacks.audit import AuditTarget, audit, one_run_counts
 from core.attacks.membership import (
     get_attack,
     one_run_certifiable_epsilon_max,
@@ -259,30 +259,35 @@ def _planted(n: int, k: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return stats, members, shadows, shadow_in
 
 
-def test_audit_reports_the_one_run_bound_on_halves_blind_to_membership():
+def test_audit_reports_the_one_run_bound_at_counts_the_shadows_fix():
     stats, members, shadows, shadow_in = _planted(800)
     kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
     out = audit(AuditTarget("planted", stats, members), attacks=("loss", "lira_online"), family=18, **kw)
-    pick = one_run_selection(members.size, seed=ONE_RUN_SEED)
-    assert pick.sum() == 400 and 0 < (pick & members).sum() < members.sum()  # not a half of each group
-    n_in = int(members.sum())
     for name, r in out.items():
         scores = get_attack(name)(-stats if name == "loss" else stats, shadow_stats=shadows, shadow_in=shadow_in)
-        for key, alpha in (("one_run_epsilon_lo", 0.05), ("one_run_epsilon_lo_family", 0.05 / 18)):
+        for suffix, alpha in (("", 0.05), ("_family", 0.05 / 18)):
+            k_plus, k_minus = one_run_counts(shadows, shadow_in, 800, delta=1e-3, alpha=alpha)
+            assert (r[f"one_run_k_plus{suffix}"], r[f"one_run_k_minus{suffix}"]) == (k_plus, k_minus)
             by_hand = one_run_epsilon_lower_bound(
-                scores[members],
-                scores[~members],
-                delta=1e-3,
-                alpha=alpha,
-                split=True,
-                selection=(pick[members], pick[~members]),
-                max_counts=2000,
+                scores[members], scores[~members], delta=1e-3, alpha=alpha, k_plus=k_plus, k_minus=k_minus
             )
-            assert r[key] == by_hand["epsilon_lo"]
-        assert r["one_run_certifiable_epsilon_max"] == one_run_certifiable_epsilon_max(n_in, 800 - n_in, delta=1e-3)
-        assert r["one_run_certifiable_epsilon_max_family"] == one_run_certifiable_epsilon_max(
-            n_in, 800 - n_in, delta=1e-3, alpha=0.05 / 18
-        )
+            assert r[f"one_run_epsilon_lo{suffix}"] == by_hand["epsilon_lo"]
+            r_all = k_plus + k_minus
+            perfect = one_run_epsilon_from_counts(800, r_all, r_all, delta=1e-3, alpha=alpha)
+            assert r[f"one_run_certifiable_epsilon_max{suffix}"] == perfect
         assert r["one_run_epsilon_lo_family"] <= r["one_run_epsilon_lo"] <= r["one_run_certifiable_epsilon_max"]
         assert r["one_run_certifiable_epsilon_max_family"] < r["one_run_certifiable_epsilon_max"]
     assert out["lira_online"]["one_run_epsilon_lo"] > out["loss"]["one_run_epsilon_lo"] > 0
+
+
+def test_the_guess_counts_do_not_read_the_targets_membership():
+    """The one-run theorem needs the number of guesses fixed with respect to the target's membership: the counts
+    come from the shadows alone, so any other membership of the target gets the same counts."""
+    stats, members, shadows, shadow_in = _planted(800)
+    kw = {"shadow_stats": shadows, "shadow_in": shadow_in, "delta": 1e-3}
+    first = audit(AuditTarget("planted", stats, members), attacks=("loss",), **kw)["loss"]
+    other = np.random.default_rng(5).random(800) < 0.5
+    second = audit(AuditTarget("planted", stats, other), attacks=("loss",), **kw)["loss"]
+    assert (first["one_run_k_plus"], first["one_run_k_minus"]) == (second["one_run_k_plus"], second["one_run_k_minus"])
+    assert 0 < first["one_run_k_plus"] + first["one_run_k_minus"] <= 800
+    assert one_run_counts(None, None, 801, delta=1e-3, alpha=0.05) == (400, 401)  # no shadows: every example
