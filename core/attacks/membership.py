@@ -499,7 +499,9 @@ def certifiable_epsilon_max(
 # and with delta = 0, W is stochastically dominated by Binomial(r, q) (the right guesses of eps-DP randomized
 # response). The right-hand side at the observed v is a p-value for "the training is (eps, delta)-DP" (their App. D,
 # ``p_value_DP_audit``); the bound is the largest eps it rejects at level alpha. f(v - i) = 1 for i >= v, so the max
-# runs over i = 1..v.
+# runs over i = 1..v. The number of guesses r must be fixed independently of S: a count chosen on the trained model's
+# scores (of any examples: the model depends on every S_i) is not, so the audit fixes it on shadow models, whose
+# memberships are drawn apart from the target's (``core.attacks.audit.one_run_counts``).
 
 
 def _check_delta_one_run(delta: float) -> float:
@@ -677,7 +679,7 @@ def one_run_epsilon_lower_bound(
     * ``k_plus`` and ``k_minus`` given: those counts on all examples (valid if fixed before the scores were seen).
     * neither, ``split=False``: the best (k_plus, k_minus) on the same data it bounds, which makes ``epsilon_lo``
       optimistic (a max over many 1 - alpha statements), as in ``empirical_epsilon_lower_bound``.
-    * neither, ``split=True`` (statistically valid): the counts are chosen on a selection half and the bound is
+    * neither, ``split=True``: the counts are chosen on a selection half and the bound is
       reported on the other half (m = its size; ``n_members`` / ``n_nonmembers`` are then its groups), whose
       guesses read its scores and the selection half only. The halves are ``selection`` (boolean masks over the
       members and over the non-members, True = selection half; the caller draws them independently of
@@ -689,7 +691,9 @@ def one_run_epsilon_lower_bound(
       beyond that side's threshold, set midway between the selection half's last guess and its next example on that
       side (none if that side had no guess), and the other side takes the remaining guesses from its own end, so an
       attack separating the groups perfectly guesses every example right: it reports
-      ``one_run_certifiable_epsilon_max``.
+      ``one_run_certifiable_epsilon_max``. Not a valid bound on its own: the selection half's scores come from the
+      same model, which depends on the evaluation half's memberships, so the count is not fixed with respect to
+      them; ``core.attacks.audit`` passes counts fixed on shadow models instead (``k_plus``, ``k_minus``).
 
     ``max_counts`` (None: all) limits the guess counts r tried to that many rank-spaced ones; each r takes its best
     split into k_plus + k_minus. ``epsilon_point`` is log(v / (r - v)) (at least 0): the epsilon of randomized
