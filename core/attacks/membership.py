@@ -686,8 +686,8 @@ def one_run_epsilon_lower_bound(
       membership, e.g. a fixed random half of all users) or, if None, a random half of the pooled examples
       (``seed``): unlike ``empirical_epsilon_lower_bound``'s halves they are not halves of each group, since the
       theorem needs the evaluation half's memberships independent and uniform given everything the guesses read.
-      The evaluation half gets r = the selection half's guess count scaled to its size, a number fixed before its
-      scores are read, as the theorem needs; the fewer-guesses side (IN if k_plus <= k_minus) is every example
+      The evaluation half gets r = the selection half's guess count scaled to its size, chosen before its own
+      scores are read; the fewer-guesses side (IN if k_plus <= k_minus) is every example
       beyond that side's threshold, set midway between the selection half's last guess and its next example on that
       side (none if that side had no guess), and the other side takes the remaining guesses from its own end, so an
       attack separating the groups perfectly guesses every example right: it reports
