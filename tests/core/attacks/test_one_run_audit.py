@@ -17,9 +17,9 @@ from core.attacks.membership import (
     one_run_epsilon_from_counts,
     one_run_epsilon_lower_bound,
     one_run_p_value,
-    split_halves,
 )
 from core.errors import ConfigError, DataError
+from tests.core.attacks.test_audit import _planted
 
 
 def exact_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
@@ -247,16 +247,6 @@ def test_bad_input_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- in the audit
-
-
-def _planted(n: int, k: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    difficulty = rng.normal(0, 2, n)
-    members = split_halves(n, 2, seed=1)[0]
-    shadow_in = split_halves(n, k, seed=2)
-    shadows = difficulty + 1.5 * shadow_in + rng.normal(0, 0.5, (k, n))
-    stats = difficulty + 1.5 * members + rng.normal(0, 0.5, n)
-    return stats, members, shadows, shadow_in
 
 
 def test_audit_reports_the_one_run_bound_at_counts_the_shadows_fix():
