@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from core.attacks import membership as M
+from core.attacks import one_run as R
 from core.data.sequential import SequentialDataset
 from core.errors import ConfigError, DataError
 from core.models.loss import sequence_loss
@@ -125,7 +126,7 @@ def audit(
     analysis established for many training runs (Jagielski et al. 2020), not for the members of ONE run. The
     one-run audit of Steinke, Nasr & Jagielski 2023 is valid for one run whose members were drawn independently
     with probability 1/2 (as ``tasks.audit`` draws them) and whose number of guesses is fixed independently of that
-    membership: ``one_run_epsilon_lo`` is ``membership.one_run_epsilon_lower_bound`` on every example at ``delta``
+    membership: ``one_run_epsilon_lo`` is ``one_run.one_run_epsilon_lower_bound`` on every example at ``delta``
     and confidence 1 - alpha, the attack guessing its k+ highest-scoring examples IN and its k- lowest OUT and
     abstaining on the rest, with (k+, k-) chosen on the shadow models alone (:func:`one_run_counts`: their
     membership is known and drawn independently of the target's, so the counts do not depend on it; without
@@ -178,7 +179,7 @@ def audit(
         for a in dict.fromkeys((alpha, alpha_family))
     }
     one_run_power = {
-        a: M.one_run_epsilon_from_counts(n, sum(k), sum(k), delta=delta, alpha=a) for a, k in counts.items()
+        a: R.one_run_epsilon_from_counts(n, sum(k), sum(k), delta=delta, alpha=a) for a, k in counts.items()
     }
     choose = selection_half(members, seed=SELECTION_SEED)
     out: dict[str, dict] = {}
@@ -201,7 +202,7 @@ def audit(
         }
         eps, family = bounds[alpha], bounds[alpha_family]
         one_run = {  # every example, at counts fixed by the shadows
-            a: M.one_run_epsilon_lower_bound(
+            a: R.one_run_epsilon_lower_bound(
                 scores[members], scores[~members], delta=delta, alpha=a, k_plus=k[0], k_minus=k[1]
             )["epsilon_lo"]
             for a, k in counts.items()
@@ -284,7 +285,7 @@ def one_run_counts(
     """(k+, k-): how many of a target's ``n`` examples the one-run audit guesses IN (its highest scores) and OUT
     (its lowest), chosen without the target: on each shadow model (``shadow_stats`` (k, n), higher = more likely
     a member, with its membership ``shadow_in``) the loss attack's best counts by the one-run bound at ``delta`` and
-    ``alpha`` (``membership.one_run_epsilon_lower_bound`` choosing on that shadow's own examples), the median share
+    ``alpha`` (``one_run.one_run_epsilon_lower_bound`` choosing on that shadow's own examples), the median share
     of its examples over the shadows, scaled to ``n``. The shadows' memberships are drawn independently of the
     target's, so the counts are fixed with respect to it, as the one-run theorem needs. Without shadows: every
     example, ``n // 2`` each way."""
@@ -297,7 +298,7 @@ def one_run_counts(
     for s, m in zip(stats, inside, strict=True):
         if m.all() or not m.any():
             continue
-        best = M.one_run_epsilon_lower_bound(s[m], s[~m], delta=delta, alpha=alpha, max_counts=max_counts)
+        best = R.one_run_epsilon_lower_bound(s[m], s[~m], delta=delta, alpha=alpha, max_counts=max_counts)
         shares.append((best["k_plus"] / n, best["k_minus"] / n))
     if not shares:
         return n // 2, n - n // 2

@@ -308,8 +308,8 @@ def test_the_plans_of_the_quick_profile() -> None:
     assert plan("tangent", seeds)["tangent"] == 1 + 2 * plan("tangent", cfg)["tangent"]  # a run over 2 seed passes
     whole = plan("benchmark", cfg)
     assert whole["benchmark"] == 1 and whole["prepare"] == 9
-    # the quick benchmarks at bb5363e and 20af7a6 recorded these per flow (the attacks stage's 26: the unlearning audit's
-    # feature cache was once left out of the count)
+    # the quick benchmarks at bb5363e and 20af7a6 recorded these per flow (the attacks stage's 26: the unlearning
+    # audit's feature cache was once left out of the count)
     assert whole == {
         "benchmark": 1,
         "prepare": 9,

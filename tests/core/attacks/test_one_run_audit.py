@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from core.attacks.audit import AuditTarget, audit, one_run_counts
-from core.attacks.membership import (
-    get_attack,
+from core.attacks.membership import get_attack
+from core.attacks.one_run import (
     one_run_certifiable_epsilon_max,
     one_run_epsilon_from_counts,
     one_run_epsilon_lower_bound,
