@@ -18,9 +18,20 @@ from pbconfig.data import PrepareConfig
 from pbconfig.tangent import TangentConfig
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import RunRef
-from tasks.attacks import film_attack, seb_coverage, train_prior, utility_lm, utility_translation
+from tasks.attacks import (
+    FilmJob,
+    LMJob,
+    MTJob,
+    film_attack,
+    plan,
+    seb_coverage,
+    train_prior,
+    utility_lm,
+    utility_translation,
+)
 from tasks.attacks_report import attacks_summary
-from tasks.audit import audit_recipes, audit_seqrec, audit_targets, audit_unlearning, epsilon_family
+from tasks.audit import AuditJob, audit_recipes, audit_seqrec, audit_unlearning, epsilon_family
+from tasks.jobs import of_type, unique
 from tasks.records import close_flow_record, open_flow_record
 
 STAGE = "attacks"
@@ -74,45 +85,46 @@ def attacks_flow(
             for p in f.priors
         }
         cov = seb_coverage.submit(config, run)
-    targets = audit_targets(a) if a is not None else []
+    jobs = plan(config)
+    targets = of_type(jobs, AuditJob)
     recipes = audit_recipes(train_dp, a, profile) if targets else {}
     audits = audit_seqrec.map(
-        [t[0] for t in targets],
-        [t[1] for t in targets],
-        [t[2] for t in targets],
-        [t[3] for t in targets],
+        [t.dataset for t in targets],
+        [t.method for t in targets],
+        [t.epsilon for t in targets],
+        [t.config for t in targets],
         unmapped(train_dp),
-        [seqrec[t[0]] for t in targets],
+        [seqrec[t.dataset] for t in targets],
         unmapped(run),
         threads=unmapped(config.threads_per_worker),
         recipes=unmapped(recipes),
         family=unmapped(epsilon_family(a) if a is not None else None),
     )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
-    seeds = list(u.run_seeds) if u else []
-    lm_jobs = [(d, e, s) for s in seeds for d in u.lm_datasets for e in u.embeddings] if u else []
+    lm_jobs = of_type(jobs, LMJob)
     lm = utility_lm.map(
-        [j[0] for j in lm_jobs],
-        [j[1] for j in lm_jobs],
+        [j.dataset for j in lm_jobs],
+        [j.embedding for j in lm_jobs],
         unmapped(config),
-        [prepared[j[0]] for j in lm_jobs],
+        [prepared[j.dataset] for j in lm_jobs],
         unmapped(run),
-        seed=[j[2] for j in lm_jobs],
+        seed=[j.seed for j in lm_jobs],
     )
-    mt_jobs = [(e, s) for s in seeds for e in u.mt_embeddings] if u and u.translation else []
+    mt_jobs = of_type(jobs, MTJob)
     mt = utility_translation.map(
-        [j[0] for j in mt_jobs],
+        [j.embedding for j in mt_jobs],
         unmapped(config),
-        unmapped(prepared[u.translation] if mt_jobs else ""),
+        unmapped(prepared[u.translation] if u is not None and u.translation and mt_jobs else ""),
         unmapped(run),
-        seed=[j[1] for j in mt_jobs],
+        seed=[j.seed for j in mt_jobs],
     )
     film_runs: list[dict[str, Any]] = []
     if f is not None:
         prior_dirs = {name: fut.result() for name, fut in prior.items()}
         private = {n: prepared[n] for n in f.private}
+        victims = unique([j.victim for j in of_type(jobs, FilmJob)])
         per_victim = film_attack.map(
-            list(f.victims), unmapped(config), unmapped(private), unmapped(prior_dirs), unmapped(run)
+            victims, unmapped(config), unmapped(private), unmapped(prior_dirs), unmapped(run)
         ).result()
         film_runs = [row for rows in per_victim for row in rows]
     coverage = cov.result() if cov is not None else None

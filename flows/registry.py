@@ -1,10 +1,12 @@
 """The flow registry: the chain's stages declared once (:class:`Stage`, :data:`STAGES`, in the order they run),
 and from them which flows ``privbench run`` (and the deployments of ``flows.deployments``) know, how a profile
-config is handed to each, the runs each records (:func:`plan`) and the benchmark chain (:func:`run_stages`). Each
-flow module is imported only when its flow runs."""
+config is handed to each, the runs each records (:func:`plan`, counted from each stage's own plan of jobs, the
+one its flow dispatches from) and the benchmark chain (:func:`run_stages`). Each flow module is imported only when
+its flow runs, each stage's plan only when it is asked for."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from pbconfig.data import PrepareConfig
 
 if TYPE_CHECKING:
     from storage.recording import RunRef
+    from tasks.jobs import Job
 
 Prepared = dict[str, Any]  # what the chain's prepare flow returned (``prepare_flow``)
 
@@ -23,15 +26,16 @@ Prepared = dict[str, Any]  # what the chain's prepare flow returned (``prepare_f
 @dataclass(frozen=True)
 class Stage:
     """One stage of the chain, declared once: ``name`` (the flow's name, as its rows carry it), ``section`` (its
-    ``BenchmarkConfig`` section: None there, the stage does not run), ``runs`` (the runs it records, told from the
-    config), ``prepare_runs`` (the runs of the prepare flow it starts when it runs on its own; None: it prepares
-    nothing) and ``start(cfg, parent, prepared)``: its flow under ``parent`` on the chain's prepared data, or on
-    its own (``parent`` and ``prepared`` None: it prepares what it reads). ``privbench run``, ``registry.plan``
-    and the benchmark chain are derived from :data:`STAGES`; a new stage is one more entry."""
+    ``BenchmarkConfig`` section: None there, the stage does not run), ``tasks`` (the module of its tasks whose
+    ``plan(section) -> list[Job]`` declares every run it records below its flow run, :mod:`tasks.jobs`),
+    ``prepare_runs`` (the runs of the prepare flow it starts when it runs on its own; None: it prepares nothing)
+    and ``start(cfg, parent, prepared)``: its flow under ``parent`` on the chain's prepared data, or on its own
+    (``parent`` and ``prepared`` None: it prepares what it reads). ``privbench run``, ``registry.plan`` and the
+    benchmark chain are derived from :data:`STAGES`; a new stage is one more entry."""
 
     name: str
     section: str
-    runs: Callable[[BenchmarkConfig], int]
+    tasks: str
     prepare_runs: Callable[[BenchmarkConfig], int] | None
     start: Callable[[BenchmarkConfig, RunRef | None, Prepared | None], dict[str, Any]]
 
@@ -41,6 +45,15 @@ class Stage:
         if section is None:
             raise ConfigError(f"profile {cfg.profile!r} has no {self.section} section; add one or use --profile quick")
         return section
+
+    def jobs(self, cfg: BenchmarkConfig) -> list[Job]:
+        """Every run the stage records below its flow run, as its tasks' ``plan`` declares them."""
+        jobs: list[Job] = importlib.import_module(self.tasks).plan(self.config(cfg))
+        return jobs
+
+    def runs(self, cfg: BenchmarkConfig) -> int:
+        """The runs the stage records: its flow's own and its plan's."""
+        return 1 + len(self.jobs(cfg))
 
 
 def _paths(prepared: Prepared | None, kind: str) -> dict[str, str] | None:
@@ -146,81 +159,21 @@ def _prepare_runs(p: PrepareConfig) -> int:
     return 1 + len(p.datasets) + len(p.images) + len(p.models) + len(p.texts)
 
 
-def _train_dp_runs(cfg: BenchmarkConfig) -> int:
-    from tasks.train_dp import expand_grid, expand_tuning
-
-    t = _section(cfg, "train_dp")
-    prepared = {d.name: "" for d in t.datasets}
-    search = 1 + len(expand_tuning(t, prepared)) if t.tuning is not None else 0  # its record and its points
-    return 1 + search + len(expand_grid(t, prepared))
-
-
-def _tangent_runs(cfg: BenchmarkConfig) -> int:
-    t = _section(cfg, "tangent")
-    dp = len(t.dp.regimes) * 2 * len(t.dp.epsilons) if t.dp else 0  # tangent and non-linear, per epsilon
-    # flow + feature cache + Table 1 (taft, nlft, fc) + shards (taft and nlft) + Table 2 (3 per shard count)
-    # + Fig. 1 (subtraction curve, retraining, one per forgotten fraction, the forget request's 5 methods) + Table 3;
-    # with seeds, that once per seed under one run of the flow
-    one = 1 + 1 + 3 + sum(2 * n for n in t.shards) + 3 * len(t.shards) + 2 + len(t.forget_fractions) + 5 + dp
-    return one if t.seeds is None else 1 + len(t.seeds) * one
-
-
-def _secure_inference_runs(cfg: BenchmarkConfig) -> int:
-    from tasks.secure_inference_models import models_needed
-
-    s = _section(cfg, "secure_inference")
-    # flow + one training run per model + one generation per method + the scaling points; with seeds, that once per
-    # seed under one run of the flow
-    scaling = len([m for m in s.scaling_methods if m in s.methods]) * len(s.scaling_gen_lens) + len(
-        s.scaling_methods
-    ) * len(s.scaling_sizes)
-    one = 1 + len(models_needed(s)) + len(s.methods) + scaling
-    return one if s.seeds is None else 1 + len(s.seeds) * one
-
-
-def _stip_runs(cfg: BenchmarkConfig) -> int:
-    s = _section(cfg, "stip")
-    designs = [len(m.designs or s.designs) for m in s.models]  # a protocol run per design, and an attacks run
-    attacked = [n for m, n in zip(s.models, designs, strict=True) if m.attacks is None or m.attacks]  # where attacked
-    return 1 + sum(designs) + sum(attacked)
-
-
-def _attacks_runs(cfg: BenchmarkConfig) -> int:
-    from tasks.audit import audit_targets
-
-    a = _section(cfg, "attacks")
-    f, u, audit = a.film, a.utility, a.audit
-    trained = sum(p.kind == "trained" and p.path is None for p in f.priors) if f else 0
-    film = trained + 1 + len(f.victims) * len(f.batch_sizes) if f else 0  # priors, coverage, FILM
-    per_seed = len(u.lm_datasets) * len(u.embeddings) + (len(u.mt_embeddings) if u.translation else 0) if u else 0
-    utility = per_seed * len(u.run_seeds) if u else 0
-    # one run per audited target; the unlearning audit's own run and the feature cache it records first
-    audits = len(audit_targets(audit)) + 2 * bool(audit.unlearning) if audit else 0
-    return 1 + film + utility + audits
-
-
 def _attacks_prepare_runs(cfg: BenchmarkConfig) -> int:
     """The prepare subflow of the attacks stage run on its own: its texts, audited datasets, and the tangent
     stage's images and model when it audits unlearning."""
-    a = _section(cfg, "attacks")
+    a = STAGE["attacks"].config(cfg)
     unlearning = a.audit is not None and a.audit.unlearning
     return 1 + len(a.text_datasets()) + (len(a.audit.datasets) if a.audit else 0) + 2 * unlearning
 
 
-def _section(cfg: BenchmarkConfig, name: str) -> Any:
-    section = getattr(cfg, name)
-    if section is None:
-        raise ConfigError(f"profile {cfg.profile!r} has no {name} section; add one or use --profile quick")
-    return section
-
-
 STAGES: tuple[Stage, ...] = (
-    Stage("train-dp", "train_dp", _train_dp_runs, lambda cfg: 1 + len(_section(cfg, "train_dp").datasets),
+    Stage("train-dp", "train_dp", "tasks.train_dp", lambda cfg: 1 + len(STAGE["train-dp"].config(cfg).datasets),
           _start_train_dp),
-    Stage("tangent", "tangent", _tangent_runs, lambda cfg: 3, _start_tangent),  # its image dataset and model
-    Stage("secure-inference", "secure_inference", _secure_inference_runs, None, _start_secure_inference),
-    Stage("stip", "stip", _stip_runs, None, _start_stip),
-    Stage("attacks", "attacks", _attacks_runs, _attacks_prepare_runs, _start_attacks),
+    Stage("tangent", "tangent", "tasks.tangent_plan", lambda cfg: 3, _start_tangent),  # its images and model
+    Stage("secure-inference", "secure_inference", "tasks.secure_inference", None, _start_secure_inference),
+    Stage("stip", "stip", "tasks.stip", None, _start_stip),
+    Stage("attacks", "attacks", "tasks.attacks", _attacks_prepare_runs, _start_attacks),
 )  # fmt: skip
 STAGE: dict[str, Stage] = {s.name: s for s in STAGES}
 

@@ -10,17 +10,22 @@ from typing import Any
 from flows.recorded import over_seeds, recorded_flow
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import RunRef
+from tasks.jobs import of_type
 from tasks.records import close_flow_record, open_flow_record
 from tasks.secure_inference import (
+    GenerationJob,
+    ScalingJob,
+    TrainJob,
     check_prompts,
     collect_models,
     mpc_generation,
+    plan_pass,
     scaling_point,
     si_summary,
     train_model,
     workdir_of,
 )
-from tasks.secure_inference_models import ModelRef, models_needed, teacher_of
+from tasks.secure_inference_models import ModelRef, teacher_of
 
 STAGE = "secure-inference"
 
@@ -41,15 +46,14 @@ def seed_pass(config: SecureInferenceConfig, profile: str, parent: RunRef | None
     run = open_flow_record(flow="secure-inference", stage=STAGE, config=config, profile=profile, parent=parent)
     try:
         check_prompts(config)  # before any training: a seed whose test split is too small fails in seconds
+        jobs = plan_pass(config)
         trained: dict[str, ModelRef] = {}
-        for name in models_needed(config):  # each after its teacher
+        for name in (j.name for j in of_type(jobs, TrainJob)):  # each after its teacher
             teacher = teacher_of(name, config)
             trained[name] = train_model(name, config, run, teacher=trained[teacher] if teacher else None)
         models = collect_models(config, trained, run)
-        results = [mpc_generation(m, config, models, run) for m in config.run_order]
-        points = [(m, n, None) for m in config.scaling_methods if m in models.payloads for n in config.scaling_gen_lens]
-        points += [(m, config.gen_len, s) for m in config.scaling_methods for s in config.scaling_sizes]
-        scaling = [scaling_point(m, n, s, config, models, run) for m, n, s in points]
+        results = [mpc_generation(j.method, config, models, run) for j in of_type(jobs, GenerationJob)]
+        scaling = [scaling_point(j.method, j.gen_len, j.size, config, models, run) for j in of_type(jobs, ScalingJob)]
         summary = si_summary(config, results, scaling)
     finally:
         shutil.rmtree(workdir_of(run), ignore_errors=True)

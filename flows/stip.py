@@ -9,7 +9,7 @@ from flows.recorded import recorded_flow
 from pbconfig.stip import StipConfig
 from storage.recording import RunRef
 from tasks.records import close_flow_record, open_flow_record
-from tasks.stip import attack, protocol
+from tasks.stip import attack, plan, protocol
 
 STAGE = "stip"
 
@@ -17,13 +17,9 @@ STAGE = "stip"
 @recorded_flow("stip")
 def stip_flow(config: StipConfig, profile: str = "quick", parent: RunRef | None = None) -> dict[str, Any]:
     run = open_flow_record(flow="stip", stage=STAGE, config=config, profile=profile, parent=parent)
-    runs = [protocol(m, d, config, run) for m in config.models for d in (m.designs or config.designs)]
-    found = [
-        attack(m, d, config, run)
-        for m in config.models
-        if m.attacks is None or m.attacks
-        for d in (m.designs or config.designs)
-    ]
+    jobs = plan(config)
+    runs = [protocol(j.model, j.design, config, run) for j in jobs if j.step == "protocol"]
+    found = [attack(j.model, j.design, config, run) for j in jobs if j.step == "attack"]
     metrics: dict[str, float] = {}
     for r in runs:
         for k in (

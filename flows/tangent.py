@@ -17,10 +17,9 @@ from flows.runners import task_runner
 from pbconfig.data import PrepareConfig
 from pbconfig.tangent import TangentConfig
 from storage.recording import RunRef
+from tasks.jobs import of_type, unique
 from tasks.records import close_flow_record, open_flow_record
 from tasks.tangent import (
-    TABLE1,
-    ShardJob,
     cache_features,
     check_search,
     check_shard_counts,
@@ -31,6 +30,8 @@ from tasks.tangent import (
     tune_table2,
 )
 from tasks.tangent_dp import check_dp, train_dp_regime
+from tasks.tangent_inputs import ShardJob
+from tasks.tangent_plan import DPCellJob, ForgetFractionJob, Table1Job, Table2Job, plan_pass
 from tasks.tangent_report import tangent_summary
 from tasks.tangent_unlearning import (
     forget_by_subtraction_curve,
@@ -70,9 +71,10 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
         check_shard_counts(config, inputs)
         check_dp(config, inputs)
         check_search(config, inputs)
-        methods = list(TABLE1)
+        jobs = plan_pass(config)
+        methods = [j.method for j in of_type(jobs, Table1Job)]
         table1 = train_full.map(methods, unmapped(config), unmapped(inputs), unmapped(run))
-        columns = [(r, t) for r in (config.dp.regimes if config.dp else ()) for t in (True, False)]
+        columns = unique([j.column for j in of_type(jobs, DPCellJob)])
 
         def table3_columns() -> Any:  # one task per column of a regime, one recorded run per epsilon
             regimes, tangent = [c[0] for c in columns], [c[1] for c in columns]
@@ -82,22 +84,20 @@ def seed_pass(config: TangentConfig, profile: str, parent: RunRef | None, prepar
         if config.searches_table2:  # Table 2 (and Fig. 1, which reads its shards) waits for Table 1's choice
             table3 = table3_columns()  # started first, so that it runs meanwhile
             tuned, tuning = tune_table2(config, dict(zip(methods, table1.result(), strict=True)))
-        jobs = [ShardJob(kind, n, j) for n in config.shards for kind in ("taft", "nlft") for j in range(n)]
-        shards = train_shard.map(jobs, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning))
+        shard_jobs = of_type(jobs, ShardJob)
+        shards = train_shard.map(shard_jobs, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning))
         if table3 is None:
             table3 = table3_columns()
         done_shards = shards.result()
-        by_n = [[s for s in done_shards if s["n_shards"] == n] for n in config.shards]
-        table2 = compose_shards.map(
-            list(config.shards), by_n, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning)
-        )
+        counts = unique([j.n_shards for j in of_type(jobs, Table2Job)])
+        by_n = [[s for s in done_shards if s["n_shards"] == n] for n in counts]
+        table2 = compose_shards.map(counts, by_n, unmapped(tuned), unmapped(inputs), unmapped(run), unmapped(tuning))
         n1 = config.fig1_n_shards
         fig1a = forget_by_subtraction_curve.submit(n1, tuned, inputs, run)
         fig1c = forget_one_by_retraining.submit(n1, tuned, inputs, run)
         fig1r = forget_request_costs.submit(n1, tuned, inputs, run)
-        fig1f = forget_fraction.map(
-            unmapped(n1), list(config.forget_fractions), unmapped(tuned), unmapped(inputs), unmapped(run)
-        )
+        fractions = [j.fraction for j in of_type(jobs, ForgetFractionJob)]
+        fig1f = forget_fraction.map(unmapped(n1), fractions, unmapped(tuned), unmapped(inputs), unmapped(run))
         summary = tangent_summary(
             config,
             table1=table1.result(),

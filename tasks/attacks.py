@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from tasks.attacks_film import (  # noqa: F401  (re-exported: the stage's tasks 
     train_prior,
     vocab_ids,
 )
+from tasks.audit import audit_targets
+from tasks.jobs import Job, Recorded
 from tasks.records import RESUMABLE, task_record
 
 
@@ -298,3 +301,64 @@ def utility_translation(
             "translations.json", [{"de": p[0], "en": p[1], "hyp": h} for p, h in zip(test, hyps, strict=True)]
         )
     return {"dataset": u.translation, "embedding": embedding, "seed": seed, **out}
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class FilmJob:
+    """FILM against ``victim`` at ``batch_size`` (the victim's batch sizes run in one task, one run each)."""
+
+    victim: str
+    batch_size: int
+
+    @property
+    def technique(self) -> str:
+        return f"film-{self.victim}"
+
+
+@dataclass(frozen=True)
+class LMJob:
+    """SEB's utility: a language model with ``embedding`` on ``dataset`` at ``seed``."""
+
+    dataset: str
+    embedding: str
+    seed: int | None
+
+    @property
+    def technique(self) -> str:
+        return f"seb-lm-{self.embedding}"
+
+
+@dataclass(frozen=True)
+class MTJob:
+    """SEB's utility: a translation model with ``embedding`` at ``seed``."""
+
+    embedding: str
+    seed: int | None
+
+    @property
+    def technique(self) -> str:
+        return f"seb-mt-{self.embedding}"
+
+
+def plan(cfg: AttacksConfig) -> list[Job]:
+    """Every run of the stage below its flow run (:mod:`tasks.jobs`), in the order the flow starts them: the
+    trained priors and the byte-coverage curve (with FILM), the audited targets (``tasks.audit.AuditJob``) and the
+    unlearning audit (its feature cache, then its run), the utility models, then FILM against each victim at each
+    batch size."""
+    f, u, a = cfg.film, cfg.utility, cfg.audit
+    jobs: list[Job] = []
+    if f is not None:
+        jobs += [Recorded("film-prior") for p in f.priors if p.kind == "trained" and p.path is None]
+        jobs.append(Recorded("seb-coverage"))
+    if a is not None:
+        jobs += audit_targets(a)
+        jobs += [Recorded("feature-cache"), Recorded("mia-unlearning")] if a.unlearning else []
+    if u is not None:
+        jobs += [LMJob(d, e, s) for s in u.run_seeds for d in u.lm_datasets for e in u.embeddings]
+        jobs += [MTJob(e, s) for s in u.run_seeds for e in u.mt_embeddings] if u.translation else []
+    if f is not None:
+        jobs += [FilmJob(v, b) for v in f.victims for b in f.batch_sizes]
+    return jobs

@@ -31,21 +31,35 @@ from tasks.records import RESUMABLE, task_record
 from tasks.train_dp import PEER_BASE, GridPoint, Recipes, at_recipe, recipe_key, select_recipes, train_overrides
 
 
-def audit_targets(cfg: AuditConfig) -> list[tuple[str, str, float | None, AuditConfig]]:
-    """(dataset, method, epsilon, the seed's config) of every audited target: methods x epsilons, plus the
-    non-private ones (DPFormer without noise would repeat the Transformer, as in the training grid), once per seed
-    of ``cfg.seed_configs()``."""
+@dataclass(frozen=True)
+class AuditJob:
+    """One audited target: ``method`` trained on ``dataset`` at ``epsilon`` (None: non-private) under ``config``,
+    the audit's config at one seed (its target, shadows and halves of the users); one recorded run."""
+
+    dataset: str
+    method: str
+    epsilon: float | None
+    config: AuditConfig
+
+    @property
+    def technique(self) -> str:
+        return f"mia-{self.method}"
+
+
+def audit_targets(cfg: AuditConfig) -> list[AuditJob]:
+    """Every audited target: methods x epsilons, plus the non-private ones (DPFormer without noise would repeat
+    the Transformer, as in the training grid), once per seed of ``cfg.seed_configs()``."""
     points: list[tuple[str, float | None]] = [(m, e) for m in cfg.methods for e in cfg.epsilons]
     if cfg.nonprivate:
         points += [(m, None) for m in cfg.methods if m != "dpformer"]
-    return [(d, m, e, c) for c in cfg.seed_configs() for d in cfg.datasets for m, e in points]
+    return [AuditJob(d, m, e, c) for c in cfg.seed_configs() for d in cfg.datasets for m, e in points]
 
 
 def epsilon_family(cfg: AuditConfig) -> int:
     """How many lower bounds ``empirical-epsilon-below-accountant`` takes the strongest of: every attack of every
     audited DP target (each seed, dataset, method and epsilon). Each bound is computed at alpha / this
     (Bonferroni), so the strongest of them is a 1 - alpha statement."""
-    return len(cfg.attacks) * max(1, sum(e is not None for _, _, e, _ in audit_targets(cfg)))
+    return len(cfg.attacks) * max(1, sum(t.epsilon is not None for t in audit_targets(cfg)))
 
 
 def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None, db_url: str | None = None) -> Recipes:
@@ -61,9 +75,9 @@ def searched_recipes(train: TrainDPConfig, cfg: AuditConfig, profile: str | None
     searched = set(t.methods or train.methods)
     wanted = list(
         dict.fromkeys(
-            recipe_key(d, PEER_BASE.get(m, m), True)
-            for d, m, _, _ in audit_targets(cfg)
-            if PEER_BASE.get(m, m) in searched
+            recipe_key(t.dataset, PEER_BASE.get(t.method, t.method), True)
+            for t in audit_targets(cfg)
+            if PEER_BASE.get(t.method, t.method) in searched
         )
     )
     if not wanted:

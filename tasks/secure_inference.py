@@ -41,9 +41,11 @@ from core.mpc.payloads import payload_params, random_payload
 from core.mpc.quality import quality_drop, text_quality
 from core.mpc.run_costs import EncryptedRun, RunMetrics, aggregate_parties, run_metrics
 from core.secret_source import SECRET_SOURCE_TAG
+from pbconfig.base import ModelShape
 from pbconfig.secure_inference import SecureInferenceConfig
 from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef
+from tasks.jobs import Job, SeedPass
 from tasks.prepare import read_manifest, write_prepared
 from tasks.records import RESUMABLE, task_record
 from tasks.secure_inference_models import (
@@ -57,6 +59,7 @@ from tasks.secure_inference_models import (
     kind_of,
     model_key,
     model_of,
+    models_needed,
     pretrain_data_of,
     record_curve,
     state_of,
@@ -72,6 +75,63 @@ class SIModels:
     payloads: dict[str, str]  # method -> file holding its GPT2Weights / MergeSpec
     prompts_path: str  # {"prefix": (B, P) ids, "references": list of id lists, "table": (V, d) embeddings}
     corpus: str
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One model's training run (each after its teacher)."""
+
+    name: str
+
+    @property
+    def technique(self) -> str:
+        return kind_of(self.name).technique.format(approx=self.name.removeprefix("distilled-"))
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One method's encrypted generation (Tables 1-2 and quality)."""
+
+    method: str
+
+    @property
+    def technique(self) -> str:
+        return self.method
+
+
+@dataclass(frozen=True)
+class ScalingJob:
+    """One point of the scaling sweep: ``method`` generating ``gen_len`` tokens, at model shape ``size`` (None: the
+    stage's own model)."""
+
+    method: str
+    gen_len: int
+    size: ModelShape | None
+
+    @property
+    def technique(self) -> str:
+        return f"scaling-{self.method}"
+
+
+def plan_pass(cfg: SecureInferenceConfig) -> list[TrainJob | GenerationJob | ScalingJob]:
+    """The runs of one seed pass in the order it starts them: the models (teachers first), each method's generation
+    in ``run_order``, then the scaling sweep (lengths, then sizes)."""
+    lengths = [ScalingJob(m, n, None) for m in cfg.scaling_methods if m in cfg.methods for n in cfg.scaling_gen_lens]
+    sizes = [ScalingJob(m, cfg.gen_len, s) for m in cfg.scaling_methods for s in cfg.scaling_sizes]
+    return [
+        *(TrainJob(n) for n in models_needed(cfg)),
+        *(GenerationJob(m) for m in cfg.run_order),
+        *lengths,
+        *sizes,
+    ]
+
+
+def plan(cfg: SecureInferenceConfig) -> list[Job]:
+    """Every run of the stage below its flow run: one pass, or with ``cfg.seeds`` each pass's own run and its
+    runs."""
+    if cfg.seeds is None:
+        return list(plan_pass(cfg))
+    return [job for c in cfg.seed_configs() for job in (SeedPass(c.seed), *plan_pass(c))]
 
 
 def workdir_of(parent: RunRef) -> Path:

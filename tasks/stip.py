@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from prefect import task
@@ -29,6 +30,28 @@ from core.stip.models import build_model
 from pbconfig.stip import StipConfig, StipModelSpec
 from storage.recording import Recorder
 from tasks.records import RESUMABLE, task_record
+
+
+@dataclass(frozen=True)
+class StipJob:
+    """One run of the stage: the protocol (``step`` ``protocol``) or every attack (``attack``) on one design of
+    one model."""
+
+    step: Literal["protocol", "attack"]
+    model: StipModelSpec
+    design: str
+
+    @property
+    def technique(self) -> str:
+        return f"{'stip' if self.step == 'protocol' else 'attacks'}-{self.design}"
+
+
+def plan(cfg: StipConfig) -> list[StipJob]:
+    """Every run of the stage in the order the flow starts them: the protocol on each model's designs, then the
+    attacks on each design of the models that are attacked (``attacks`` not empty)."""
+    designs = [(m, d) for m in cfg.models for d in (m.designs or cfg.designs)]
+    attacked = [(m, d) for m, d in designs if m.attacks is None or m.attacks]
+    return [StipJob("protocol", m, d) for m, d in designs] + [StipJob("attack", m, d) for m, d in attacked]
 
 
 def _model(spec: StipModelSpec, seed: int) -> torch.nn.Module:

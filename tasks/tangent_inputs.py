@@ -31,6 +31,10 @@ class ShardJob:
     n_shards: int
     index: int
 
+    @property
+    def technique(self) -> str:
+        return f"{self.kind}-shard"
+
 
 def train_config(cfg: TangentConfig, kind: str) -> TangentTrainConfig:
     """The core training config of a method: TAFT uses the stage's loss (RSL, eq. 2) and ``lr``; NLFT and FC

@@ -28,6 +28,7 @@ from core.errors import DivergedError
 from core.models.popularity import popularity_metrics
 from pbconfig.train_dp import TrainDPConfig
 from storage.recording import Recorder, RunRef
+from tasks.jobs import FLOW
 from tasks.prepare import load_prepared
 from tasks.records import RESUMABLE, task_record
 
@@ -74,6 +75,10 @@ class GridPoint:
     patience: int | None = None  # early stopping on validation (non-private points: nonprivate_schedule.patience)
     role: str = "final"  # "tuning": a point of the search on validation (TuningConfig), recorded apart
     tuned: Tuned | None = None  # a final point whose lr and batch size the search chose
+
+    @property
+    def technique(self) -> str:
+        return self.method
 
     @property
     def label(self) -> str:
@@ -213,6 +218,22 @@ def _scheduled(point: GridPoint, cfg: TrainDPConfig) -> GridPoint:
         lr=point.lr if schedule.lr is None else schedule.lr,
         batch_size=point.batch_size if schedule.batch_size is None else schedule.batch_size,
     )
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """The run that holds the search's points (stage ``train-dp-tuning``), before the grid."""
+
+    technique: str = FLOW
+
+
+def plan(cfg: TrainDPConfig, prepared: dict[str, str] | None = None) -> list[GridPoint | SearchRecord]:
+    """Every run of the stage below its flow run: with ``cfg.tuning`` the search's run and its points, then the
+    grid (each searched method at the grid's first (lr, batch size) until the search has chosen: the same
+    runs). ``prepared`` maps the datasets to their folders (empty paths where not given)."""
+    paths = prepared if prepared is not None else {d.name: "" for d in cfg.datasets}
+    search = [SearchRecord(), *expand_tuning(cfg, paths)] if cfg.tuning is not None else []
+    return [*search, *expand_grid(cfg, paths)]
 
 
 @task(name="plan-train-grid")

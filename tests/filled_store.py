@@ -50,6 +50,7 @@ def _fill_train_dp(store: StageStore, mp: pytest.MonkeyPatch) -> dict[str, Any]:
     from tests.flows.test_train_dp_flow import TINY
 
     assert TINY.train_dp is not None
+    store.configs["train-dp"] = TINY.train_dp
     flow = train_dp_flow.with_options(task_runner=train_dp_runner(TINY.train_dp))
     return flow(TINY.train_dp, TINY.prepare, profile="tiny")
 
@@ -64,6 +65,7 @@ def _fill_tangent(store: StageStore, mp: pytest.MonkeyPatch) -> dict[str, Any]:
     with record_run(flow="prepare", stage="data", technique="flow", config={}, profile="tiny", track=False) as parent:
         prepared = prepare_tiny_inputs(store.base / "tangent" / "idx", store.home, parent.ref)
     store.inputs["tangent"] = prepared
+    store.configs["tangent"] = cfg.tangent
     return tangent_flow.with_options(task_runner=tangent_runner(cfg.tangent))(
         cfg.tangent, cfg.prepare, profile="tiny", prepared=prepared
     )
@@ -73,6 +75,7 @@ def _fill_secure_inference(store: StageStore, mp: pytest.MonkeyPatch) -> dict[st
     from flows.secure_inference import secure_inference_flow
     from tests.flows.test_secure_inference_flow import TINY
 
+    store.configs["secure-inference"] = TINY
     return secure_inference_flow(TINY, profile="tiny")
 
 
@@ -80,6 +83,7 @@ def _fill_stip(store: StageStore, mp: pytest.MonkeyPatch) -> dict[str, Any]:
     from flows.stip import stip_flow
     from tests.flows.test_stip_flow import TINY
 
+    store.configs["stip"] = TINY
     return stip_flow(TINY, profile="tiny")
 
 
@@ -108,6 +112,7 @@ def _fill_attacks(store: StageStore, mp: pytest.MonkeyPatch) -> dict[str, Any]:
     )
     config: AttacksConfig | None = audited.attacks
     assert config is not None
+    store.configs["attacks"] = config
     return attacks_flow(config, audited.prepare, profile="tiny", train_dp=audited.train_dp)
 
 
@@ -161,6 +166,7 @@ class StageStore:
         self.tracking_uri = f"sqlite:///{self.home / 'mlflow.db'}"
         self.summaries: dict[str, dict[str, Any]] = {}
         self.inputs: dict[str, dict[str, str]] = {}  # what a stage was given (the tangent stage's prepared paths)
+        self.configs: dict[str, Any] = {}  # the config section each stage's flow ran with
         self.fill_s: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.failed: dict[str, str] = {}

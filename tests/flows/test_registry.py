@@ -5,6 +5,7 @@ replaced by recorders (no Prefect, no store): this checks the wiring, the flow t
 from __future__ import annotations
 
 import importlib
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import yaml
 from core.errors import ConfigError
 from flows import registry
 from pbconfig.benchmark import load_config
+from storage.repository import ResultsRepository
+from tests.filled_store import StageStore
 
 FLOW_MODULES = {
     "train-dp": ("flows.train_dp", "train_dp_flow", "train_dp_runner"),
@@ -117,3 +120,44 @@ def test_the_registry_declares_the_named_stages_in_the_chains_order() -> None:
     spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "prefect.yaml").read_text())
     served = {d["entrypoint"].partition(":")[2] for d in spec["deployments"]}
     assert {fl.fn.__name__ for fl in PROFILE_FLOWS.values()} <= served  # every flow has a deployment
+
+
+# ------------------------------------------------------------------- each stage's plan against what it recorded
+
+
+@pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.parametrize("stage", [s.name for s in registry.STAGES])
+def test_each_stage_records_the_runs_its_plan_declares(
+    stage: str, stage_store: StageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs a real tiny flow of the stage recorded below its run are, technique by technique, the jobs its
+    plan declares (the plan the flow dispatches from and the progress display counts), and every one finished."""
+    summary = stage_store.summary(stage)
+    stage_store.point_at(monkeypatch)
+    _, rows = ResultsRepository().query("select id, parent_id, technique, status from runs")
+    children: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    for run_id, parent, technique, status in rows:
+        children[parent].append((run_id, technique, status))
+    below, todo = [], [summary["run_id"]]
+    while todo:
+        for run_id, technique, status in children[todo.pop()]:
+            below.append((technique, status))
+            todo.append(run_id)
+    jobs = importlib.import_module(registry.STAGE[stage].tasks).plan(stage_store.configs[stage])
+    assert Counter(t for t, _ in below) == Counter(j.technique for j in jobs)
+    assert {s for _, s in below} == {"finished"}
+
+
+def test_a_plan_is_made_of_jobs_that_name_their_technique() -> None:
+    """Every job of every stage's plan at the three profiles is a :class:`tasks.jobs.Job` (it names its technique),
+    and a stage counts its flow's own run and its plan's."""
+    from tasks.jobs import Job
+
+    for profile in ("quick", "reference", "paper"):
+        cfg = load_config(profile)
+        for s in registry.STAGES:
+            if getattr(cfg, s.section) is None:
+                continue
+            jobs = s.jobs(cfg)
+            assert jobs and all(isinstance(j, Job) and j.technique for j in jobs), (profile, s.name)
+            assert s.runs(cfg) == 1 + len(jobs)

@@ -138,12 +138,13 @@ def test_audit_seeds_audit_every_target_once_per_seed() -> None:
     from tasks.audit import audit_targets
 
     one = audit_targets(AUDIT)
-    assert [(d, m, e, c.seed) for d, m, e, c in one] == [("tiny", "transformer", EPSILON, 0)]
+    assert [(t.dataset, t.method, t.epsilon, t.config.seed) for t in one] == [("tiny", "transformer", EPSILON, 0)]
     seeded = audit_targets(AUDIT.model_copy(update={"seeds": (0, 1, 2), "nonprivate": True}))
-    assert [(m, e, c.seed) for _, m, e, c in seeded] == [
+    assert [(t.method, t.epsilon, t.config.seed) for t in seeded] == [
         (m, e, s) for s in (0, 1, 2) for m, e in (("transformer", EPSILON), ("transformer", None))
     ]
-    for _, _, _, c in seeded:  # the recorded config's seed (config_seed reads the shallowest) is the pass's
+    for t in seeded:  # the recorded config's seed (config_seed reads the shallowest) is the pass's
+        c = t.config
         assert c.seeds is None and config_seed({"dataset": "tiny", "audit": c.model_dump(mode="json")}) == c.seed
 
 
