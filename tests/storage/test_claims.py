@@ -1,8 +1,7 @@
-"""The claims registry and its verdicts: the registry's entries read columns their sources have; each verdict is
-reached on a hand-made store with a known answer (a claim with no runs is ``not run``); the intervals are the
-hand-computed ones (paired t over seeds, Welch when the seeds differ); a seed run again at one commit counts with
-its mean, at a newer commit replaces the older runs; ``privbench report`` renders the registry from the store filled
-by real tiny runs of every stage."""
+"""The claims registry and its verdicts: the registry's entries read columns their sources have and its errors name
+the bad entry; a claim with no runs is ``not run``; config columns, a side b from another source (a peer) and bench
+claims read what they should; ``privbench report`` renders the registry from the store filled by real tiny runs of
+every stage. How one context is judged (intervals, verdicts, superseded runs) is ``test_claim_context.py``'s."""
 
 from __future__ import annotations
 
@@ -10,20 +9,17 @@ import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from core.errors import ConfigError
-from pbconfig.claims import VERDICTS, Claim, load_claims
+from pbconfig.claims import VERDICTS, load_claims
 from storage import claims as sc
-from storage import provenance, view_columns
+from storage import view_columns
 from storage.recording import record_run
 from tests.filled_store import FilledStore
-from tests.hand_made import record_train_dp
-
-T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
+from tests.hand_made import ABOVE, BEATS, at_commit, claim_of, record_dp, record_grid, record_metric_run
 
 VIEW_COLUMNS = {
     "privacy_utility": view_columns.PRIVACY_UTILITY_COLUMNS,
@@ -36,52 +32,6 @@ VIEW_COLUMNS = {
     "film": view_columns.FILM_COLUMNS,
     "membership": view_columns.MEMBERSHIP_COLUMNS,
 }
-
-
-def _claim(measure: dict[str, Any], rule: dict[str, Any], **extra: Any) -> Claim:
-    return Claim.model_validate(
-        {
-            "id": "test-claim",
-            "paper": "Test",
-            "stage": "train-dp",
-            "source": "Table 1",
-            "statement": "a beats b",
-            "paper_value": "+10%",
-            "registered": {"commit": "911a767", "date": "2026-11-24"},
-            "measure": measure,
-            "rule": rule,
-            **extra,
-        }
-    )
-
-
-BEATS = {
-    "source": "privacy_utility",
-    "where": {"private": True},
-    "value": "ndcg_at_10",
-    "a": {"method": "dpformer"},
-    "b": {"method": "transformer"},
-    "per": ["epsilon"],
-    "require": {"epsilon": [5, 8]},
-    "stat": "relative",
-    "unit": "%",
-}
-ABOVE = {"kind": "above", "bound": 0, "min_n": 3}
-
-
-def at_commit(monkeypatch: pytest.MonkeyPatch, commit: str) -> None:
-    """Record the runs that follow as measured at ``commit`` (a code change between two runs of one seed)."""
-    monkeypatch.setattr(provenance, "git_commit", lambda: commit)
-
-
-def _train_dp(method: str, seed: int, ndcg: float, epsilon: float | None = 8.0) -> None:
-    record_train_dp(method, seed, ndcg, ndcg, 1.0, epsilon=epsilon)
-
-
-def _grid(values: dict[tuple[str, float], list[float]]) -> None:
-    for (method, eps), ndcgs in values.items():
-        for seed, ndcg in enumerate(ndcgs):
-            _train_dp(method, seed, ndcg, eps)
 
 
 def test_registry_loads_and_reads_columns_its_sources_have() -> None:
@@ -110,273 +60,31 @@ def test_registry_errors_name_the_file_and_the_bad_entry(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"(?s)bad\.yaml.*nowhere"):
         load_claims(tmp_path)
     with pytest.raises(ValueError, match="only column names"):
-        _claim({**BEATS, "value": "__import__('os')"}, ABOVE)
+        claim_of({**BEATS, "value": "__import__('os')"}, ABOVE)
     with pytest.raises(ValueError, match="needs a side b"):
-        _claim({**BEATS, "b": None}, ABOVE)
+        claim_of({**BEATS, "b": None}, ABOVE)
     with pytest.raises(ValueError, match="not in per"):
-        _claim({**BEATS, "require": {"dataset": ["d"]}}, ABOVE)
+        claim_of({**BEATS, "require": {"dataset": ["d"]}}, ABOVE)
 
 
 def test_no_runs_is_not_run(home: Path) -> None:
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
+    result = sc.evaluate_claim(None, claim_of(BEATS, ABOVE))
     assert result.verdict == sc.NOT_RUN and result.contexts == ()
     assert "privbench run train-dp" in result.reason
 
 
 def test_runs_that_lack_the_rules_measure_are_named_in_the_not_run_reason(home: Path) -> None:
     """Runs recorded before a rule's measure existed are not silently "nothing measured": the reason counts them."""
-    _grid({("dpformer", 5.0): [1.0, 2.0], ("transformer", 5.0): [1.0, 2.0]})  # no masked figures recorded
-    result = sc.evaluate_claim(None, _claim({**BEATS, "value": "ndcg_at_10_masked"}, ABOVE))
+    record_grid({("dpformer", 5.0): [1.0, 2.0], ("transformer", 5.0): [1.0, 2.0]})  # no masked figures recorded
+    result = sc.evaluate_claim(None, claim_of({**BEATS, "value": "ndcg_at_10_masked"}, ABOVE))
     assert result.verdict == sc.NOT_RUN
     assert result.reason.startswith("4 recorded runs lack the rule's measure (ndcg_at_10_masked): run `privbench")
 
 
-def test_reproduced_with_the_paired_interval(home: Path) -> None:
-    # per seed, dpformer / transformer - 1 = 0.18, 0.2, 0.22 at both budgets: mean 0.2, std 0.02
-    _grid(
-        {
-            ("dpformer", 5.0): [1.18, 2.4, 3.66],
-            ("transformer", 5.0): [1.0, 2.0, 3.0],
-            ("dpformer", 8.0): [1.18, 2.4, 3.66],
-            ("transformer", 8.0): [1.0, 2.0, 3.0],
-        }
-    )
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
-    assert result.verdict == sc.REPRODUCED and result.reason == ""
-    assert [c.context for c in result.contexts] == ["ε=5", "ε=8"]
-    for context in result.contexts:
-        assert context.interval == "paired t over seeds" and context.n_a == context.n_b == 3
-        assert context.estimate == pytest.approx(0.2)
-        half = T_975_2 * 0.02 / math.sqrt(3)
-        assert (context.low, context.high) == pytest.approx((0.2 - half, 0.2 + half))
-    assert result.n == 3
-    assert "ε=5: +20.0% [" in result.ours()
-
-
-def test_not_reproduced_when_one_context_fails_and_says_why(home: Path) -> None:
-    _grid(
-        {
-            ("dpformer", 5.0): [1.18, 2.4, 3.66],
-            ("transformer", 5.0): [1.0, 2.0, 3.0],
-            ("dpformer", 8.0): [0.82, 1.6, 2.34],  # -18%, -20%, -22%
-            ("transformer", 8.0): [1.0, 2.0, 3.0],
-        }
-    )
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
-    assert result.verdict == sc.NOT_REPRODUCED
-    assert [c.verdict for c in result.contexts] == [sc.REPRODUCED, sc.NOT_REPRODUCED]
-    assert result.reason.startswith("ε=8: -20.0% [") and "at or below 0%" in result.reason
-
-
-def test_identical_methods_are_not_reproduced_not_inconclusive(home: Path) -> None:
-    _grid(
-        {("dpformer", e): [1.0, 2.0, 3.0] for e in (5.0, 8.0)}
-        | {("transformer", e): [1.0, 2.0, 3.0] for e in (5.0, 8.0)}
-    )
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
-    assert result.verdict == sc.NOT_REPRODUCED  # a zero-width interval at 0 is no gain
-
-
-@pytest.mark.parametrize(
-    ("grid", "why"),
-    [
-        (  # the interval straddles 0
-            {("dpformer", 5.0): [1.3, 1.9, 3.2], ("transformer", 5.0): [1.0, 2.0, 3.0]}
-            | {("dpformer", 8.0): [1.3, 1.9, 3.2], ("transformer", 8.0): [1.0, 2.0, 3.0]},
-            "straddles",
-        ),
-        ({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]}, "ε=8: not run"),
-    ],
-)
-def test_inconclusive_cases(home: Path, grid: dict[tuple[str, float], list[float]], why: str) -> None:
-    _grid(grid)
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
-    assert result.verdict == sc.INCONCLUSIVE
-    assert why in result.reason, result.reason
-
-
-@pytest.mark.parametrize(
-    ("grid", "why"),
-    [
-        (
-            {
-                ("dpformer", 5.0): [1.1],
-                ("transformer", 5.0): [1.0],
-                ("dpformer", 8.0): [1.1],
-                ("transformer", 8.0): [1.0],
-            },
-            "one seed in each of the 2 contexts: no interval, so no verdict (the rule needs n >= 3); run more seeds",
-        ),
-        (  # clears the bound with 2 seeds, the rule wants 3
-            {("dpformer", 5.0): [1.1, 2.22], ("transformer", 5.0): [1.0, 2.0]}
-            | {("dpformer", 8.0): [1.1, 2.22], ("transformer", 8.0): [1.0, 2.0]},
-            "clears 0%, but the rule needs n >= 3: run 1 more seed",
-        ),
-    ],
-)
-def test_underpowered_cases(home: Path, grid: dict[tuple[str, float], list[float]], why: str) -> None:
-    """Too few seeds for "reproduced" (one seed: no interval; an interval that clears the bound below ``min_n``)
-    is underpowered, and the reason says how many seeds the rule needs."""
-    _grid(grid)
-    result = sc.evaluate_claim(None, _claim(BEATS, ABOVE))
-    assert result.verdict == sc.UNDERPOWERED
-    assert why in result.reason, result.reason
-
-
-def test_a_seed_run_again_at_one_commit_counts_with_its_mean(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    at_commit(monkeypatch, "1111111")
-    _grid({("dpformer", 5.0): [1.7], ("transformer", 5.0): [1.0]})  # seed 0 again below: both runs count
-    _grid({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]})
-    result = sc.evaluate_claim(None, _claim({**BEATS, "require": {}}, ABOVE))
-    (context,) = result.contexts
-    assert result.superseded == 0 and "superseded" not in result.reason
-    assert context.n_a == context.n_b == 3 and context.interval == "paired t over seeds"
-    assert sorted(context.values) == pytest.approx([0.2, 0.3, 0.4])  # seed 0: (1.7 + 1.1) / 2 / 1.0 - 1
-    assert context.means == pytest.approx(((1.4 + 2.4 + 3.9) / 3, 2.0))
-
-
-def test_a_seed_run_again_at_a_newer_commit_supersedes_the_older(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    at_commit(monkeypatch, "1111111")
-    _grid({("dpformer", 5.0): [9.0], ("transformer", 5.0): [1.0]})  # superseded below
-    at_commit(monkeypatch, "2222222")
-    _grid({("dpformer", 5.0): [1.1, 2.4, 3.9], ("transformer", 5.0): [1.0, 2.0, 3.0]})
-    result = sc.evaluate_claim(None, _claim({**BEATS, "require": {}}, ABOVE))
-    (context,) = result.contexts
-    assert context.n_a == 3 and context.estimate == pytest.approx(0.2)
-    assert result.superseded == 2  # seed 0 of both sides
-    assert "2 runs of an older commit superseded by the newest commit's" in result.reason
-
-
-def test_unpaired_sides_use_welch(home: Path) -> None:
-    for seed, v in zip((0, 1, 2), (2.0, 3.0, 4.0), strict=True):
-        _train_dp("dpformer", seed, v, 5.0)
-    for seed, v in zip((10, 11, 12), (1.0, 1.5, 2.0), strict=True):
-        _train_dp("transformer", seed, v, 5.0)
-    measure = {**BEATS, "require": {}, "stat": "difference", "unit": ""}
-    (context,) = sc.evaluate_claim(None, _claim(measure, ABOVE)).contexts
-    va, vb = 1.0 / 3, 0.25 / 3
-    se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    from scipy import stats
-
-    half = stats.t.ppf(0.975, df) * se
-    assert context.interval == "Welch t"
-    assert context.estimate == pytest.approx(1.5)
-    assert (context.low, context.high) == pytest.approx((1.5 - half, 1.5 + half))
-
-
-def _metric_run(technique: str, metrics: dict[str, float], config: dict[str, Any] | None = None, **kw: Any) -> str:
-    """One finished ``tangent`` run of ``technique`` that records ``metrics`` (``kw``: more ``record_run``
-    arguments, such as ``parent``); returns its id."""
-    with record_run(
-        flow="tangent",
-        stage="tangent",
-        technique=technique,
-        dataset="imgs",
-        profile="tiny",
-        config=config or {},
-        track=False,
-        **kw,
-    ) as rec:
-        rec.metrics(metrics)
-    return rec.run_id
-
-
-def test_bound_on_every_run_from_metrics(home: Path) -> None:
-    claim = _claim(
-        {"source": "metrics", "stage": "tangent", "techniques": ["forget-subtraction"], "value": "err.max"},
-        {"kind": "all_at_most", "bound": 1e-4},
-        stage="tangent",
-    )
-    _metric_run("forget-subtraction", {"err.max": 1e-7})
-    _metric_run("forget-retrain", {"err.max": 1.0})  # another technique: not measured
-    assert sc.evaluate_claim(None, claim).verdict == sc.REPRODUCED
-    _metric_run("forget-subtraction", {"err.max": 1e-2})
-    result = sc.evaluate_claim(None, claim)
-    assert result.verdict == sc.NOT_REPRODUCED and "worst run 0.01" in result.reason
-
-
-def test_one_run_is_judged_on_its_own_recorded_interval(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    measure = {
-        "source": "metrics",
-        "stage": "tangent",
-        "techniques": ["gen"],
-        "value": "drop.r",
-        "run_interval": ["drop.r_lo", "drop.r_hi"],
-    }
-    claim = _claim(measure, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
-    at_commit(monkeypatch, "1111111")
-    _metric_run("gen", {"drop.r": 0.01, "drop.r_lo": -0.02, "drop.r_hi": 0.04}, {"seed": 0})
-    result = sc.evaluate_claim(None, claim)
-    (ctx,) = result.contexts
-    assert result.verdict == sc.REPRODUCED and (ctx.low, ctx.high) == (-0.02, 0.04)
-    assert ctx.interval == "the run's own (recorded over its examples or rounds)"
-    at_commit(monkeypatch, "2222222")  # seed 0 at a newer commit: supersedes the older run
-    _metric_run("gen", {"drop.r": 0.03, "drop.r_lo": 0.0, "drop.r_hi": 0.08}, {"seed": 0})
-    result = sc.evaluate_claim(None, claim)
-    assert result.verdict == sc.INCONCLUSIVE and result.superseded == 1
-    at_commit(monkeypatch, "3333333")
-    _metric_run("gen", {"drop.r": 0.2, "drop.r_lo": 0.1, "drop.r_hi": 0.3}, {"seed": 0})
-    assert sc.evaluate_claim(None, claim).verdict == sc.NOT_REPRODUCED
-    _metric_run("gen", {"drop.r": 0.3, "drop.r_lo": 0.29, "drop.r_hi": 0.31}, {"seed": 1})  # two seeds: t over seeds
-    (ctx,) = sc.evaluate_claim(None, claim).contexts
-    half = 12.706204736174698 * (0.1 / math.sqrt(2)) / math.sqrt(2)  # t(0.975, 1) s / sqrt(n), seeds 0.2 and 0.3
-    assert ctx.interval == "t over seeds" and ctx.estimate == pytest.approx(0.25)
-    assert ctx.high - ctx.estimate == pytest.approx(half)
-    without = _claim({**measure, "run_interval": None}, {"kind": "below", "bound": 0.05, "min_n": 1}, stage="tangent")
-    with pytest.raises(ValueError, match="run_interval applies to stat 'value' or 'difference', got stat 'relative'"):
-        _claim({**BEATS, "run_interval": ["a", "b"]}, ABOVE)
-    assert without.measure.run_interval is None
-
-
-def test_one_run_a_side_is_judged_on_their_own_intervals(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the membership audit's shape: a run's rows are attacks, reduce max keeps the strongest attack and its interval
-    measure = {
-        "source": "metrics",
-        "stage": "tangent",
-        "techniques": ["nonprivate", "private"],
-        "value": "auc",
-        "reduce": "max",
-        "a": {"method": "nonprivate"},
-        "b": {"method": "private"},
-        "stat": "difference",
-        "run_interval": ["auc_lo", "auc_hi"],
-    }
-    claim = _claim(measure, {"kind": "above", "bound": 0.0, "min_n": 1}, stage="tangent")
-    at_commit(monkeypatch, "1111111")
-    _metric_run("nonprivate", {"auc": 0.9, "auc_lo": 0.86, "auc_hi": 0.95}, {"seed": 0})  # half-widths 0.04, 0.05
-    _metric_run("private", {"auc": 0.55, "auc_lo": 0.52, "auc_hi": 0.58}, {"seed": 0})
-    (ctx,) = sc.evaluate_claim(None, claim).contexts
-    z = 1.959963984540054
-    assert ctx.interval == "the runs' own (normal, sides independent)"
-    assert ctx.estimate == pytest.approx(0.35)
-    half = z * math.sqrt((0.05 / z) ** 2 + (0.03 / z) ** 2)  # each side's larger half-width
-    assert (ctx.low, ctx.high) == pytest.approx((0.35 - half, 0.35 + half))
-    assert ctx.verdict == sc.REPRODUCED
-    from tasks.report import _paper_section
-
-    table = sc.claims_table([sc.evaluate_claim(None, claim)])  # the report names the interval whole
-    assert "Intervals: the runs' own (normal, sides independent)." in _paper_section("p", "P", "f", table)
-    at_commit(monkeypatch, "2222222")  # a newer commit's run supersedes the older one
-    _metric_run("private", {"auc": 0.87, "auc_lo": 0.84, "auc_hi": 0.9}, {"seed": 0})  # straddles 0
-    assert sc.evaluate_claim(None, claim).verdict == sc.INCONCLUSIVE
-    at_commit(monkeypatch, "3333333")
-    _metric_run("private", {"auc": 0.2}, {"seed": 0})  # the newest records no interval
-    result = sc.evaluate_claim(None, claim)
-    assert result.verdict == sc.INCONCLUSIVE  # n = min_n = 1: the run, not the seed count, is short of an interval
-    assert result.reason.startswith("0.7 from 1 run: it recorded no interval of its own (auc_lo, auc_hi); 2 runs")
-    assert result.superseded == 2
-    with pytest.raises(ValueError, match="run_interval does not apply to a b_source"):
-        _claim(
-            {**measure, "b": None, "b_source": {"source": "metrics", "stage": "bench", "value": "x"}},
-            {"kind": "above", "bound": 0.0},
-        )
-
-
 def test_value_b_and_config_columns(home: Path) -> None:
-    _metric_run("forget-retrain", {"retrain_s": 12.0})
-    _metric_run("forget-subtraction", {"subtraction_s": 0.5})
-    cheaper = _claim(
+    record_metric_run("forget-retrain", {"retrain_s": 12.0})
+    record_metric_run("forget-subtraction", {"subtraction_s": 0.5})
+    cheaper = claim_of(
         {
             "source": "metrics",
             "stage": "tangent",
@@ -393,8 +101,8 @@ def test_value_b_and_config_columns(home: Path) -> None:
     result = sc.evaluate_claim(None, cheaper)
     assert result.verdict == sc.REPRODUCED and result.contexts[0].estimate == pytest.approx(24.0)
     for kind, acc in (("ours", 0.6), ("reg", 0.5)):
-        _metric_run("dp-full", {"test_accuracy": acc}, {"parameters": kind, "target_epsilon": 3.0})
-    tangent_dp = _claim(
+        record_metric_run("dp-full", {"test_accuracy": acc}, {"parameters": kind, "target_epsilon": 3.0})
+    tangent_dp = claim_of(
         {
             "source": "metrics",
             "stage": "tangent",
@@ -450,12 +158,12 @@ def _peer_run(seed: int, ndcg: float, *, profile: str = "paper", users: int | No
 def test_side_b_from_another_source_is_a_peer(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``b_source``: side b is another source's rows (a peer's bench runs against our train-dp baseline), read
     with its own profile whatever ours, never paired with our seeds (Welch / delta method)."""
-    claim = _claim(PEER, {"kind": "above", "bound": -0.05, "min_n": 3})
+    claim = claim_of(PEER, {"kind": "above", "bound": -0.05, "min_n": 3})
     at_commit(monkeypatch, "1111111")
     for seed, ndcg in enumerate((1.0, 1.1, 1.2)):
-        _train_dp("transformer", seed, ndcg, epsilon=None)
-    _train_dp("transformer", 0, 9.0, epsilon=8.0)  # private: not side a
-    _train_dp("dpformer", 1, 9.0, epsilon=None)  # another method: not side a
+        record_dp("transformer", seed, ndcg, epsilon=None)
+    record_dp("transformer", 0, 9.0, epsilon=8.0)  # private: not side a
+    record_dp("dpformer", 1, 9.0, epsilon=None)  # another method: not side a
     result = sc.evaluate_claim(None, claim, profile="tiny")
     assert result.verdict == sc.NOT_RUN
     assert "only one side measured (d)" in result.reason
@@ -495,15 +203,15 @@ def test_side_b_from_another_source_is_a_peer(home: Path, monkeypatch: pytest.Mo
 def test_b_source_is_validated() -> None:
     peer = PEER["b_source"]
     with pytest.raises(ValueError, match="not both"):
-        _claim({**PEER, "b": {"method": "gru"}}, ABOVE)
+        claim_of({**PEER, "b": {"method": "gru"}}, ABOVE)
     with pytest.raises(ValueError, match="value_b does not apply"):
-        _claim({**PEER, "value_b": "hit_at_10"}, ABOVE)
+        claim_of({**PEER, "value_b": "hit_at_10"}, ABOVE)
     with pytest.raises(ValueError, match="takes no side b"):
-        _claim({**PEER, "stat": "value"}, ABOVE)
+        claim_of({**PEER, "stat": "value"}, ABOVE)
     with pytest.raises(ValueError, match=r"set measure\.b_source\.stage"):
-        _claim({**PEER, "b_source": {**peer, "stage": None}}, ABOVE)
+        claim_of({**PEER, "b_source": {**peer, "stage": None}}, ABOVE)
     with pytest.raises(ValueError, match="only column names"):
-        _claim({**PEER, "b_source": {**peer, "value": "open('x')"}}, ABOVE)
+        claim_of({**PEER, "b_source": {**peer, "value": "open('x')"}}, ABOVE)
 
 
 def test_the_registry_verdicts_are_the_evaluators() -> None:
@@ -565,12 +273,12 @@ def test_report_on_the_filled_store(filled_store: FilledStore, tmp_path: Path, m
 
 
 def test_contexts_in_numeric_order_whatever_the_run_order(home: Path) -> None:
-    _grid({("dpformer", 10.0): [1.0], ("transformer", 10.0): [1.0]})  # recorded first
-    _grid(
+    record_grid({("dpformer", 10.0): [1.0], ("transformer", 10.0): [1.0]})  # recorded first
+    record_grid(
         {("dpformer", 5.0): [1.0], ("transformer", 5.0): [1.0], ("dpformer", 8.0): [1.0], ("transformer", 8.0): [1.0]}
     )
     measure = {**BEATS, "require": {"epsilon": [5, 8, 10]}}
-    result = sc.evaluate_claim(None, _claim(measure, ABOVE))
+    result = sc.evaluate_claim(None, claim_of(measure, ABOVE))
     assert [c.context for c in result.contexts] == ["ε=5", "ε=8", "ε=10"]
 
 
