@@ -74,28 +74,24 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 import torch
-from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import Tensor, nn
 
 from core.data.sequential import SequentialDataset
 from core.divergence import DivergenceGuard
 from core.dp.accounting import (
-    Accountant,
     PrivacyAccountant,
     PrivacyLedger,
-    calibrate_noise_multiplier,
-    default_delta,
     require_accountant,
 )
 from core.dp.clipping import Clipper, make_clipper
 from core.dp.methods import METHODS, DPTrainConfig, build_reattention, method_config
 from core.dp.noise import noise_source, privatize_grads_
 from core.dp.propagation import BlockReAttention, CorrectionSizes
-from core.dp.sampling import poisson_batches, sample_rate_for
+from core.dp.sampling import poisson_batches
+from core.dp.schedule import EpsilonTracker, RunSchedule, lr_multiplier, run_schedule
 from core.errors import ConfigError, DataError, DivergedError, PrivacyError
 from core.metrics import hit_from_ranks, ndcg_from_ranks, rank_of_target
 from core.models import PADDING_ID, SeqRecConfig, SeqRecModel, build_seqrec, sequence_loss
@@ -205,91 +201,6 @@ def noise_source_of(cfg: DPTrainConfig) -> str:
     return noise_source(cfg.secure_mode) if cfg.private else "none (non-private)"
 
 
-def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int) -> float:
-    """Learning-rate factor at 0-based step ``step`` (Sec. 6): ``(step + 1) / W`` for the ``W`` warm-up
-    steps, then ``(T - step) / (T - W)``, a linear decay reaching 0 just after the last step ``T - 1``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return max(0.0, (total_steps - step) / (total_steps - warmup_steps))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Schedule and mechanism of a run (sigma = 0 and no delta when non-private)."""
-
-    n: int
-    sample_rate: float
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-    delta: float | None
-    sigma: float
-
-    @property
-    def expected_batch(self) -> float:
-        return self.sample_rate * self.n
-
-
-def _plan(data: SequentialDataset, cfg: DPTrainConfig) -> _Plan:
-    n = data.n_users
-    q = sample_rate_for(cfg.batch_size, n)  # ConfigError if batch_size > N
-    per_epoch = max(1, round(1 / q)) if cfg.private else math.ceil(n / cfg.batch_size)
-    total = cfg.epochs * per_epoch if cfg.max_steps is None else min(cfg.epochs * per_epoch, cfg.max_steps)
-    warmup = min(round(cfg.warmup_frac * total), total - 1)
-    if not cfg.private:
-        return _Plan(n, q, per_epoch, total, warmup, None, 0.0)
-    delta = _resolve_delta(cfg.delta, n)
-    sigma = _calibrated_sigma(float(cfg.epsilon), delta, q, total, cfg.accountant)
-    return _Plan(n, q, per_epoch, total, warmup, delta, sigma)
-
-
-@lru_cache(maxsize=128)
-def _calibrated_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """Memoised :func:`calibrate_noise_multiplier` (seconds per call; a benchmark grid repeats it)."""
-    return calibrate_noise_multiplier(
-        target_epsilon=epsilon, delta=delta, sample_rate=sample_rate, steps=steps, accountant=accountant
-    )
-
-
-class _EpsilonTracker:
-    """Epsilon spent so far, cheap enough to report at every evaluation.
-
-    For RDP the per-step RDP curve is computed once: RDP composes additively and Opacus's
-    ``RDPAccountant`` itself evaluates ``compute_rdp(steps=t) = t * (per-step RDP)``, so the result is
-    identical to ``accountant.epsilon()`` (which re-derives the per-step curve, ~0.3 s, on every
-    call). Other accountants are asked directly.
-    """
-
-    def __init__(self, accountant: PrivacyAccountant, *, noise_multiplier: float, sample_rate: float) -> None:
-        self.accountant = accountant
-        self._alphas = list(accountant.kind.create().DEFAULT_ALPHAS)  # the orders the accountant searches
-        self._rdp_per_step = None
-        if accountant.kind is Accountant.RDP and noise_multiplier > 0:
-            self._rdp_per_step = np.asarray(
-                rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=self._alphas)
-            )
-
-    def epsilon(self) -> float:
-        steps = self.accountant.steps
-        if self._rdp_per_step is None or steps == 0:
-            return self.accountant.epsilon()
-        eps, _ = rdp_analysis.get_privacy_spent(
-            orders=self._alphas, rdp=self._rdp_per_step * steps, delta=self.accountant.delta
-        )
-        return float(eps)
-
-
-def _resolve_delta(delta: float | None, n: int) -> float:
-    if delta is None:
-        return default_delta(n)
-    if delta >= 1 / n:
-        raise ConfigError(
-            f"delta={delta!r} >= 1/N = {1 / n:.4g} for N={n} users: such a delta allows releasing a whole "
-            f"user's record; use delta < {1 / n:.4g}, or None for default_delta(N) = {default_delta(n):.4g}"
-        )
-    return delta
-
-
 @dataclass(frozen=True)
 class _Tensors:
     """Training rows (N, K L) of every user (K = 1 for ``last_window``), the number of windows each user's
@@ -330,7 +241,7 @@ def _device(cfg: DPTrainConfig) -> torch.device:
 class _Run:
     """State of one training run: model, clipper, optimiser, schedule, accountant, generators."""
 
-    def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: _Plan, device: torch.device) -> None:
+    def __init__(self, data: SequentialDataset, cfg: DPTrainConfig, plan: RunSchedule, device: torch.device) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
         self.data = data  # for the history masks of evaluation
         self.t = _tensors(data, cfg, device)
@@ -351,12 +262,12 @@ class _Run:
         self.noise_gen = None if cfg.secure_mode else torch.Generator(device).manual_seed(cfg.seed + 0x5EED)
         self.clipper: Clipper | None = None
         self.accountant: PrivacyAccountant | None = None
-        self.epsilon: _EpsilonTracker | None = None
+        self.epsilon: EpsilonTracker | None = None
         self.reattention: BlockReAttention | None = None
         self.correction_sizes = CorrectionSizes()
         if cfg.private:
             self.accountant = require_accountant(PrivacyAccountant(accountant=cfg.accountant, delta=plan.delta))
-            self.epsilon = _EpsilonTracker(self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate)
+            self.epsilon = EpsilonTracker(self.accountant, noise_multiplier=plan.sigma, sample_rate=plan.sample_rate)
             self.clipper = make_clipper(cfg.clipping, self.model, clip_norm=cfg.clip_norm, normalize=cfg.normalize)
             if cfg.reattention:
                 self.reattention = build_reattention(
@@ -556,7 +467,7 @@ def train_seqrec(
     _check_call(data, cfg)
     started = time.perf_counter()
     device = _device(cfg)
-    plan = _plan(data, cfg)
+    plan = run_schedule(data, cfg)
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)

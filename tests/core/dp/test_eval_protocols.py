@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from core.data.sequential import SequentialDataset
 from core.dp import trainer
+from core.dp.schedule import run_schedule
 from core.dp.trainer import EpochLog, method_config, train_seqrec
 from tests.hand_made import sequential_dataset as dataset
 
@@ -88,7 +89,7 @@ def test_hand_scored_model_has_the_known_ranks() -> None:
     """
     data = dataset([[20, 19, 18, 17, 5, 20, 7], [1, 20, 19, 2, 12, 15]], n_items=20)
     cfg = method_config("transformer", **TINY | {"batch_size": 2}, clipping="nonprivate")
-    run = trainer._Run(data, cfg, trainer._plan(data, cfg), torch.device("cpu"))
+    run = trainer._Run(data, cfg, run_schedule(data, cfg), torch.device("cpu"))
     run.model = HandScores(data.n_items)
     try:
         log = run.evaluate(epoch=1, started=time.perf_counter())

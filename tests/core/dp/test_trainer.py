@@ -12,6 +12,7 @@ import torch
 from core.data.sequential import SequentialDataset
 from core.dp import trainer
 from core.dp.accounting import default_delta
+from core.dp.schedule import run_schedule
 from core.dp.trainer import (
     METHODS,
     DPTrainConfig,
@@ -364,7 +365,7 @@ def test_chunked_every_target_step_is_the_users_clipped_sum(name: str) -> None:
     data = _ragged_dataset()
     cfg = method_config(name, **(TINY | {"max_len": 5, "epsilon": 8.0, "dropout": 0.0, "clip_norm": 0.5}))
     assert cfg.train_targets == "every"
-    run = trainer._Run(data, cfg, trainer._plan(data, cfg), torch.device("cpu"))
+    run = trainer._Run(data, cfg, run_schedule(data, cfg), torch.device("cpu"))
     users = torch.arange(data.n_users)
     chunks = list(run.chunks(users))
     assert len(chunks) > 1 and sorted(torch.cat(chunks).tolist()) == users.tolist()
@@ -392,7 +393,7 @@ def test_every_target_trains_on_every_pair_and_last_window_on_fewer() -> None:
     pairs = int((data.seq_lens - 3).sum())
     for targets, expected in (("every", pairs), ("last_window", int(np.minimum(data.seq_lens - 3, 5).sum()))):
         cfg = method_config("transformer", **(TINY | {"max_len": 5, "epsilon": 8.0, "train_targets": targets}))
-        run = trainer._Run(data, cfg, trainer._plan(data, cfg), torch.device("cpu"))
+        run = trainer._Run(data, cfg, run_schedule(data, cfg), torch.device("cpu"))
         for chunk in run.chunks(torch.arange(data.n_users)):
             run._per_sequence_loss(chunk)
         assert run.loss_tokens == expected
