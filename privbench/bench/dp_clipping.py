@@ -100,6 +100,7 @@ from privbench.bench.harness import (
     register,
     run_in_fresh_process,
 )
+from privbench.bench.max_batch import largest_fitting
 
 NAME = "dp-clipping"
 WORKER_TARGET = "privbench.bench.dp_clipping_worker:measure_step"
@@ -601,33 +602,6 @@ def _search_one(
         progress.print(f"  {method:<20} batch {batch:6d}: {verdict} ({mem})")
         return trial["fits"]
 
-    limit = setting.max_batch_limit
-    lo, hi = 0, None
-    batch = min(setting.max_batch_start or setting.batch, limit)
-    if fits(batch):
-        lo = batch
-        while hi is None and lo < limit:
-            batch = min(lo * 2, limit)
-            if fits(batch):
-                lo = batch
-            else:
-                hi = batch
-        if hi is None:
-            return lo, trials  # fits at the limit
-    else:
-        hi = batch
-        while lo == 0 and hi > 1:
-            batch = hi // 2
-            if fits(batch):
-                lo = batch
-            else:
-                hi = batch
-        if lo == 0:
-            return 0, trials
-    while hi - lo > max(1, int(lo * BISECT_TOLERANCE)):
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, trials
+    start = setting.max_batch_start or setting.batch
+    best = largest_fitting(fits, start=start, limit=setting.max_batch_limit, tolerance=BISECT_TOLERANCE)
+    return best, trials
