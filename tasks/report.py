@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 from prefect import task
 
+from core.errors import ConfigError
 from pbconfig.claims import STAGE_SECTIONS, Verdict, load_papers, load_profile_history
 from pbconfig.stages import TITLES
 from storage import views
@@ -402,6 +403,26 @@ def _figures(stages: pd.DataFrame, folder: Path, db_url: str | None) -> list[Pat
     return written
 
 
+FIGURE_SUFFIXES = (".png",)  # what a report writes into its figures folder
+
+
+def _clear_figures(folder: Path) -> None:
+    """Empty ``folder`` of an earlier report's figures (creating it), refusing a folder that holds anything a report
+    does not write there: ``--out x.md`` must never delete a folder ``x/`` of the user's (an export, say)."""
+    if folder.exists():
+        if not folder.is_dir():
+            raise ConfigError(f"the report's figures go to {folder}/, but {folder} is a file; choose another --out")
+        foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and p.suffix in FIGURE_SUFFIXES))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigError(
+                f"the report's figures go to {folder}/, which holds files a report does not write ({shown}); "
+                "nothing was replaced: choose another --out (e.g. report.md beside the folder) or move them"
+            )
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+
+
 def render_report(
     out: Path,
     *,
@@ -420,9 +441,7 @@ def render_report(
     folder = out.with_suffix("")
     written: list[Path] = []
     if figures:
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        _clear_figures(folder)
         if root is not None:  # one chain: draw its own stage runs
             written = _figures(stages, folder, db_url)
         else:
