@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,19 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, UNDERPOWERED = (
 )
 
 
+class IntervalKind(StrEnum):
+    """How a context's 95% interval was computed (its value is what the report prints)."""
+
+    NONE = "none"  # one seed: no interval
+    SEEDS = "t over seeds"  # Student t over the seeds' values (stat ``value``)
+    PAIRED = "paired t over seeds"  # t over the per-seed stats of two sides run with the same seeds
+    WELCH = "Welch t"  # the difference of two sides with different seeds
+    DELTA_WELCH = "delta method (Welch)"  # a ratio of two sides with different seeds
+    RUN_OWN = "the run's own (recorded over its examples or rounds)"  # one run, its own recorded interval
+    RUNS_OWN = "the runs' own (normal, sides independent)"  # one run a side, their own recorded intervals
+    ALL_RUNS = "all runs"  # an every-run rule: each run judged, no interval
+
+
 @dataclass(frozen=True)
 class ContextResult:
     """One context of a claim: the stat's estimate and 95% interval (NaN bounds when there is none)."""
@@ -39,7 +53,7 @@ class ContextResult:
     high: float
     n_a: int
     n_b: int
-    interval: str  # "t over seeds", "paired t over seeds", "Welch t", "delta method (Welch)", "none", "all runs"
+    interval: IntervalKind
     values: tuple[float, ...]  # the per-seed stats (paired, or value), or the per-run values (all_* rules)
     reason: str = ""
     means: tuple[float, float] = (math.nan, math.nan)  # side a's and side b's mean over replicates (two sides)
@@ -157,7 +171,7 @@ def _stat(kind: str, a: float, b: float) -> float:
     return a / b - 1 if kind == "relative" else a / b
 
 
-def context_stat(measure: Measure, sides: Sides) -> tuple[float, float, float, str, tuple[float, ...]]:
+def context_stat(measure: Measure, sides: Sides) -> tuple[float, float, float, IntervalKind, tuple[float, ...]]:
     """(estimate, low, high, interval kind, per-seed stats) of one context."""
     if measure.stat == "value":
         ci = seed_interval(sides.a.values())
@@ -168,38 +182,38 @@ def context_stat(measure: Measure, sides: Sides) -> tuple[float, float, float, s
                     ci.mean,
                     low,
                     high,
-                    "the run's own (recorded over its examples or rounds)",
+                    IntervalKind.RUN_OWN,
                     tuple(sides.a.values()),
                 )
-        return ci.mean, ci.low, ci.high, "t over seeds" if ci.n >= 2 else "none", tuple(sides.a.values())
+        return ci.mean, ci.low, ci.high, IntervalKind.SEEDS if ci.n >= 2 else IntervalKind.NONE, tuple(sides.a.values())
     common = sorted(set(sides.a) & set(sides.b) - {k for k in sides.a if k.startswith("run:")})
     paired = measure.b_source is None  # a peer's seed 0 has nothing in common with ours
     if paired and len(common) >= 2 and len(common) == len(sides.a) == len(sides.b):
         per_seed = [_stat(measure.stat, sides.a[k], sides.b[k]) for k in common]
         ci = seed_interval(per_seed)
-        return ci.mean, ci.low, ci.high, "paired t over seeds", tuple(per_seed)
+        return ci.mean, ci.low, ci.high, IntervalKind.PAIRED, tuple(per_seed)
     a, b = seed_interval(sides.a.values()), seed_interval(sides.b.values())
     estimate = _stat(measure.stat, a.mean, b.mean)
     pairs = tuple(_stat(measure.stat, x, y) for x in sides.a.values() for y in sides.b.values())
     if a.n == b.n == 1 and measure.run_interval is not None:  # one run a side: their own intervals over examples
         own = _runs_own_difference(sides)
         if own is not None:
-            return estimate, estimate - own, estimate + own, "the runs' own (normal, sides independent)", pairs
+            return estimate, estimate - own, estimate + own, IntervalKind.RUNS_OWN, pairs
     if a.n < 2 or b.n < 2:
-        return estimate, math.nan, math.nan, "none", pairs
+        return estimate, math.nan, math.nan, IntervalKind.NONE, pairs
     va, vb = a.std**2 / a.n, b.std**2 / b.n
     if measure.stat == "difference":
         se = math.sqrt(va + vb)
     else:  # delta method on a / b
         if b.mean == 0 or a.mean == 0:
-            return estimate, math.nan, math.nan, "none", pairs
+            return estimate, math.nan, math.nan, IntervalKind.NONE, pairs
         ratio = a.mean / b.mean
         se = abs(ratio) * math.sqrt(va / a.mean**2 + vb / b.mean**2)
     if se == 0:
-        return estimate, estimate, estimate, "Welch t", pairs
+        return estimate, estimate, estimate, IntervalKind.WELCH, pairs
     df = (va + vb) ** 2 / ((va**2 / (a.n - 1) if va else 0) + (vb**2 / (b.n - 1) if vb else 0) or 1e-300)
     half = float(stats.t.ppf((1 + CONFIDENCE) / 2, max(df, 1.0))) * se
-    kind = "Welch t" if measure.stat == "difference" else "delta method (Welch)"
+    kind = IntervalKind.WELCH if measure.stat == "difference" else IntervalKind.DELTA_WELCH
     return estimate, estimate - half, estimate + half, kind, pairs
 
 
@@ -265,7 +279,9 @@ def _verdict_every_run(rule: Rule, measure: Measure, sides: Sides) -> ContextRes
             f"{fmt(strongest, unit)}, not past the bound {bound} ({len(runs)} run{'s' if len(runs) != 1 else ''})"
         )
         worst = max(values) if at_most else min(values)
-        return ContextResult("", UNDERPOWERED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
+        return ContextResult(
+            "", UNDERPOWERED, worst, math.nan, math.nan, n_a, n_b, IntervalKind.ALL_RUNS, values, reason
+        )
     judged = [v for v, _ in could_fail]
     worst = max(judged) if at_most else min(judged)
     ok = worst <= rule.bound if at_most else worst >= rule.bound
@@ -279,9 +295,11 @@ def _verdict_every_run(rule: Rule, measure: Measure, sides: Sides) -> ContextRes
         reached = f"each could have reached {fmt(reach, unit)} against the bound {bound}"
         note = f" (judged: {judged_runs}, {reached}{aside_runs})"
     if ok:
-        return ContextResult("", REPRODUCED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, note.strip(" ()"))
+        return ContextResult(
+            "", REPRODUCED, worst, math.nan, math.nan, n_a, n_b, IntervalKind.ALL_RUNS, values, note.strip(" ()")
+        )
     reason = f"worst run {fmt(worst, unit)} against the bound {bound}{note}"
-    return ContextResult("", NOT_REPRODUCED, worst, math.nan, math.nan, n_a, n_b, "all runs", values, reason)
+    return ContextResult("", NOT_REPRODUCED, worst, math.nan, math.nan, n_a, n_b, IntervalKind.ALL_RUNS, values, reason)
 
 
 def _verdict(rule: Rule, measure: Measure, sides: Sides) -> ContextResult:

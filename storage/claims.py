@@ -36,7 +36,7 @@ import pandas as pd
 
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Verdict, load_claims
-from storage.claim_context import ContextResult, Sides, context_part, decide, fmt, sides_of
+from storage.claim_context import ContextResult, IntervalKind, Sides, context_part, decide, fmt, sides_of
 from storage.claim_rows import at_scale, claim_rows, run_configs
 from storage.leaderboard import CONFIDENCE, run_meta
 
@@ -80,8 +80,8 @@ class ClaimResult:
             if math.isfinite(c.low) and math.isfinite(c.high):
                 shown += f" [{fmt(c.low, unit)}, {fmt(c.high, unit)}]"
             n = str(c.n_a) if c.n_b == 0 or c.n_a == c.n_b else f"{c.n_a}/{c.n_b}"
-            label = "runs" if c.interval == "all runs" else "n"
-            if c.interval == "all runs":  # an every-run rule judged each run (or pair of runs), not each seed
+            label = "runs" if c.interval == IntervalKind.ALL_RUNS else "n"
+            if c.interval == IntervalKind.ALL_RUNS:  # an every-run rule judged each run (or pair), not each seed
                 n = str(len(c.values))
             if self.claim.measure.b_source is not None and all(math.isfinite(m) for m in c.means):
                 shown += f" (ours {fmt(c.means[0])}, peer {fmt(c.means[1])})"  # both numbers, not just the ratio
@@ -146,7 +146,9 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
         for value in wanted:
             part = context_part(column, value)
             if not any(part in c.context.split(", ") for c in contexts):
-                contexts.append(ContextResult(part, NOT_RUN, math.nan, math.nan, math.nan, 0, 0, "none", (), "not run"))
+                contexts.append(
+                    ContextResult(part, NOT_RUN, math.nan, math.nan, math.nan, 0, 0, IntervalKind.NONE, (), "not run")
+                )
     verdict, reason = _combine(contexts, claim.rule.min_n)
     if m.family is not None and verdict in (REPRODUCED, NOT_REPRODUCED):
         verdict, reason = _family_spent(rows, per_context, verdict, reason)
@@ -255,7 +257,7 @@ def _combine(contexts: Sequence[ContextResult], min_n: int) -> tuple[str, str]:
     if open_:
         return INCONCLUSIVE, line([*open_, *(c for c in contexts if c.verdict == UNDERPOWERED)])
     weak = [c for c in contexts if c.verdict == UNDERPOWERED]
-    single = [c for c in weak if c.interval == "none"]
+    single = [c for c in weak if c.interval == IntervalKind.NONE]
     if weak and len(single) == len(weak) and len(weak) > 1:
         return UNDERPOWERED, (
             f"one seed in each of the {len(weak)} contexts: no interval, so no verdict (the rule needs n >= "

@@ -32,6 +32,7 @@ from pbconfig.claims import STAGE_SECTIONS, Verdict, load_papers, load_profile_h
 from pbconfig.stages import TITLES
 from storage import views
 from storage.bench_runs import bench_runs
+from storage.claim_context import IntervalKind
 from storage.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
@@ -222,7 +223,10 @@ def _paper_section(paper: str, title: str, file: str, rows: pd.DataFrame) -> lis
     noted = [r for r in rows.itertuples(index=False) if r.note]
     if noted:
         lines += ["", "Notes:", ""] + [f"- `{r.claim}`: {_cell(r.note)}" for r in noted]
-    names = {"all runs": "every-run bounds (no interval needed)", "none": "one seed (no interval)"}
+    names = {
+        IntervalKind.ALL_RUNS: "every-run bounds (no interval needed)",
+        IntervalKind.NONE: "one seed (no interval)",
+    }
     # "; " joins them: a name may hold a comma ("the runs' own (normal, sides independent)")
     intervals = sorted({names.get(i, i) for v in rows["interval"] for i in str(v).split("; ") if i})
     if intervals:

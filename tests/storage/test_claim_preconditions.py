@@ -11,8 +11,7 @@ import pytest
 from core.errors import ConfigError
 from pbconfig.claims import load_claims
 from storage import claims as sc
-from tests.hand_made import record_train_dp
-from tests.storage.test_claims import ABOVE, BEATS, _claim
+from tests.hand_made import ABOVE, BEATS, claim_of, record_train_dp
 
 FLOOR = {  # the precondition: the private Transformer above the popularity floor
     "source": "privacy_utility",
@@ -30,8 +29,8 @@ def _with_floor(dpformer: list[float], transformer: list[float], floor: float) -
         for seed, (a, b) in enumerate(zip(dpformer, transformer, strict=True)):
             record_train_dp("dpformer", seed, a, a, 1.0, epsilon=eps, popularity=floor)
             record_train_dp("transformer", seed, b, b, 1.0, epsilon=eps, popularity=floor)
-    pre = _claim(FLOOR, ABOVE).model_copy(update={"id": "floor"})
-    main = _claim(BEATS, ABOVE, precondition="floor")
+    pre = claim_of(FLOOR, ABOVE).model_copy(update={"id": "floor"})
+    main = claim_of(BEATS, ABOVE, precondition="floor")
     return sc.evaluate_claims(None, claims=[main, pre])  # the precondition may come after the claim
 
 
@@ -42,7 +41,7 @@ def test_a_failed_precondition_makes_not_reproduced_inconclusive(home: Path) -> 
     assert main.verdict == sc.INCONCLUSIVE
     assert main.reason.startswith("cannot show here: its precondition `floor` is not reproduced (ε=5: -45.0% [")
     assert "; measured not reproduced: ε=5: 0% [0%, 0%], n=3 lies entirely at or below 0%" in main.reason
-    assert main.contexts == sc.evaluate_claim(None, _claim(BEATS, ABOVE)).contexts  # the measurement is unchanged
+    assert main.contexts == sc.evaluate_claim(None, claim_of(BEATS, ABOVE)).contexts  # the measurement is unchanged
 
 
 def test_a_precondition_that_holds_leaves_the_verdict(home: Path) -> None:
@@ -55,7 +54,7 @@ def test_an_effect_seen_below_the_floor_is_inconclusive_too(home: Path) -> None:
     """Symmetric: a comparison that cannot show a difference cannot show one either way."""
     main, pre = _with_floor([1.2, 1.3, 1.45], [1.0, 1.1, 1.2], floor=9.0)
     assert pre.verdict == sc.NOT_REPRODUCED
-    assert sc.evaluate_claim(None, _claim(BEATS, ABOVE)).verdict == sc.REPRODUCED  # on its own
+    assert sc.evaluate_claim(None, claim_of(BEATS, ABOVE)).verdict == sc.REPRODUCED  # on its own
     assert main.verdict == sc.INCONCLUSIVE
     assert main.reason.startswith("cannot show here: its precondition `floor` is not reproduced (")
     assert main.reason.endswith("; measured reproduced")  # a reproduced claim has no reason of its own
@@ -65,7 +64,7 @@ def test_an_underpowered_precondition_is_named(home: Path) -> None:
     main, pre = _with_floor([1.0], [1.0], floor=0.5)  # one seed: the precondition has no interval
     assert pre.verdict == sc.UNDERPOWERED
     assert main.verdict == sc.UNDERPOWERED  # one seed: no interval either; the verdict stands
-    own = sc.evaluate_claim(None, _claim(BEATS, ABOVE)).reason
+    own = sc.evaluate_claim(None, claim_of(BEATS, ABOVE)).reason
     assert main.reason == f"{own}; its precondition `floor` is underpowered ({pre.reason})"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from storage import claims as sc
 from storage.recording import record_run
-from tests.storage.test_claims import _claim, _metric_run, at_commit
+from tests.hand_made import at_commit, claim_of, record_metric_run
 
 SCORE = {"source": "metrics", "stage": "tangent", "techniques": ["gen"], "value": "score"}
 ABOVE_0 = {"kind": "above", "bound": 0.0, "min_n": 3}
@@ -24,7 +24,7 @@ GPT2 = {"where": {"config.n_layer": 12}, "scale": "GPT-2 124M shape (12 layers)"
 
 def _run(metrics: dict[str, float], config: dict[str, Any] | None = None, technique: str = "gen", **kw: Any) -> str:
     """One finished ``tangent`` run of technique ``gen`` with ``metrics``; returns its id."""
-    return _metric_run(technique, metrics, config, **kw)
+    return record_metric_run(technique, metrics, config, **kw)
 
 
 def _seeds(values: list[float], name: str = "score", **config: Any) -> None:
@@ -33,7 +33,7 @@ def _seeds(values: list[float], name: str = "score", **config: Any) -> None:
 
 
 def _score(**extra: Any) -> Any:
-    return _claim(SCORE, ABOVE_0, stage="tangent", **extra)
+    return claim_of(SCORE, ABOVE_0, stage="tangent", **extra)
 
 
 # --- one test per verdict class ---
@@ -80,7 +80,7 @@ def test_underpowered(home: Path) -> None:
 
 def test_projected(home: Path) -> None:
     measure = {**EXACT, "value": "speedup", "reduce": "min", "projected": True, "validation": "fit.rel_err"}
-    claim = _claim(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
+    claim = claim_of(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
     _run({"speedup": 6.5, "fit.rel_err": -0.034})
     result = sc.evaluate_claim(None, claim)
     assert result.verdict == sc.PROJECTED
@@ -134,7 +134,7 @@ def test_every_run_of_one_seed_at_one_commit_is_judged(home: Path, monkeypatch: 
     at_commit(monkeypatch, "1111111")
     for err in (1e-2, 1e-7, 2e-7):
         _run({"err": err}, {"seed": 0})
-    result = sc.evaluate_claim(None, _claim(EXACT, AT_MOST, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(EXACT, AT_MOST, stage="tangent"))
     assert result.verdict == sc.NOT_REPRODUCED and result.superseded == 0
     (ctx,) = result.contexts
     assert sorted(ctx.values) == [1e-7, 2e-7, 1e-2] and ctx.n_a == 1  # three runs, one seed
@@ -149,7 +149,7 @@ def test_a_newer_commit_supersedes_the_failing_run(home: Path, monkeypatch: pyte
     at_commit(monkeypatch, "2222222")
     for err in (1e-7, 2e-7):
         _run({"err": err}, {"seed": 0})
-    result = sc.evaluate_claim(None, _claim(EXACT, AT_MOST, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(EXACT, AT_MOST, stage="tangent"))
     assert result.verdict == sc.REPRODUCED and result.superseded == 1
     assert sorted(result.contexts[0].values) == [1e-7, 2e-7]
     assert result.reason == "1 run of an older commit superseded by the newest commit's"
@@ -160,7 +160,7 @@ def test_only_the_same_seed_is_superseded(home: Path, monkeypatch: pytest.Monkey
     _run({"err": 1e-2}, {"seed": 1})  # another seed: not measured again, it still counts
     at_commit(monkeypatch, "2222222")
     _run({"err": 1e-7}, {"seed": 0})
-    result = sc.evaluate_claim(None, _claim(EXACT, AT_MOST, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(EXACT, AT_MOST, stage="tangent"))
     assert result.verdict == sc.NOT_REPRODUCED and result.superseded == 0
 
 
@@ -171,7 +171,7 @@ def test_a_run_without_a_seed_mate_meets_every_run_of_the_other_side(home: Path)
     """Two sides of an every-run rule pair runs by seed; a run whose seed the other side lacks is not dropped: it is
     judged against every run of the other side."""
     ratio = {**EXACT, "value": "t", "reduce": "mean", "a": {"method": "a"}, "b": {"method": "b"}, "stat": "ratio"}
-    claim = _claim({**ratio, "techniques": ["a", "b"]}, {"kind": "all_at_most", "bound": 1.0}, stage="tangent")
+    claim = claim_of({**ratio, "techniques": ["a", "b"]}, {"kind": "all_at_most", "bound": 1.0}, stage="tangent")
     _run({"t": 1.0}, {"seed": 0}, technique="a")
     _run({"t": 2.0}, {"seed": 0}, technique="b")
     assert sc.evaluate_claim(None, claim).verdict == sc.REPRODUCED
@@ -187,7 +187,7 @@ GAP = {"kind": "all_at_most", "bound": 0.0}
 def test_no_run_could_have_failed_is_underpowered(home: Path) -> None:
     _run({"gap": -0.5, "gap_max": 0.0}, {"seed": 0})  # a perfect attack would reach the bound, not pass it
     _run({"gap": -0.9, "gap_max": -0.2}, {"seed": 1})
-    result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.UNDERPOWERED
     assert result.reason.startswith(
         "no run could have failed: the most a run could have shown (gap_max) is 0, not past the bound 0 (2 runs)"
@@ -197,13 +197,13 @@ def test_no_run_could_have_failed_is_underpowered(home: Path) -> None:
 def test_a_run_with_power_past_the_bound_decides(home: Path) -> None:
     _run({"gap": -0.5, "gap_max": -0.1}, {"seed": 0})  # could not have failed: set aside
     _run({"gap": -0.3, "gap_max": 2.0}, {"seed": 1})
-    result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.REPRODUCED
     assert result.contexts[0].reason == (
         "judged: 1 run, each could have reached 2 against the bound 0; 1 that could not have failed set aside"
     )
     _run({"gap": 0.5, "gap_max": 2.0}, {"seed": 2})  # past the bound, and it could have been
-    result = sc.evaluate_claim(None, _claim(POWERED, GAP, stage="tangent"))
+    result = sc.evaluate_claim(None, claim_of(POWERED, GAP, stage="tangent"))
     assert result.verdict == sc.NOT_REPRODUCED
     assert result.reason == (
         "worst run 0.5 against the bound 0 (judged: 2 runs, each could have reached 2 against the bound 0; "
@@ -222,7 +222,7 @@ def test_bounds_of_a_larger_family_than_computed_for_are_inconclusive(home: Path
     family was fixed) spends 0.075 > 0.05, and neither verdict stands, whichever way the rule reads."""
     for seed in (0, 1):
         _run({"gap": verdict_gap, "gap_max": 2.0, "share": 0.025}, {"seed": seed})
-    claim = _claim(FAMILY, GAP, stage="tangent")
+    claim = claim_of(FAMILY, GAP, stage="tangent")
     first = sc.evaluate_claim(None, claim)
     assert first.verdict == (sc.REPRODUCED if verdict_gap < 0 else sc.NOT_REPRODUCED)
     _run({"gap": -0.3, "gap_max": 2.0, "share": 0.025}, {"seed": 2})
@@ -237,7 +237,7 @@ def test_bounds_of_a_larger_family_than_computed_for_are_inconclusive(home: Path
 def test_a_bound_without_a_family_share_is_inconclusive(home: Path) -> None:
     _run({"gap": -0.3, "gap_max": 2.0, "share": 0.025}, {"seed": 0})
     _run({"gap": -0.3, "gap_max": 2.0}, {"seed": 1})  # recorded at the full alpha, outside any family
-    assert sc.evaluate_claim(None, _claim(FAMILY, GAP, stage="tangent")).verdict == sc.INCONCLUSIVE
+    assert sc.evaluate_claim(None, claim_of(FAMILY, GAP, stage="tangent")).verdict == sc.INCONCLUSIVE
 
 
 # --- projected: read from a fit, never reproduced ---
@@ -248,7 +248,7 @@ def test_a_bound_without_a_family_share_is_inconclusive(home: Path) -> None:
 )
 def test_a_projection_is_never_reproduced(home: Path, speedup: float, says: str) -> None:
     measure = {**EXACT, "value": "speedup", "reduce": "min", "projected": True, "validation": "fit.rel_err"}
-    claim = _claim(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
+    claim = claim_of(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
     _run({"speedup": speedup, "fit.rel_err": 0.021}, {"seed": 0})
     _run({"speedup": speedup + 1, "fit.rel_err": -0.05}, {"seed": 1})
     result = sc.evaluate_claim(None, claim)
@@ -259,13 +259,13 @@ def test_a_projection_is_never_reproduced(home: Path, speedup: float, says: str)
 
 def test_an_unvalidated_projection_says_so(home: Path) -> None:
     measure = {**EXACT, "value": "speedup", "reduce": "min", "projected": True}
-    claim = _claim(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
+    claim = claim_of(measure, {"kind": "all_at_least", "bound": 5.0}, stage="tangent")
     _run({"speedup": 6.5})
     result = sc.evaluate_claim(None, claim)
     assert result.verdict == sc.PROJECTED
     assert result.reason.endswith("; the fit was not validated on a held-out measured run")
     with pytest.raises(ValueError, match="needs projected: true"):
-        _claim({**measure, "projected": False, "validation": "fit.rel_err"}, AT_MOST)
+        claim_of({**measure, "projected": False, "validation": "fit.rel_err"}, AT_MOST)
 
 
 # --- applies_at: only the runs at the bound's scale are judged ---
