@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
@@ -149,6 +150,14 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
         )
         keys = zip(frame["parent_id"], frame["dataset"], frame["_seed"], frame["method"], dp, strict=True)
         frame[name] = [float(best.get(tuple(key), math.nan)) if is_dp else math.nan for *key, is_dp in keys]
+    # the one-run audit's power on a DP run: what these attacks reach (its control's bound), capped by what the run's
+    # own guess counts let even a perfect attack certify (its control chose its counts on its own shadows, so its
+    # bound can exceed the run's ceiling); NaN where either is missing
+    frame["one_run_power_family"] = np.fmin(
+        frame["nonprivate_one_run_epsilon_lo_family"], frame["one_run_certifiable_epsilon_max_family"]
+    ).where(
+        frame["nonprivate_one_run_epsilon_lo_family"].notna() & frame["one_run_certifiable_epsilon_max_family"].notna()
+    )
     return finish(frame, MEMBERSHIP_COLUMNS, ["audit", "dataset", "method", "epsilon", "attack"])
 
 

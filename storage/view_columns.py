@@ -189,6 +189,7 @@ MEMBERSHIP_COLUMNS = [
     "one_run_certifiable_epsilon_max",
     "one_run_certifiable_epsilon_max_family",
     "nonprivate_one_run_epsilon_lo_family",
+    "one_run_power_family",
     "lr",
     "batch_size",
     "epochs",
