@@ -109,10 +109,10 @@ def _provenance(profile: str | None, stages: pd.DataFrame, unfinished: pd.DataFr
     devices = sorted({str(d) for d in stages["device"].dropna()})
     lines += [
         f"- profile: `{profile}`" if profile else "- profile: every profile in the store",
-        f"- commit{'s' if len(commits) != 1 else ''}: {', '.join(f'`{c}`' for c in commits) or 'unknown'}",
+        f"- commit{'s' if len(commits) != 1 else ''} the runs recorded: {', '.join(f'`{c}`' for c in commits) or '?'}",
         f"- device: {'; '.join(devices) or 'unknown'}",
         "",
-        "| stage | flow run | started (UTC) | wall time |",
+        "| stage | run (results store id) | started (UTC) | wall time |",
         "|---|---|---|---|",
     ]
     for row in stages.itertuples(index=False):
