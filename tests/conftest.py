@@ -19,7 +19,7 @@ STORE_FIXTURES = {"stage_store", "filled_store", "prefect_harness"}
 
 # under pytest-xdist (``make test`` runs ``-n 2``), the tests that share one process-wide thing run on one worker:
 # the session's stage store (filled once, by the worker that holds its tests) and the system tests (real servers,
-# signals to process trees), in one group: both start real flows with process pools, too much memory side by side
+# signals to process trees), each a group of its own
 STAGE_STORE_FIXTURES = {"stage_store", "filled_store"}
 
 
@@ -27,15 +27,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark every test that fills or reads the session's stage store ``integration``, so that e.g.
     ``pytest tests/storage -m 'not integration and not slow and not gpu and not system'`` runs the unit tests alone
     and no stage flow starts unasked; and group, for pytest-xdist's ``--dist loadgroup``, the stage store's tests
-    (so that it is filled once) and the system tests on one worker, one after the other: both start real flows with
-    process pools (the interrupt tests five ``privbench run`` commands at once), and side by side on two workers
-    they ran a 23 GB machine out of memory (the kernel killed a worker)."""
+    on one worker (so that it is filled once) and the system tests on one worker."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if STORE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.integration)
-        if STAGE_STORE_FIXTURES & fixtures or item.get_closest_marker("system") is not None:
-            item.add_marker(pytest.mark.xdist_group("stage-store-and-system"))
+        if STAGE_STORE_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.xdist_group("stage-store"))
+        elif item.get_closest_marker("system") is not None:
+            item.add_marker(pytest.mark.xdist_group("system"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
