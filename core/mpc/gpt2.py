@@ -241,7 +241,7 @@ def reveal_tokens(onehots: CrypTensor, rank: int) -> torch.Tensor | None:
     return plain.argmax(dim=-1).cpu() if rank == CLIENT else None
 
 
-def _finish(
+def finish_result(
     rank: int, mode: str, meter: CostMeter, tokens: torch.Tensor | None, setup: dict, steps: StepLog
 ) -> GenerationResult:
     """Package one party's result after the metered region closed."""
@@ -385,7 +385,7 @@ class EncryptedGPT2:
                 out = crypten.cat(outs, dim=1)
             tokens = reveal_tokens(out, self.rank)
             log.close(m)
-        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)
+        return finish_result(self.rank, mode, m, tokens, dict(self.setup_costs), log)
 
     def _generate_er(self, x: CrypTensor, n_new: int, log: StepLog) -> CrypTensor:
         crypten, m = import_crypten(), self.meter
@@ -584,4 +584,4 @@ class EncryptedMerge:
                 out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
             tokens = reveal_tokens(out, self.rank)
             log.close(m)
-        return _finish(self.rank, mode, m, tokens, dict(self.setup_costs), log)
+        return finish_result(self.rank, mode, m, tokens, dict(self.setup_costs), log)

@@ -12,8 +12,11 @@ and which generation procedure, and the plaintext twin of each (the decrypted MP
 | ``merge_mm`` | merge module of the fine-tuned model | constant attention, merged products (eq. 10-11) | as vanilla |
 | ``merge`` | merge module from the ER model | constant attention, merged products | embedding resending (MERGE) |
 
-``payload`` is a :class:`core.mpc.gpt2.GPT2Weights` for the ``gpt2`` engine and a
-:class:`core.mpc.merge_spec.MergeSpec` for the ``merge`` engine.
+``payload`` is a :class:`core.mpc.gpt2.GPT2Weights` (GPT-2) or :class:`core.mpc.t5.T5Weights` (T5) for the
+``gpt2`` engine (the model as trained, with the method's nonlinearities) and a
+:class:`core.mpc.merge_spec.MergeSpec` or :class:`core.mpc.t5_merge.T5MergeSpec` for the ``merge`` engine; the
+payload's type says which architecture runs. On T5 the exact methods keep the model's own FFN nonlinearity
+(ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 
 from core.errors import ConfigError
 from core.mpc import gpt2 as G
+from core.mpc import t5 as T5
+from core.mpc import t5_merge as T5M
 from core.mpc.merge_spec import MergeSpec, merge_generate_plain, mm_generate_plain
 from core.registry import lookup
 
@@ -94,13 +99,20 @@ def run_method_party(
     spec = method_spec(method)
     ids = prefix_ids if ctx.is_client else None
     if spec.engine == "merge":
+        if isinstance(payload, T5M.T5MergeSpec):
+            merged = T5M.EncryptedT5Merge(payload, rank=ctx.rank, device=ctx.device)
+            return merged.generate(ids, n_new, mode=spec.mode, shape=shape)
         if not isinstance(payload, MergeSpec):
-            raise ConfigError(f"method {method!r} runs a MergeSpec, got {type(payload).__name__}")
+            raise ConfigError(f"method {method!r} runs a MergeSpec or T5MergeSpec, got {type(payload).__name__}")
         return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(
             ids, n_new, mode=spec.mode, shape=shape
         )
+    if isinstance(payload, T5.T5Weights):
+        return T5.EncryptedT5(payload, spec.variant, rank=ctx.rank, device=ctx.device).generate(
+            ids, n_new, mode=spec.mode, shape=shape
+        )
     if not isinstance(payload, G.GPT2Weights):
-        raise ConfigError(f"method {method!r} runs GPT2Weights, got {type(payload).__name__}")
+        raise ConfigError(f"method {method!r} runs GPT2Weights or T5Weights, got {type(payload).__name__}")
     model = G.EncryptedGPT2(payload, spec.variant, rank=ctx.rank, device=ctx.device)
     return model.generate(ids, n_new, mode=spec.mode, shape=shape)
 
@@ -110,6 +122,10 @@ def generate_plain(method: str, payload: Any, prefix_ids: torch.Tensor, n_new: i
     greedy tokens (B, n_new)."""
     spec = method_spec(method)
     with torch.no_grad():
+        if isinstance(payload, T5M.T5MergeSpec):
+            return T5M.merge_generate_plain(payload, prefix_ids, n_new, mode=spec.mode)
+        if isinstance(payload, T5.T5Weights):
+            return T5.plaintext_reference(payload, spec.variant, prefix_ids, n_new, mode=spec.mode)
         if spec.engine == "merge":
             if spec.mode == "mm":
                 return mm_generate_plain(payload, prefix_ids, n_new)

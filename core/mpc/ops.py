@@ -47,6 +47,10 @@ SOFTMAXES: tuple[str, ...] = ("exact", "2relu", "2quad")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "quad", "relu")
 NORMS: tuple[str, ...] = ("exact", "approx")
 MASK_VALUE = 1e4
+SOFTMAX_FLOOR = 64.0
+"""Where :func:`softmax` floors ``x - max`` for T5 (exp(-64) ~ 1.6e-28 is 0 at CrypTen's 2^-16 resolution): T5
+does not scale its attention scores by 1/sqrt(D), their range passes 256 (330 in the tests' small model), and
+CrypTen's exp, ``(1 + x / 2^8)^(2^8)``, turns any argument below -256 into garbage."""
 QUAD_C = 5.0
 RELU_C = 0.0
 RELU_EPS = 1e-3
@@ -125,6 +129,28 @@ def layer_norm(
         return xc * inv * gamma + beta
 
 
+def rms_norm(
+    x: CrypTensor,
+    gamma: CrypTensor,
+    meter: CostMeter,
+    *,
+    eps: float = 1e-6,
+    kind: str = "exact",
+    nr_iters: int = LN_NR_ITERS,
+) -> CrypTensor:
+    """T5's (and LLaMA's) RMSNorm over the last dim, ``x / sqrt(mean(x^2) + eps) * gamma`` (``exact``: the inverse
+    square root by Newton-Raphson, as :func:`layer_norm`), or THE-X's ``x * gamma`` (``approx``)."""
+    check_choice("norm", kind, NORMS)
+    crypten = import_crypten()
+    with meter.op(OpCategory.NORM):
+        if kind == "approx":
+            return x * gamma
+        ms = x.square().mean(dim=-1, keepdim=True)
+        with crypten.cfg.temp_override({"functions.sqrt_nr_iters": nr_iters}):
+            inv = (ms + eps).inv_sqrt()
+        return x * inv * gamma
+
+
 def causal_mask(n_query: int, n_key: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Public (n_query, n_key) 0/1 mask: query i (the last n_query positions) sees keys j <= its position."""
     offset = n_key - n_query
@@ -150,8 +176,12 @@ def softmax(
     kind: str = "exact",
     mask: torch.Tensor | None = None,
     c: float | None = None,
+    floor: float | None = None,
 ) -> CrypTensor:
-    """Softmax (or an MPCFormer approximation) over the last dim with an optional public 0/1 mask (Nq, Nk)."""
+    """Softmax (or an MPCFormer approximation) over the last dim with an optional public 0/1 mask (Nq, Nk).
+
+    ``floor`` (exact only): ``x - max`` is raised to ``-floor`` before ``exp`` (one ReLU), for scores whose range
+    can pass 256, where CrypTen's ``exp`` diverges (T5's unscaled scores do; :data:`SOFTMAX_FLOOR`)."""
     check_choice("softmax", kind, SOFTMAXES)
     with meter.op(OpCategory.SOFTMAX):
         n_key = scores.size(-1)
@@ -160,7 +190,10 @@ def softmax(
         if kind == "exact":
             x = scores if mask is None else scores + (1.0 - mask) * (-MASK_VALUE)
             m = x.max(dim=-1, keepdim=True)[0]
-            e = (x - m).exp()
+            z = x - m
+            if floor is not None:
+                z = z + (-z - floor).relu()  # max(z, -floor)
+            e = z.exp()
             if mask is not None:
                 e = e * mask
             return _normalize(e, count, 0.0)
@@ -239,6 +272,14 @@ def plain_activation(x: torch.Tensor, *, kind: str = "gelu") -> torch.Tensor:
         return 0.125 * x * x + 0.25 * x + 0.5
     inner = (math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))).clamp(-GELU_TANH_CLIP, GELU_TANH_CLIP)
     return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+def plain_rms_norm(x: torch.Tensor, gamma: torch.Tensor, *, eps: float = 1e-6, kind: str = "exact") -> torch.Tensor:
+    """Plaintext twin of :func:`rms_norm` (HF ``T5LayerNorm``: no mean subtraction, no bias)."""
+    check_choice("norm", kind, NORMS)
+    if kind == "approx":
+        return x * gamma
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * gamma
 
 
 def plain_layer_norm(
