@@ -230,6 +230,8 @@ def _how(claim: Claim, profile: str | None) -> str:
         q = p if profile in BENCH_PROFILES else ""
         if m.where and any(k.startswith(("config.setting.", "settings.")) for k in m.where):
             q = " --profile paper"  # the claim reads a shape only the paper bench runs (GPT-2, M = 50,257)
+            if m.where.get("config.setting.arch") == "t5":
+                q += " --set secure_inference.arch=t5"  # the bench's T5 shape
         ours = f"run `privbench bench {m.techniques[0] if m.techniques else 'dp-clipping'}{q}`"
     else:
         ours = f"run `privbench run {claim.stage}{p}`"

@@ -21,6 +21,15 @@ JSON: ``methods.<name>.{total_s, comm_bytes, rounds, ops.<category>.{s, bytes, r
 (``projection.<lan|wan>``, from the busiest party's bytes sent: half of the logged sent + received bytes), all
 from the first measured run (``prefix_len``, ``gen_len``); :func:`_lengths` for what further runs add.
 
+T5 (``--set secure_inference.arch=t5``, MERGE's T5 rows): the profile's T5 setting (:data:`T5_PROFILES`) is the
+start, other overrides apply on top: a random T5 (``core.mpc.t5``; ``n_layer`` blocks per stack, FFN 4 x width,
+``feed_forward_proj``), a ``prefix_len``-token prompt to the encoder (run once per prompt) and ``gen_len`` decoder
+steps; every measured run has the same prompt length (the length fit then sees the decoder's length alone), and
+a total length is prompt + generated tokens, as for GPT-2. Paper: the paper's T5 (138M: 6 + 6 blocks of width 768,
+12 heads, FFN 3,072 with GELU, the 50,257-token vocabulary), prompt 8, measured to totals 12, 14 and 28,
+projected to 128 and 512, targets >= 5x and <= 26% of vanilla's bytes. The merge modules' constant attention
+(encoder, decoder and cross-attention: ``core.mpc.t5_merge``) is averaged over random ids.
+
 The shape can be changed without a new profile: ``--set secure_inference.KEY=VALUE`` (repeatable, the same
 syntax and validation as ``privbench run --set``) overrides any field of :class:`Setting` (``n_layer``,
 ``n_embd``, ``n_head``, ``prefix_len``, ``gen_len``, ``batch_size``, ``vocab``, ``repeats``, ``seed``,
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -50,10 +59,13 @@ UNITS = ("s", "bytes", "rounds")  # what each step and phase is measured in
 
 
 class Setting(FrozenConfig):
-    """The shape one run measures: a random-weight GPT-2 (``n_layer``, ``n_embd``, ``n_head``, vocabulary
-    ``vocab``) generating ``gen_len`` tokens after ``prefix_len`` for a batch of ``batch_size`` prompts, every
-    method of ``methods`` ``repeats`` times (the fastest repeat is kept), each run killed after ``timeout_s``."""
+    """The shape one run measures: a random-weight GPT-2 or T5 (``arch``; ``n_layer`` blocks, per stack for T5,
+    ``n_embd``, ``n_head``, vocabulary ``vocab``; T5's FFN ``feed_forward_proj``, 4 x ``n_embd`` wide) generating
+    ``gen_len`` tokens after ``prefix_len`` (T5: a ``prefix_len``-token prompt to the encoder, ``gen_len``
+    decoder steps) for a batch of ``batch_size`` prompts, every method of ``methods`` ``repeats`` times (the
+    fastest repeat is kept), each run killed after ``timeout_s``."""
 
+    arch: Literal["gpt2", "t5"] = "gpt2"
     n_layer: int = Field(ge=1)
     n_embd: int = Field(ge=2)
     n_head: int = Field(ge=1)
@@ -69,6 +81,7 @@ class Setting(FrozenConfig):
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
     more_runs: tuple[tuple[int, int], ...] = ()  # further measured runs (prompt, new tokens) at other lengths
     project_lengths: tuple[int, ...] = ()  # total lengths (prompt + new tokens) the fitted costs are projected to
+    feed_forward_proj: Literal["relu", "gelu_new", "gated-gelu"] = "gelu_new"  # T5's FFN (T5Config's field)
 
     @field_validator("methods", "project_lengths", mode="before")
     @classmethod
@@ -105,6 +118,12 @@ class Setting(FrozenConfig):
         if bad:
             raise ValueError(f"more_runs {bad}: prompt and new tokens must be >= 1")
         runs = self.runs()
+        if self.arch == "t5" and len({p for p, _ in runs}) > 1:
+            raise ValueError(
+                f"T5 runs {runs} must share one prompt length: a T5 step's cost depends on the decoder's length "
+                f"and, through cross-attention, on the prompt's, so the length fit needs the prompt fixed (e.g. "
+                f"more_runs={self.prefix_len}+6,{self.prefix_len}+20; --profile paper with arch=t5 sets them)"
+            )
         totals = [p + g for p, g in runs]
         if len(set(totals)) != len(totals):
             raise ValueError(
@@ -176,6 +195,37 @@ PROFILES: dict[str, Setting] = {
         methods=PAPER_METHODS,
     ),
 }
+T5_PROFILES: dict[str, Setting] = {
+    # ``--set secure_inference.arch=t5`` starts from these (MERGE Tables 1-2's T5 rows); their runs share one prompt
+    # length (Setting._shape); any other override applies on top. Quick: the GPT-2 quick shape per stack
+    "quick": Setting(
+        arch="t5",
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        prefix_len=6,
+        gen_len=6,
+        more_runs=((6, 8), (6, 16)),
+        project_lengths=(128, 512),
+    ),
+    # the paper's T5 (138M): 6 + 6 blocks of width 768, 12 heads, FFN 3,072 (GELU) and the 50,257-token vocabulary,
+    # as its authors' released benchmark builds it; an 8-token prompt, measured to decoder lengths 12, 14 and 28
+    "paper": Setting(
+        arch="t5",
+        n_layer=6,
+        n_embd=768,
+        n_head=12,
+        prefix_len=8,
+        gen_len=4,
+        more_runs=((8, 6), (8, 20)),
+        project_lengths=(128, 512),
+        repeats=1,
+        timeout_s=7200.0,
+        target_speedup=5.0,
+        target_comm_fraction=0.26,
+        methods=PAPER_METHODS,
+    ),
+}
 PROFILE_ALIASES = {"paper-shape": "paper"}
 
 
@@ -185,14 +235,15 @@ def resolve_setting(profile: str, options: Mapping[str, Any]) -> Setting:
     profile = PROFILE_ALIASES.get(profile, profile)
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r} for {NAME}; known: {', '.join([*PROFILES, *PROFILE_ALIASES])}")
-    setting = PROFILES[profile]
+    overrides = tuple(options.get("overrides") or ())
+    t5 = any(o.replace(" ", "") == f"{SECTION}.arch=t5" for o in overrides)
+    setting = (T5_PROFILES if t5 else PROFILES)[profile]
     methods = options.get("methods")
     if methods:
         unknown = [m for m in methods if m not in METHOD_NAMES]
         if unknown:
             raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHOD_NAMES)}")
         setting = Setting.model_validate({**setting.model_dump(), "methods": tuple(methods)})
-    overrides = tuple(options.get("overrides") or ())
     if not overrides:
         return setting
     wrapped = with_overrides(_Overridable(secure_inference=setting), overrides, example=f"{SECTION}.n_layer=4")
@@ -210,7 +261,7 @@ def _setting_json(setting: Setting, options: Mapping[str, Any]) -> dict[str, Any
         "overrides": list(options.get("overrides") or ()),
         "device": _device(),
         "threads": bench_threads(),
-        "weights": "random (GPT-2 shape)",
+        "weights": f"random ({'T5' if setting.arch == 't5' else 'GPT-2'} shape)",
     }
 
 
@@ -219,9 +270,11 @@ def _config(profile: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
-    """Each method's MPC payload from ONE random GPT-2 of the setting's shape."""
+    """Each method's MPC payload from ONE random GPT-2 (or T5) of the setting's shape."""
     import torch
 
+    if setting.arch == "t5":
+        return _t5_payloads(setting, methods)
     from core.models.gpt2 import tiny_gpt2
     from core.mpc.gpt2 import weights_from_hf
     from core.mpc.merge import build_merge_model, export_spec
@@ -247,6 +300,44 @@ def payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _t5_payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
+    """A random T5 (HF's initialisation, drawn under the seed) and its merged form, constant attention averaged
+    over two random prompts and decoder inputs of the longest measured lengths (eq. 8)."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from core.mpc.methods import method_spec
+    from core.mpc.recipes import seeded
+    from core.mpc.t5 import weights_from_hf
+    from core.mpc.t5_merge import average_attentions, merge_spec_from_t5
+
+    cfg = T5Config(
+        vocab_size=setting.vocab,
+        d_model=setting.n_embd,
+        d_kv=setting.n_embd // setting.n_head,
+        d_ff=4 * setting.n_embd,
+        num_layers=setting.n_layer,
+        num_decoder_layers=setting.n_layer,
+        num_heads=setting.n_head,
+        feed_forward_proj=setting.feed_forward_proj,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    with seeded(setting.seed):
+        model = T5ForConditionalGeneration(cfg).eval()
+    weights = weights_from_hf(model)
+    if all(method_spec(m).engine != "merge" for m in methods):
+        return dict.fromkeys(methods, weights)
+    gen = torch.Generator().manual_seed(setting.seed)
+    n_max = max(g for _, g in setting.runs())
+    enc = torch.randint(0, setting.vocab, (2, setting.prefix_len), generator=gen)
+    dec = torch.randint(0, setting.vocab, (2, n_max), generator=gen)
+    spec = merge_spec_from_t5(weights, average_attentions(model, enc, dec))
+    return {m: spec if method_spec(m).engine == "merge" else weights for m in methods}
+
+
 @register(
     NAME,
     "encrypted GPT-2 greedy generation per method under 2-party CrypTen (MERGE Tables 1-2): "
@@ -260,8 +351,9 @@ def run(profile: str, progress: Progress, options: Mapping[str, Any]) -> dict[st
 
     setting = resolve_setting(profile, options)
     methods = setting.methods
+    arch = "T5 (L per stack)" if setting.arch == "t5" else "GPT-2"
     progress.print(
-        f"[bold]{NAME}[/] ({profile}): GPT-2 L={setting.n_layer} d={setting.n_embd} h={setting.n_head} "
+        f"[bold]{NAME}[/] ({profile}): {arch} L={setting.n_layer} d={setting.n_embd} h={setting.n_head} "
         f"vocab={setting.vocab}, batch {setting.batch_size}, (prefix, new tokens) {setting.runs()}, "
         f"{len(methods)} methods, 2 parties on {_device()}"
     )

@@ -76,7 +76,7 @@ def test_set_overrides_change_the_shape_run_and_recorded(home, tiny) -> None:
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        ("secure_inference.layers=3", "unknown key 'layers' under secure_inference; known keys: batch_size, gen_len"),
+        ("secure_inference.layers=3", "unknown key 'layers' under secure_inference; known keys: arch, batch_size"),
         ("layers=3", "unknown key 'layers' under <top level>; known keys: secure_inference"),
         ("secure_inference.n_layer=0", "secure_inference.n_layer = 0: Input should be greater than or equal to 1"),
         ("secure_inference.n_embd=15", "n_embd=15 must be a multiple of n_head=2"),
@@ -200,3 +200,49 @@ def test_payloads_come_from_the_seed_and_leave_the_global_rng_alone() -> None:
     assert torch.equal(one["vanilla"].wte, two["vanilla"].wte)
     other = mpc_generation.payloads(TINY.model_copy(update={"seed": 1}), ("vanilla",))
     assert not torch.equal(one["vanilla"].wte, other["vanilla"].wte)
+
+
+TINY_T5 = mpc_generation.Setting(
+    arch="t5", n_layer=1, n_embd=16, n_head=2, prefix_len=3, gen_len=2, vocab=100, timeout_s=300,
+    feed_forward_proj="gated-gelu",
+)  # fmt: skip
+
+
+def test_arch_t5_selects_the_t5_shape_and_runs_every_method(home, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(mpc_generation.T5_PROFILES, "quick", TINY_T5)
+    monkeypatch.setenv("PRIVBENCH_BENCH_THREADS", "2")
+    result = CliRunner().invoke(app, ["bench", "mpc-generation", "--set", "secure_inference.arch=t5", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["setting"]["arch"] == "t5" and body["setting"]["weights"] == "random (T5 shape)"
+    assert set(body["methods"]) == set(mpc_generation.METHOD_NAMES)
+    ms = body["methods"]
+    assert ms["merge"]["ops"]["Softmax"]["bytes"] == 0 < ms["vanilla"]["ops"]["Softmax"]["bytes"]
+    assert body["ratios"]["merge_comm_fraction_of_vanilla"] < 1.0
+    config = ResultsRepository().get_run(body["run_id"])["config"]
+    assert config["setting"]["arch"] == "t5" and config["profile"] == "quick"
+
+
+def test_t5_profiles_are_the_papers_shape_with_one_prompt_length() -> None:
+    paper = mpc_generation.resolve_setting("paper", {"overrides": ["secure_inference.arch=t5"]})
+    assert (paper.arch, paper.n_layer, paper.n_embd, paper.n_head, paper.vocab) == ("t5", 6, 768, 12, 50257)
+    assert len({p for p, _ in paper.runs()}) == 1 and paper.target_comm_fraction == 0.26
+    assert mpc_generation.resolve_setting("paper", {}).arch == "gpt2"
+    with pytest.raises(ConfigError, match="must share one prompt length"):
+        mpc_generation.resolve_setting(
+            "paper", {"overrides": ["secure_inference.arch=t5", "secure_inference.more_runs=20+3,40+3"]}
+        )
+    with pytest.raises(ConfigError, match="feed_forward_proj"):
+        mpc_generation.resolve_setting(
+            "quick", {"overrides": ["secure_inference.arch=t5", "secure_inference.feed_forward_proj=swiglu"]}
+        )
+
+
+def test_t5_payloads_merge_the_same_model() -> None:
+    """The merged T5 is built from the very weights the other methods run (its value and output projections)."""
+    import torch
+
+    loads = mpc_generation.payloads(TINY_T5, ("vanilla", "merge"))
+    weights, spec = loads["vanilla"], loads["merge"]
+    assert torch.equal(spec.decoder[0].W_V, weights.decoder[0].attn.v) and torch.equal(spec.shared, weights.shared)
+    assert spec.p_max == TINY_T5.prefix_len and spec.n_max == TINY_T5.gen_len
