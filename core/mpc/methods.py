@@ -15,7 +15,9 @@ and which generation procedure, and the plaintext twin of each (the decrypted MP
 ``payload`` is a :class:`core.mpc.gpt2.GPT2Weights` (GPT-2) or :class:`core.mpc.t5.T5Weights` (T5) for the
 ``gpt2`` engine (the model as trained, with the method's nonlinearities) and a
 :class:`core.mpc.merge_spec.MergeSpec` or :class:`core.mpc.t5_merge.T5MergeSpec` for the ``merge`` engine; the
-payload's type says which architecture runs. On T5 the exact methods keep the model's own FFN nonlinearity
+payload's type says which architecture runs; a LLaMA-architecture decoder
+(:class:`core.mpc.llama.LlamaWeights`, SmolLM2) runs the ``gpt2``-engine methods (its merge module is not built
+yet). On T5 the exact methods keep the model's own FFN nonlinearity
 (ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2.
 """
 
@@ -28,6 +30,7 @@ import torch
 
 from core.errors import ConfigError
 from core.mpc import gpt2 as G
+from core.mpc import llama as LL
 from core.mpc import t5 as T5
 from core.mpc import t5_merge as T5M
 from core.mpc.merge_spec import MergeSpec, merge_generate_plain, mm_generate_plain
@@ -111,8 +114,14 @@ def run_method_party(
         return T5.EncryptedT5(payload, spec.variant, rank=ctx.rank, device=ctx.device).generate(
             ids, n_new, mode=spec.mode, shape=shape
         )
+    if isinstance(payload, LL.LlamaWeights):
+        return LL.EncryptedLlama(payload, spec.variant, rank=ctx.rank, device=ctx.device).generate(
+            ids, n_new, mode=spec.mode, shape=shape
+        )
     if not isinstance(payload, G.GPT2Weights):
-        raise ConfigError(f"method {method!r} runs GPT2Weights or T5Weights, got {type(payload).__name__}")
+        raise ConfigError(
+            f"method {method!r} runs GPT2Weights, T5Weights or LlamaWeights, got {type(payload).__name__}"
+        )
     model = G.EncryptedGPT2(payload, spec.variant, rank=ctx.rank, device=ctx.device)
     return model.generate(ids, n_new, mode=spec.mode, shape=shape)
 
@@ -126,6 +135,8 @@ def generate_plain(method: str, payload: Any, prefix_ids: torch.Tensor, n_new: i
             return T5M.merge_generate_plain(payload, prefix_ids, n_new, mode=spec.mode)
         if isinstance(payload, T5.T5Weights):
             return T5.plaintext_reference(payload, spec.variant, prefix_ids, n_new, mode=spec.mode)
+        if isinstance(payload, LL.LlamaWeights):
+            return LL.plaintext_reference(payload, spec.variant, prefix_ids, n_new, mode=spec.mode)
         if spec.engine == "merge":
             if spec.mode == "mm":
                 return mm_generate_plain(payload, prefix_ids, n_new)

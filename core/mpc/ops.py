@@ -41,10 +41,10 @@ from core.mpc.accounting import CostMeter, OpCategory
 from core.mpc.crypten_compat import import_crypten
 
 SoftmaxKind = Literal["exact", "2relu", "2quad"]
-ActivationKind = Literal["gelu", "gelu_new", "quad", "relu"]
+ActivationKind = Literal["gelu", "gelu_new", "quad", "relu", "silu"]
 NormKind = Literal["exact", "approx"]
 SOFTMAXES: tuple[str, ...] = ("exact", "2relu", "2quad")
-ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "quad", "relu")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_new", "quad", "relu", "silu")
 NORMS: tuple[str, ...] = ("exact", "approx")
 MASK_VALUE = 1e4
 SOFTMAX_FLOOR = 64.0
@@ -211,11 +211,14 @@ def softmax(
 
 
 def activation(x: CrypTensor, meter: CostMeter, *, kind: str = "gelu") -> CrypTensor:
-    """MLP nonlinearity: tanh-GELU (``gelu``/``gelu_new``), MPCFormer ``quad`` or ``relu``."""
+    """MLP nonlinearity: tanh-GELU (``gelu``/``gelu_new``), MPCFormer ``quad``, ``relu`` or LLaMA's ``silu``
+    (``x * sigmoid(x)``: CrypTen's sigmoid takes exp of -|x| with 9 squarings, exact enough for |x| < 512)."""
     check_choice("activation", kind, ACTIVATIONS)
     with meter.op(OpCategory.ACTIVATION):
         if kind == "relu":
             return x.relu()
+        if kind == "silu":
+            return x * x.sigmoid()
         if kind == "quad":
             return x.square() * 0.125 + x * 0.25 + 0.5
         inner = (x + x.square() * x * 0.044715) * math.sqrt(2.0 / math.pi)
@@ -268,6 +271,8 @@ def plain_activation(x: torch.Tensor, *, kind: str = "gelu") -> torch.Tensor:
     check_choice("activation", kind, ACTIVATIONS)
     if kind == "relu":
         return torch.relu(x)
+    if kind == "silu":
+        return torch.nn.functional.silu(x)
     if kind == "quad":
         return 0.125 * x * x + 0.25 * x + 0.5
     inner = (math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))).clamp(-GELU_TANH_CLIP, GELU_TANH_CLIP)
