@@ -9,8 +9,11 @@ from storage import view_query as vq
 
 def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: str | None = None) -> pd.DataFrame:
     """Every finished benchmark run (``privbench bench``, recorded or imported) of ``profile``, oldest first:
-    ``benchmark, run_id, started_at, duration_s, git_commit, host, device, ratios`` (``ratios``: the run's
-    top-level ``ratios.*`` metrics as ``{name: value}``)."""
+    ``benchmark, run_id, started_at, duration_s, git_commit, host, device, ratios, shape`` (``ratios``: the run's
+    top-level ``ratios.*`` metrics as ``{name: value}``; ``shape``: what its setting says of the model it measured,
+    :func:`shape_of`)."""
+    import json
+
     from sqlalchemy import select
 
     from storage.models import Metric, Run
@@ -25,11 +28,13 @@ def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: s
         Run.git_commit,
         Run.host,
         Run.device,
+        Run.config_json,
     ).where(Run.status == "finished", Run.flow == "bench")
     engine = vq.engine(db_url)
-    frame = vq.timestamps(vq.read(engine, f.apply(stmt), columns), "started_at")
+    frame = vq.timestamps(vq.read(engine, f.apply(stmt), [*columns, "config_json"]), "started_at")
     if frame.empty:
-        return pd.DataFrame(columns=[*columns, "ratios"])
+        return pd.DataFrame(columns=[*columns, "ratios", "shape"])
+    frame["shape"] = [shape_of(json.loads(c or "{}")) for c in frame.pop("config_json")]
     ratios = vq.read(
         engine,
         select(Metric.run_id, Metric.name, Metric.value).where(
@@ -43,4 +48,16 @@ def bench_runs(db_url: str | None = None, *, profile: str | None = None, root: s
     return frame.sort_values("started_at", kind="stable").reset_index(drop=True)
 
 
-__all__ = ["bench_runs"]
+SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "vocab")
+
+
+def shape_of(config: dict) -> str:
+    """The model a bench run measured, from its recorded setting: ``arch=t5 n_layer=6 n_embd=768 ...`` (the keys of
+    :data:`SHAPE_KEYS` it has, an older run's missing ``arch`` left out); "" for a bench without them."""
+    setting = config.get("setting") if isinstance(config, dict) else None
+    if not isinstance(setting, dict):
+        return ""
+    return " ".join(f"{k}={setting[k]}" for k in SHAPE_KEYS if k in setting)
+
+
+__all__ = ["bench_runs", "shape_of"]

@@ -164,8 +164,8 @@ def _bench_section(benches: pd.DataFrame) -> list[str]:
             "device, commit and times of the machine that measured them)."
         ),
         "",
-        "| benchmark | run | device | host | commit | started (UTC) | wall time | ratios |",
-        "|---|---|---|---|---|---|---|---|",
+        "| benchmark | run | model | device | host | commit | started (UTC) | wall time | ratios |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in benches.itertuples(index=False):
         started = pd.Timestamp(row.started_at).strftime("%Y-%m-%d %H:%M") if pd.notna(row.started_at) else "-"
@@ -176,6 +176,7 @@ def _bench_section(benches: pd.DataFrame) -> list[str]:
                 [
                     _cell(row.benchmark),
                     f"`{row.run_id}`",
+                    _cell(row.shape) or "-",
                     _cell(row.device),
                     _cell(row.host),
                     f"`{str(row.git_commit)[:12]}`" if row.git_commit else "-",

@@ -3,7 +3,11 @@ RMSNorm, SwiGLU, rotary positions, grouped K/V heads), with the generation modes
 
 What differs from GPT-2, each on shares:
 
-* RMSNorm (:func:`core.mpc.ops.rms_norm`, no mean, no bias);
+* RMSNorm (:func:`core.mpc.ops.rms_norm`, no mean, no bias) in its wide-range form: SmolLM2's residual stream
+  reaches a mean square of 1e6 at its first position, far past where CrypTen's inverse square root converges, so
+  each norm first brackets the mean square between powers of 4 by one batched comparison
+  (:func:`core.mpc.ops.wide_rms_scale`);
+* the exact softmax floors ``x - max`` at -64 before CrypTen's ``exp``, as T5's (:data:`core.mpc.ops.SOFTMAX_FLOOR`);
 * rotary positions: ``q * cos + rotate_half(q) * sin`` with the cos/sin of each position public (positions are),
   taken from the Hugging Face model's own rotary module when the weights are read (so any rope scaling it applies
   is the one run here); products by public values, no communication beyond the truncation;
@@ -222,7 +226,7 @@ class EncryptedLlama(EncryptedGPT2):
     def _block(self, p: dict, h: CrypTensor, past: tuple | None, start: int = 0) -> tuple[CrypTensor, tuple]:
         m, v, w = self.meter, self.variant, self.w
         B, N = h.size(0), h.size(1)
-        x = ops.rms_norm(h, p["ln1"], m, eps=w.eps, kind=v.norm)
+        x = ops.rms_norm(h, p["ln1"], m, eps=w.eps, kind=v.norm, wide=True)
         q, k, val = (ops.linear(x, p[name], None, m) for name in ("q", "k", "v"))
         with m.op(OpCategory.LINEAR):
             q, k, val = self._heads(q, w.n_head), self._heads(k, w.n_kv_head), self._heads(val, w.n_kv_head)
@@ -236,12 +240,12 @@ class EncryptedLlama(EncryptedGPT2):
         T = kk.size(2)
         scores = ops.matmul(q, kk.transpose(2, 3), m)
         mask = None if N == 1 else ops.causal_mask(N, T, device=self.device)
-        probs = ops.softmax(scores, m, kind=v.softmax, mask=mask, c=v.softmax_c)
+        probs = ops.softmax(scores, m, kind=v.softmax, mask=mask, c=v.softmax_c, floor=ops.SOFTMAX_FLOOR)
         att = ops.matmul(probs, vv, m)
         with m.op(OpCategory.LINEAR):
             att = att.transpose(1, 2).reshape(B, N, w.n_head * w.head_dim)
         h = h + ops.linear(att, p["o"], None, m)
-        x = ops.rms_norm(h, p["ln2"], m, eps=w.eps, kind=v.norm)
+        x = ops.rms_norm(h, p["ln2"], m, eps=w.eps, kind=v.norm, wide=True)
         gate = ops.activation(ops.linear(x, p["gate"], None, m), m, kind=self.act)
         up = ops.linear(x, p["up"], None, m)
         with m.op(OpCategory.ACTIVATION):
@@ -256,7 +260,7 @@ class EncryptedLlama(EncryptedGPT2):
         for i, p in enumerate(self.layers):
             h, kv = self._block(p, h, None if past is None else past[i], start)
             caches.append(kv)
-        return ops.rms_norm(h, self.norm, self.meter, eps=self.w.eps, kind=self.variant.norm), caches
+        return ops.rms_norm(h, self.norm, self.meter, eps=self.w.eps, kind=self.variant.norm, wide=True), caches
 
     def logits(self, h: CrypTensor) -> CrypTensor:
         return ops.linear(h, self.lm_head_t, None, self.meter)

@@ -129,6 +129,41 @@ def layer_norm(
         return xc * inv * gamma + beta
 
 
+WIDE_NORM_EXPONENTS: tuple[int, ...] = tuple(range(-3, 13))
+"""The powers of 4 a wide-range RMSNorm brackets ``mean(x^2)`` between (4^-3 to 4^12): CrypTen's inverse square root
+starts from a guess that diverges above about 200 (:func:`layer_norm`), and SmolLM2's residual stream reaches a mean
+square of 1e6 at its first position (an attention sink), where its other positions stay near 1 to 1,000."""
+
+
+def _by_exponent(x: CrypTensor, base: int, exponents: Sequence[int]) -> CrypTensor:
+    """``x / base^e`` for every ``e``, stacked on a new last dim: public divisions (local truncation) for e > 0 and
+    public products for e <= 0, so that no tiny public factor is rounded to 0 by the fixed-point encoding."""
+    crypten = import_crypten()
+    parts = [x.div(base**e) if e > 0 else x * float(base ** (-e)) for e in exponents]
+    return crypten.stack(parts, dim=-1)
+
+
+def wide_rms_scale(x: CrypTensor, eps: float, nr_iters: int = LN_NR_ITERS) -> CrypTensor:
+    """``x / sqrt(mean(x^2) + eps)`` for mean squares anywhere in ~[1e-3, 3e9]: one batched comparison of the mean
+    square against the public powers of 4 in :data:`WIDE_NORM_EXPONENTS` gives its bracket ``e`` as an encrypted
+    one-hot, which selects ``ms / 4^e`` (in [1, 4): the Newton-Raphson guess converges there) and ``x / 2^e``
+    among public rescalings of each; the result is their product. Costs one comparison of 16 values per row and two
+    products by the one-hot (16 x the row's width) beyond the plain norm."""
+    crypten = import_crypten()
+    exps = WIDE_NORM_EXPONENTS
+    ms = x.square().mean(dim=-1, keepdim=True) + eps  # (..., 1)
+    limits = torch.tensor([4.0**e for e in exps], device=ms.device)
+    above = to_fixed_point(ms.unsqueeze(-1) >= limits)  # (..., 1, J) 1 where ms >= 4^e_j
+    upper = crypten.cat([above[..., 1:], above[..., :1] * 0], dim=-1)  # above[j + 1], 0 past the last
+    first = torch.zeros(len(exps), device=ms.device)
+    first[0] = 1.0
+    onehot = above - upper + (1 - above[..., :1]) * first  # bracket j: 4^e_j <= ms < 4^e_{j+1}; below 4^e_0: j = 0
+    ms_scaled = (_by_exponent(ms, 4, exps) * onehot).sum(dim=-1)  # (..., 1) in [1, 4) for ms in range
+    x_scaled = (_by_exponent(x, 2, exps) * onehot).sum(dim=-1)  # (..., d) x / 2^e
+    with crypten.cfg.temp_override({"functions.sqrt_nr_iters": nr_iters}):
+        return x_scaled * ms_scaled.inv_sqrt()
+
+
 def rms_norm(
     x: CrypTensor,
     gamma: CrypTensor,
@@ -137,14 +172,18 @@ def rms_norm(
     eps: float = 1e-6,
     kind: str = "exact",
     nr_iters: int = LN_NR_ITERS,
+    wide: bool = False,
 ) -> CrypTensor:
     """T5's (and LLaMA's) RMSNorm over the last dim, ``x / sqrt(mean(x^2) + eps) * gamma`` (``exact``: the inverse
-    square root by Newton-Raphson, as :func:`layer_norm`), or THE-X's ``x * gamma`` (``approx``)."""
+    square root by Newton-Raphson, as :func:`layer_norm`, for mean squares up to ~200; ``wide``: any mean square
+    in ~[1e-3, 3e9], :func:`wide_rms_scale`), or THE-X's ``x * gamma`` (``approx``)."""
     check_choice("norm", kind, NORMS)
     crypten = import_crypten()
     with meter.op(OpCategory.NORM):
         if kind == "approx":
             return x * gamma
+        if wide:
+            return wide_rms_scale(x, eps, nr_iters) * gamma
         ms = x.square().mean(dim=-1, keepdim=True)
         with crypten.cfg.temp_override({"functions.sqrt_nr_iters": nr_iters}):
             inv = (ms + eps).inv_sqrt()
