@@ -129,10 +129,14 @@ def layer_norm(
         return xc * inv * gamma + beta
 
 
-WIDE_NORM_EXPONENTS: tuple[int, ...] = tuple(range(-3, 13))
-"""The powers of 4 a wide-range RMSNorm brackets ``mean(x^2)`` between (4^-3 to 4^12): CrypTen's inverse square root
+WIDE_NORM_EXPONENTS: tuple[int, ...] = tuple(range(-1, 13))
+"""The powers of 4 a wide-range RMSNorm brackets ``mean(x^2)`` between (4^-1 to 4^12): CrypTen's inverse square root
 starts from a guess that diverges above about 200 (:func:`layer_norm`), and SmolLM2's residual stream reaches a mean
 square of 1e6 at its first position (an attention sink), where its other positions stay near 1 to 1,000."""
+WIDE_NORM_COARSE = 64
+"""The bracket is read from ``mean((x / 64)^2)``: squaring SmolLM2's largest entries (2.5e4) directly puts the
+product near 2^61 in the 64-bit ring, where the two parties' local truncation wraps with a probability of a few
+tenths (measured: garbage from its 13th block on); divided by 64 first, the product stays near 2^49."""
 
 
 def _by_exponent(x: CrypTensor, base: int, exponents: Sequence[int]) -> CrypTensor:
@@ -144,24 +148,28 @@ def _by_exponent(x: CrypTensor, base: int, exponents: Sequence[int]) -> CrypTens
 
 
 def wide_rms_scale(x: CrypTensor, eps: float, nr_iters: int = LN_NR_ITERS) -> CrypTensor:
-    """``x / sqrt(mean(x^2) + eps)`` for mean squares anywhere in ~[1e-3, 3e9]: one batched comparison of the mean
-    square against the public powers of 4 in :data:`WIDE_NORM_EXPONENTS` gives its bracket ``e`` as an encrypted
-    one-hot, which selects ``ms / 4^e`` (in [1, 4): the Newton-Raphson guess converges there) and ``x / 2^e``
-    among public rescalings of each; the result is their product. Costs one comparison of 16 values per row and two
-    products by the one-hot (16 x the row's width) beyond the plain norm."""
+    """``x / sqrt(mean(x^2) + eps)`` for rows whose mean square is anywhere in ~[1e-4, 3e9] and entries below 2^16.
+
+    One batched comparison of the coarse mean square ``mean((x / 64)^2)`` against the public powers 4^e / 64^2
+    (``e`` in :data:`WIDE_NORM_EXPONENTS`) gives the row's bracket as an encrypted one-hot; the one-hot selects
+    ``x / 2^e`` among its public rescalings (a product by the one-hot, 14 x the row's width); that row has a mean
+    square in [1, 4) (at most 4 for rows below 4^-1), where the Newton-Raphson inverse square root converges, and
+    ``eps / 4^e`` is selected with it (a public vector: local). Costs one comparison of 14 values per row, the
+    selection, and the plain norm on the rescaled row."""
     crypten = import_crypten()
     exps = WIDE_NORM_EXPONENTS
-    ms = x.square().mean(dim=-1, keepdim=True) + eps  # (..., 1)
-    limits = torch.tensor([4.0**e for e in exps], device=ms.device)
-    above = to_fixed_point(ms.unsqueeze(-1) >= limits)  # (..., 1, J) 1 where ms >= 4^e_j
+    coarse = (x.div(WIDE_NORM_COARSE)).square().mean(dim=-1, keepdim=True)  # (..., 1) ms / 64^2
+    limits = torch.tensor([4.0**e / WIDE_NORM_COARSE**2 for e in exps], device=coarse.device)
+    above = to_fixed_point(coarse.unsqueeze(-1) >= limits)  # (..., 1, J) 1 where ms >= 4^e_j
     upper = crypten.cat([above[..., 1:], above[..., :1] * 0], dim=-1)  # above[j + 1], 0 past the last
-    first = torch.zeros(len(exps), device=ms.device)
+    first = torch.zeros(len(exps), device=coarse.device)
     first[0] = 1.0
     onehot = above - upper + (1 - above[..., :1]) * first  # bracket j: 4^e_j <= ms < 4^e_{j+1}; below 4^e_0: j = 0
-    ms_scaled = (_by_exponent(ms, 4, exps) * onehot).sum(dim=-1)  # (..., 1) in [1, 4) for ms in range
     x_scaled = (_by_exponent(x, 2, exps) * onehot).sum(dim=-1)  # (..., d) x / 2^e
+    eps_scaled = (onehot * torch.tensor([eps / 4.0**e for e in exps], device=coarse.device)).sum(dim=-1)  # (..., 1)
+    ms = x_scaled.square().mean(dim=-1, keepdim=True) + eps_scaled
     with crypten.cfg.temp_override({"functions.sqrt_nr_iters": nr_iters}):
-        return x_scaled * ms_scaled.inv_sqrt()
+        return x_scaled * ms.inv_sqrt()
 
 
 def rms_norm(

@@ -246,3 +246,6 @@ def test_t5_payloads_merge_the_same_model() -> None:
     weights, spec = loads["vanilla"], loads["merge"]
     assert torch.equal(spec.decoder[0].W_V, weights.decoder[0].attn.v) and torch.equal(spec.shared, weights.shared)
     assert spec.p_max == TINY_T5.prefix_len and spec.n_max == TINY_T5.gen_len
+    assert not weights.rerun_encoder
+    every = mpc_generation.payloads(TINY_T5.model_copy(update={"t5_encoder": "every_step"}), ("vanilla_kv",))
+    assert every["vanilla_kv"].rerun_encoder
