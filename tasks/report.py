@@ -164,7 +164,10 @@ def _bench_section(benches: pd.DataFrame) -> list[str]:
             "device, commit and times of the machine that measured them)."
         ),
         "",
-        "| benchmark | run | model | device | host | commit | started (UTC) | wall time | ratios |",
+        (
+            "| benchmark | run | model | device | host | commit | started (UTC) | wall time "
+            "| ratios (its first measured length) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in benches.itertuples(index=False):
