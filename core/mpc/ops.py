@@ -184,7 +184,7 @@ def rms_norm(
 ) -> CrypTensor:
     """T5's (and LLaMA's) RMSNorm over the last dim, ``x / sqrt(mean(x^2) + eps) * gamma`` (``exact``: the inverse
     square root by Newton-Raphson, as :func:`layer_norm`, for mean squares up to ~200; ``wide``: any mean square
-    in ~[1e-3, 3e9], :func:`wide_rms_scale`), or THE-X's ``x * gamma`` (``approx``)."""
+    in ~[1e-4, 3e9], :func:`wide_rms_scale`), or THE-X's ``x * gamma`` (``approx``)."""
     check_choice("norm", kind, NORMS)
     crypten = import_crypten()
     with meter.op(OpCategory.NORM):
