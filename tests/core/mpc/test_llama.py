@@ -14,7 +14,7 @@ from core.mpc.methods import generate_plain
 
 from .conftest import require_crypten
 
-VOCAB, PROMPT, NEW = 97, 6, 3
+VOCAB, PROMPT, NEW = 97, 6, 2
 METHODS = ("vanilla", "vanilla_kv", "merge_er", "mpcformer_2quad", "thex")  # the gpt2-engine methods
 
 
