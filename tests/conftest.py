@@ -36,6 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("stage-store"))
         elif item.get_closest_marker("system") is not None:
             item.add_marker(pytest.mark.xdist_group("system"))
+    if config.getvalue("loadgroup"):  # set on a pytest-xdist worker under --dist loadgroup
+        _suffix_groups(items)
+
+
+def _suffix_groups(items: list[pytest.Item]) -> None:
+    """Give each grouped test's node id the ``@<group>`` suffix pytest-xdist's ``loadgroup`` scheduler sends a group
+    to one worker by. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9 no longer reads (a node's id is
+    ``item._id``), so without this every group was spread over the workers like any other test."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        if names and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,6 +14,9 @@ from core.mpc.methods import generate_plain
 
 from .conftest import require_crypten
 
+# one worker runs this module under pytest-xdist, so its one two-party run (a module fixture) is made once
+pytestmark = pytest.mark.xdist_group("mpc-llama")
+
 VOCAB, PROMPT, NEW = 97, 6, 2
 METHODS = ("vanilla", "vanilla_kv", "merge_er", "mpcformer_2quad", "thex")  # the gpt2-engine methods
 

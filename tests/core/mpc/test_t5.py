@@ -18,6 +18,9 @@ from core.mpc.methods import METHODS, generate_plain, method_spec
 
 from .conftest import require_crypten
 
+# one worker runs this module under pytest-xdist, so its one two-party run (a module fixture) is made once
+pytestmark = pytest.mark.xdist_group("mpc-t5")
+
 VOCAB, PROMPT, NEW, LONG_NEW = 64, 5, 2, 4
 FFN = ("relu", "gelu_new", "gated-gelu")
 
