@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("stage-store"))
         elif item.get_closest_marker("system") is not None:
             item.add_marker(pytest.mark.xdist_group("system"))
-    if config.getvalue("loadgroup"):  # set on a pytest-xdist worker under --dist loadgroup
+    if getattr(config.option, "loadgroup", False):  # only a pytest-xdist worker under --dist loadgroup has it
         _suffix_groups(items)
 
 

@@ -123,7 +123,7 @@ def weights_from_hf(model: Any, n_positions: int = 256) -> LlamaWeights:
 
 def rotate_half(x: Any) -> Any:
     """(x1, x2) -> (-x2, x1) on the last dim (plaintext or shares: a local reordering)."""
-    half = x.size(-1) // 2 if hasattr(x, "size") else x.shape[-1] // 2
+    half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
     if isinstance(x, torch.Tensor):
         return torch.cat([-x2, x1], dim=-1)

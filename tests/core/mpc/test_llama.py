@@ -62,6 +62,16 @@ def test_grouped_heads_and_rotary_are_checked() -> None:
         L.LlamaWeights(**{**w.__dict__, "n_kv_head": 3})
 
 
+def test_bad_models_and_lengths_are_refused() -> None:
+    model = tiny()
+    w = L.weights_from_hf(model, n_positions=8)
+    with pytest.raises(ConfigError, match="exceeds the model's n_positions=8"):
+        L.plaintext_reference(w, MPCVariant(), prompt(), 4)  # 6 + 4 - 1 positions
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ConfigError, match="hidden_act='gelu' has no MPC form"):
+        L.weights_from_hf(model)
+
+
 def _job(ctx, w: L.LlamaWeights, ids: torch.Tensor) -> dict:
     from core.mpc.methods import run_method_party
 
