@@ -13,6 +13,9 @@ SIMethod = Literal[
 ]
 SI_METHODS: tuple[str, ...] = get_args(SIMethod)
 PretrainCorpus = Literal["shakespeare", "milton", "kjv", "chatterbot"]
+SIBase = Literal["gpt2", "smollm2"]
+# the methods whose model is a distilled MPCFormer / THE-X student: built for GPT-2 only
+DISTILLED_METHODS: tuple[str, ...] = ("mpcformer_2relu", "mpcformer_2quad", "thex")
 
 
 class NetworkSpec(FrozenConfig):
@@ -36,9 +39,20 @@ class SecureInferenceConfig(SeedPasses):
     ``pretrain_corpora`` (a content-addressed model, trained once per config and text), then fine-tuned;
     ``pretrain_seed`` set makes that pretrained GPT-2 one model shared by every seed pass (the passes' seeds
     then drive the fine-tuning, distillation, prompts and shares, as fine-tuning one public checkpoint does).
+
+    ``base: smollm2`` runs the stage on the real pretrained SmolLM2-135M (LLaMA architecture, its own 49,152-token
+    tokenizer) instead: it is fine-tuned on the dialogue corpus from its released weights (no pretraining here,
+    ``pretrain_steps`` 0), and the ER model and merge modules are trained from it as for GPT-2; ``n_layer``,
+    ``n_embd`` and ``n_head`` are the model's own and not read. The MPCFormer / THE-X students are GPT-2 modules,
+    so those methods are refused there, as are the length-scaling runs (random GPT-2 payloads).
     """
 
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
+    base: SIBase = Field(
+        "gpt2",
+        description="gpt2: a GPT-2 of the shape below, pretrained here or not; smollm2: the pretrained "
+        "SmolLM2-135M, fine-tuned",
+    )
     corpus: Literal["auto", "chatterbot", "shakespeare", "licenses", "gettext_de_en"] = "auto"
     n_layer: int = Field(2, ge=1)
     n_embd: int = Field(64, ge=2)
@@ -121,7 +135,27 @@ class SecureInferenceConfig(SeedPasses):
             )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must be distinct, got {list(self.methods)}")
+        if self.base == "smollm2":
+            self._check_smollm2()
         return self
+
+    def _check_smollm2(self) -> None:
+        distilled = [m for m in self.methods if m in DISTILLED_METHODS]
+        if distilled:
+            raise ValueError(
+                f"base=smollm2 cannot run {distilled}: the MPCFormer / THE-X students are built for GPT-2 only; "
+                f"drop them from secure_inference.methods (keep {[m for m in self.methods if m not in distilled]})"
+            )
+        if self.pretrain_steps > 0:
+            raise ValueError(
+                f"base=smollm2 is already pretrained: set secure_inference.pretrain_steps=0 (got "
+                f"{self.pretrain_steps}) and pretrain_corpora=[]"
+            )
+        if self.scaling_gen_lens or self.scaling_sizes:
+            raise ValueError(
+                "base=smollm2 runs no length-scaling points (they time random GPT-2 payloads): set "
+                "secure_inference.scaling_gen_lens=[] and scaling_sizes=[] (the mpc-generation bench scales lengths)"
+            )
 
     @property
     def run_order(self) -> tuple[SIMethod, ...]:

@@ -119,6 +119,7 @@ MPC_COSTS_COLUMNS = [
     "wan_projected_s",
     "quality_rouge_l",
     "dataset",
+    "base",
     "started_at",
 ]
 STIP_OVERHEAD_COLUMNS = [

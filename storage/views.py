@@ -263,7 +263,9 @@ def mpc_costs(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Per-operation MPC costs of each secure-inference method run (``MPC_COSTS_COLUMNS``; the generation-length
     scaling runs ``scaling-*`` are left out), one row per run x op category: the slower party's seconds, bytes and
     rounds (summed over phases, then max over parties),
-    with the run's totals and its LAN/WAN projections (``lan_projected_s``, ``wan_projected_s``)."""
+    with the run's totals and its LAN/WAN projections (``lan_projected_s``, ``wan_projected_s``) and the model
+    family it ran (``base``: ``gpt2`` or ``smollm2``, the stage's ``secure_inference.base``; None for runs recorded
+    before the stage had the setting, all GPT-2)."""
     engine, f = _engine(db_url), _filters(filters)
     base = _result_runs(
         engine,
@@ -302,6 +304,7 @@ def mpc_costs(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
             "quality.rouge_l": "quality_rouge_l",
         }
     )
+    base["base"] = [_config(c).get("base") for c in base["config_json"]]
     frame = per_op.merge(base.rename(columns={"technique": "method"}), on="run_id").merge(totals, on="run_id")
     for name in ("seconds", "bytes", "rounds"):
         frame[name] = pd.to_numeric(frame[name])

@@ -51,10 +51,12 @@ from tasks.records import RESUMABLE, task_record
 from tasks.secure_inference_models import (
     EOS,
     MODELS_VERSION,
+    TOKEN_TABLE,
     ModelRef,
     curve_from_json,
     curve_json,
     data_of,
+    eos_of,
     gpt2_shape,
     kind_of,
     model_key,
@@ -64,6 +66,7 @@ from tasks.secure_inference_models import (
     record_curve,
     state_of,
     teacher_of,
+    tokenizer_of,
 )
 
 
@@ -154,6 +157,7 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
     out_dir = get_settings().home / "cache" / "secure-inference" / "models" / f"{name}-{key[:16]}"
     common = {
         "corpus": data.corpus,
+        "base": cfg.base,
         "n_train_pairs": data.n_train_pairs,
         "n_test_pairs": data.n_test_pairs,
         "vocab": vocab,
@@ -203,7 +207,7 @@ def check_prompts(cfg: SecureInferenceConfig) -> int:
     """Fail in seconds, before any model trains, where the seed's test split holds fewer usable prompts than the
     config asks for (``collect_models`` would fail only after the training); returns how many it holds."""
     data, _ = data_of(cfg)
-    usable = len(usable_prompts(data.test_pairs, prefix_len=cfg.prefix_len, eos=EOS))
+    usable = len(usable_prompts(data.test_pairs, prefix_len=cfg.prefix_len, eos=eos_of(cfg)))
     if usable < cfg.n_quality:
         asked = (
             f"quality_prompts={cfg.quality_prompts}" if cfg.n_quality > cfg.n_prompts else f"n_prompts={cfg.n_prompts}"
@@ -224,10 +228,10 @@ def collect_models(cfg: SecureInferenceConfig, models: dict[str, ModelRef], pare
     workdir = workdir_of(parent)
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = eval_prompts(
-        data.test_pairs, prefix_len=cfg.prefix_len, gen_len=cfg.gen_len, n_prompts=cfg.n_quality, eos=EOS
+        data.test_pairs, prefix_len=cfg.prefix_len, gen_len=cfg.gen_len, n_prompts=cfg.n_quality, eos=eos_of(cfg)
     )  # the first n_prompts run under MPC; quality is scored on all of them
     state = state_of(models["finetuned"])
-    prompts["table"] = state["transformer.wte.weight"].detach().clone()
+    prompts["table"] = state[TOKEN_TABLE[cfg.base]].detach().clone()
     # what every method's decrypted text is compared with: the fine-tuned GPT-2's plaintext generation
     finetuned = torch.load(Path(models["finetuned"].path) / "payload.pt", weights_only=False)
     prompts["finetuned_tokens"] = generate_plain("vanilla", finetuned, prompts["prefix"], cfg.gen_len)
@@ -287,8 +291,6 @@ def _record_costs(rec: Recorder, run: EncryptedRun, cfg: SecureInferenceConfig, 
 def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, parent: RunRef) -> dict[str, Any]:
     """One method: encrypted greedy generation for the evaluation prompts (one batch), costs per op and party,
     the decrypted tokens checked against the plaintext twin, and text quality against the references."""
-    from core.mpc.textdata import gpt2_tokenizer
-
     spec = method_spec(method)
     payload = torch.load(models.payloads[method], weights_only=False)
     prompts = torch.load(models.prompts_path, weights_only=False)
@@ -306,6 +308,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "quality_prompts": int(prompts["prefix"].shape[0]),
         "device": _device(cfg),
         "corpus": models.corpus,
+        "base": cfg.base,
     }
     with task_record(
         parent=parent,
@@ -320,17 +323,19 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         costs = _record_costs(rec, out, cfg)
         plain = generate_plain(method, payload, prefix, cfg.gen_len)
         agreement = float((out.tokens == plain).double().mean())
-        twin = _cut(generate_plain(method, payload, rest, cfg.gen_len)) if len(rest) else []
-        tok = gpt2_tokenizer()
-        decode = lambda ids: tok.decode([t for t in ids if t != EOS])
+        eos = eos_of(cfg)
+        cut = lambda tokens: _cut(tokens, eos)
+        twin = cut(generate_plain(method, payload, rest, cfg.gen_len)) if len(rest) else []
+        tok = tokenizer_of(cfg.base)
+        decode = lambda ids: tok.decode([t for t in ids if t != eos])
         refs_all = prompts["references"]
         refs = refs_all[: cfg.n_prompts]
-        quality = text_quality(_cut(out.tokens), refs, decode, prompts["table"])  # decrypted, MPC prompts
-        plain_quality = text_quality(_cut(plain) + twin, refs_all, decode, prompts["table"])
-        base = _cut(prompts["finetuned_tokens"])
+        quality = text_quality(cut(out.tokens), refs, decode, prompts["table"])  # decrypted, MPC prompts
+        plain_quality = text_quality(cut(plain) + twin, refs_all, decode, prompts["table"])
+        base = cut(prompts["finetuned_tokens"])
         base_quality = text_quality(base, refs_all, decode, prompts["table"])  # what the drop is measured from
         # the method's text on every quality prompt: decrypted where it ran under MPC, its plaintext twin's after
-        drop = quality_drop(base, _cut(out.tokens) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
+        drop = quality_drop(base, cut(out.tokens) + twin, refs_all, decode, prompts["table"], seed=cfg.seed)
         metrics = {
             **costs.metrics,
             "mpc_plain_token_agreement": agreement,
@@ -351,7 +356,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
                 "finetuned_plain": decode(f),
                 "reference": decode(r),
             }
-            for p, c, q, f, r in zip(prefix, _cut(out.tokens), _cut(plain), base[: len(refs)], refs, strict=True)
+            for p, c, q, f, r in zip(prefix, cut(out.tokens), cut(plain), base[: len(refs)], refs, strict=True)
         ]
         rec.artifact_json("generations.json", samples)
         rec.artifact_json("projection.json", costs.projection)
@@ -369,11 +374,11 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
     }
 
 
-def _cut(tokens: torch.Tensor) -> list[list[int]]:
-    """Generated ids up to (excluding) the first EOS."""
+def _cut(tokens: torch.Tensor, eos: int = EOS) -> list[list[int]]:
+    """Generated ids up to (excluding) the first ``eos``."""
     out = []
     for row in tokens.tolist():
-        out.append(row[: row.index(EOS)] if EOS in row else row)
+        out.append(row[: row.index(eos)] if eos in row else row)
     return out
 
 

@@ -21,7 +21,7 @@ from core.mpc import recipes
 from core.mpc.finetune import DialogueData, dialogue_data
 from core.mpc.merge import ERConfig
 from core.mpc.methods import method_spec
-from core.mpc.recipes import Curve, GPT2Shape, TrainedModel
+from core.mpc.recipes import SMOLLM2_EOS, Curve, GPT2Shape, Shape, SmolLM2Base, TrainedModel
 from core.registry import lookup
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import Recorder
@@ -44,6 +44,33 @@ def gpt2_shape(cfg: SecureInferenceConfig, vocab: int, shape: Any = None) -> GPT
     """The stage's GPT-2 shape (or ``shape``'s layers, width and heads: a ``ModelShape``) at ``cfg``'s positions."""
     s = shape if shape is not None else cfg
     return GPT2Shape(vocab=vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_positions=cfg.n_positions)
+
+
+def model_shape(cfg: SecureInferenceConfig, vocab: int) -> Shape:
+    """What the stage's recipes build (``cfg.base``): a GPT-2 of ``cfg``'s shape, or the released SmolLM2-135M."""
+    if cfg.base == "smollm2":
+        return SmolLM2Base(n_positions=cfg.n_positions)
+    return gpt2_shape(cfg, vocab)
+
+
+def eos_of(cfg: SecureInferenceConfig) -> int:
+    """The EOS id of ``cfg.base``'s tokenizer (the prompts' separator, the responses' end and the padding)."""
+    return SMOLLM2_EOS if cfg.base == "smollm2" else EOS
+
+
+def tokenizer_of(base: str) -> Any:
+    """``base``'s tokenizer: GPT-2's byte-level BPE (built offline) or SmolLM2's own (from its GGUF file)."""
+    if base == "smollm2":
+        from core.attacks.llama_victim import smollm2_tokenizer
+
+        return smollm2_tokenizer()
+    from core.mpc.textdata import gpt2_tokenizer
+
+    return gpt2_tokenizer()
+
+
+# the weights of the token table in a model's state (the quality's embedding F1 reads the fine-tuned model's)
+TOKEN_TABLE = {"gpt2": "transformer.wte.weight", "smollm2": "model.embed_tokens.weight"}
 
 
 def state_of(ref: ModelRef) -> dict[str, torch.Tensor]:
@@ -88,13 +115,11 @@ def record_curve(rec: Recorder, name: str, curve: Curve, every: int = 10) -> Non
 
 @functools.lru_cache(maxsize=2)
 def _data(
-    corpus: str, max_pairs: int | None, max_len: int, batch_size: int, n_prompts: int, seed: int
+    base: str, corpus: str, max_pairs: int | None, max_len: int, batch_size: int, n_prompts: int, seed: int
 ) -> tuple[DialogueData, int]:
-    """The stage's encoded corpus (cached per process: every model task of a flow run reads the same) and the
-    tokenizer's vocabulary size."""
-    from core.mpc.textdata import gpt2_tokenizer
-
-    tok = gpt2_tokenizer()
+    """The stage's encoded corpus under ``base``'s tokenizer (cached per process: every model task of a flow run
+    reads the same) and the tokenizer's vocabulary size."""
+    tok = tokenizer_of(base)
     data = dialogue_data(
         tok, corpus, max_pairs=max_pairs, max_len=max_len, batch_size=batch_size, n_prompts=n_prompts, seed=seed
     )
@@ -102,7 +127,7 @@ def _data(
 
 
 def data_of(cfg: SecureInferenceConfig) -> tuple[DialogueData, int]:
-    return _data(cfg.corpus, cfg.max_pairs, cfg.max_len, cfg.batch_size, cfg.n_prompts, cfg.seed)
+    return _data(cfg.base, cfg.corpus, cfg.max_pairs, cfg.max_len, cfg.batch_size, cfg.n_prompts, cfg.seed)
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,15 +257,15 @@ def _pretrained(
 def _finetuned(
     name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int
 ) -> TrainedModel:
-    # from the pretrained GPT-2's weights, or from a random one
-    return recipes.train_finetuned(gpt2_shape(cfg, vocab), data, start, steps=cfg.train_steps, lr=cfg.lr, seed=seed)
+    # from the pretrained GPT-2's weights, from a random one, or from the released SmolLM2
+    return recipes.train_finetuned(model_shape(cfg, vocab), data, start, steps=cfg.train_steps, lr=cfg.lr, seed=seed)
 
 
 def _distilled(
     name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int
 ) -> TrainedModel:
     approx = name.removeprefix("distilled-")
-    shape = gpt2_shape(cfg, vocab)
+    shape = model_shape(cfg, vocab)
     return recipes.train_distilled(
         shape, data, start, approx=approx, steps=cfg.distill_steps, lr=cfg.distill_lr, seed=seed
     )
@@ -248,11 +273,11 @@ def _distilled(
 
 def _er(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int) -> TrainedModel:
     er = ERConfig(dropout=cfg.er_dropout, noise=cfg.er_noise, lam=cfg.er_lambda)
-    return recipes.train_er(gpt2_shape(cfg, vocab), data, start, steps=cfg.er_steps, lr=cfg.er_lr, er=er, seed=seed)
+    return recipes.train_er(model_shape(cfg, vocab), data, start, steps=cfg.er_steps, lr=cfg.er_lr, er=er, seed=seed)
 
 
 def _mm(name: str, cfg: SecureInferenceConfig, data: DialogueData, vocab: int, start: State, seed: int) -> TrainedModel:
-    shape = gpt2_shape(cfg, vocab)
+    shape = model_shape(cfg, vocab)
     return recipes.train_mm(shape, data, start, n_max=cfg.n_max, steps=cfg.mm_steps, lr=cfg.mm_lr, seed=seed)
 
 
@@ -271,7 +296,14 @@ class _ModelKind:
 
 
 def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]:
-    return lambda c: {"source": source, "steps": c.mm_steps, "lr": c.mm_lr, "n_max": c.n_max}
+    # mlp_norm: what replaced the norm before the MLP (core.mpc.llama_merge.MLP_NORMS; SmolLM2 keeps it)
+    return lambda c: {
+        "source": source,
+        "steps": c.mm_steps,
+        "lr": c.mm_lr,
+        "n_max": c.n_max,
+        "mlp_norm": "rms" if c.base == "smollm2" else "gain",
+    }
 
 
 _MM_KEYS = ("mm_steps", "mm_lr", "prefix_len", "gen_len", "scaling_gen_lens")  # n_max: the last three
@@ -311,8 +343,9 @@ MODEL_KINDS: dict[str, _ModelKind] = {
     "finetuned": _ModelKind(
         _finetuned,
         "lm-train",
-        lambda c: {"steps": c.train_steps, "lr": c.lr, "pretrained": c.pretrain_steps > 0},
+        lambda c: {"steps": c.train_steps, "lr": c.lr, "pretrained": c.pretrain_steps > 0 or c.base == "smollm2"},
         (
+            "base",
             "corpus",
             "max_pairs",
             "max_len",

@@ -94,8 +94,9 @@ def dialogue_data(
     test, train = pairs[:n_test], pairs[n_test:]
     enc_train = encode_pairs(tokenizer, train, max_len=max_len)
     enc_test = encode_pairs(tokenizer, test, max_len=max_len)
-    ids, mask = lm_sequences(enc_train, max_len=max_len)
-    test_ids, test_mask = lm_sequences(enc_test, max_len=max_len)
+    pad = tokenizer.eos_token_id  # padding is masked out; an id of the tokenizer's own vocabulary
+    ids, mask = lm_sequences(enc_train, max_len=max_len, pad_id=pad)
+    test_ids, test_mask = lm_sequences(enc_test, max_len=max_len, pad_id=pad)
     return DialogueData(
         name,
         len(train),

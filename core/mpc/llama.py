@@ -18,7 +18,7 @@ What differs from GPT-2, each on shares:
 
 ``vanilla``, ``vanilla_kv`` and ``vanilla_er`` are :meth:`core.mpc.gpt2.EncryptedGPT2.generate`'s loop on this
 network (the class reuses it). Embedding resending applies to any decoder; MERGE's constant attention makes the
-rotary positions of Q and K irrelevant, so the merge module applies too (not built here yet).
+rotary positions of Q and K irrelevant, so the merge module applies too (:mod:`core.mpc.llama_merge`).
 """
 
 from __future__ import annotations

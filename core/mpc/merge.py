@@ -117,18 +117,21 @@ def lm_ce_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | Non
 
 
 def token_embeddings(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Token embeddings ``E = f_e(x)`` (B, N, d) of a HF GPT-2, ApproxGPT2 or MergeModel."""
-    wte = model.transformer.wte if hasattr(model, "transformer") else model.wte
-    return wte(ids)
+    """Token embeddings ``E = f_e(x)`` (B, N, d) of a HF causal LM (GPT-2, LLaMA: its input embeddings),
+    ApproxGPT2 or a merge model (its ``wte`` or ``get_input_embeddings()``)."""
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings()(ids)
+    return model.wte(ids)
 
 
 def forward_embeds(model: nn.Module, E: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Run a model on token embeddings E (B, N, d); returns (hidden states, logits (B, N, V)).
 
     The hidden states are n_layer + 1 tensors (B, N, d), HF's convention: input + positions, each block's
-    output, the last one after the final LN (the vector that is resent).
+    output, the last one after the final LN (the vector that is resent). A model whose forward returns a
+    :class:`MergeOutput` says so with ``returns_merge_output = True`` (the LLaMA merge model does).
     """
-    if isinstance(model, (ApproxGPT2, MergeModel)):
+    if isinstance(model, (ApproxGPT2, MergeModel)) or getattr(model, "returns_merge_output", False):
         out = model(inputs_embeds=E)
         return out.hidden, out.logits
     out = model(inputs_embeds=E, output_hidden_states=True)
@@ -227,25 +230,49 @@ def average_attention(model: nn.Module, batches: Sequence | Iterable, n_max: int
     """Eq. 8: the training-set average attention maps, (L, H, n_max, n_max), causal and row-stochastic.
 
     Row i is averaged over the sequences whose token i is real; rows no sequence reaches are uniform
-    over keys 0..i.
+    over keys 0..i (:func:`mean_attention_maps`).
     """
     fwd = model if isinstance(model, ApproxGPT2) else ApproxGPT2(model, "exact", share=True)
     was_training = fwd.training
     fwd.eval()
+
+    def maps() -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
+        for batch in batches:
+            ids, mask = _unpack(batch)
+            check_length(ids.shape[1], n_max)
+            yield torch.stack(fwd(ids).attentions, dim=1), mask  # (B, L, H, N, N)
+
+    try:
+        return mean_attention_maps(maps(), n_max, what="average_attention")
+    finally:
+        fwd.train(was_training)
+
+
+@torch.no_grad()
+def mean_attention_maps(
+    maps: Iterable[tuple[torch.Tensor, torch.Tensor | None]], n_max: int, *, what: str = "average_attention"
+) -> torch.Tensor:
+    """Eq. 8's accumulation: the mask-weighted mean of per-batch attention maps, (L, H, n_max, n_max).
+
+    Args:
+        maps: pairs (att (B, L, H, N, N) causal row-stochastic attention probabilities of every layer, mask (B, N)
+            bool True on real tokens or None: all real), N <= n_max.
+        n_max: the size of the returned maps.
+        what: the caller named in the error when ``maps`` is empty.
+
+    Row i is averaged over the sequences whose token i is real; rows no sequence reaches are uniform over keys
+    0..i, so every row of the result sums to 1 and is causal.
+    """
     total, count = None, torch.zeros(n_max)
-    for batch in batches:
-        ids, mask = _unpack(batch)
-        n = ids.shape[1]
-        check_length(n, n_max)
-        att = torch.stack(fwd(ids).attentions, dim=1)  # (B, L, H, N, N)
-        w = torch.ones(ids.shape, dtype=att.dtype) if mask is None else mask.to(att.dtype)  # (B, N)
+    for att, mask in maps:
+        n = att.shape[-1]
+        w = torch.ones(att.shape[0], n, dtype=att.dtype) if mask is None else mask.to(att.dtype)  # (B, N)
         if total is None:
             total = att.new_zeros((att.shape[1], att.shape[2], n_max, n_max))
         total[:, :, :n, :n] += (att * w[:, None, None, :, None]).sum(0)
         count[:n] += w.sum(0)
-    fwd.train(was_training)
     if total is None:
-        raise ConfigError("average_attention needs at least one batch, got none")
+        raise ConfigError(f"{what} needs at least one batch, got none")
     uniform = torch.tril(torch.ones(n_max, n_max, dtype=total.dtype))
     uniform = uniform / uniform.sum(-1, keepdim=True)
     seen = (count > 0).to(total.dtype)[:, None]  # (n_max, 1)

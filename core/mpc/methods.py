@@ -16,9 +16,9 @@ and which generation procedure, and the plaintext twin of each (the decrypted MP
 ``gpt2`` engine (the model as trained, with the method's nonlinearities) and a
 :class:`core.mpc.merge_spec.MergeSpec` or :class:`core.mpc.t5_merge.T5MergeSpec` for the ``merge`` engine; the
 payload's type says which architecture runs; a LLaMA-architecture decoder
-(:class:`core.mpc.llama.LlamaWeights`, SmolLM2) runs the ``gpt2``-engine methods (its merge module is not built
-yet). On T5 the exact methods keep the model's own FFN nonlinearity
-(ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2.
+(:class:`core.mpc.llama.LlamaWeights`, SmolLM2) runs the ``gpt2``-engine methods and its merge module
+(:class:`core.mpc.llama_merge.LlamaMergeSpec`) the ``merge``-engine ones. On T5 the exact methods keep the model's
+own FFN nonlinearity (ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from core.errors import ConfigError
 from core.mpc import gpt2 as G
 from core.mpc import llama as LL
+from core.mpc import llama_merge as LLM
 from core.mpc import t5 as T5
 from core.mpc import t5_merge as T5M
 from core.mpc.merge_spec import MergeSpec, merge_generate_plain, mm_generate_plain
@@ -105,8 +106,13 @@ def run_method_party(
         if isinstance(payload, T5M.T5MergeSpec):
             merged = T5M.EncryptedT5Merge(payload, rank=ctx.rank, device=ctx.device)
             return merged.generate(ids, n_new, mode=spec.mode, shape=shape)
+        if isinstance(payload, LLM.LlamaMergeSpec):
+            merged = LLM.EncryptedLlamaMerge(payload, rank=ctx.rank, device=ctx.device)
+            return merged.generate(ids, n_new, mode=spec.mode, shape=shape)
         if not isinstance(payload, MergeSpec):
-            raise ConfigError(f"method {method!r} runs a MergeSpec or T5MergeSpec, got {type(payload).__name__}")
+            raise ConfigError(
+                f"method {method!r} runs a MergeSpec, T5MergeSpec or LlamaMergeSpec, got {type(payload).__name__}"
+            )
         return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(
             ids, n_new, mode=spec.mode, shape=shape
         )
@@ -133,6 +139,8 @@ def generate_plain(method: str, payload: Any, prefix_ids: torch.Tensor, n_new: i
     with torch.no_grad():
         if isinstance(payload, T5M.T5MergeSpec):
             return T5M.merge_generate_plain(payload, prefix_ids, n_new, mode=spec.mode)
+        if isinstance(payload, LLM.LlamaMergeSpec):
+            return LLM.merge_generate_plain(payload, prefix_ids, n_new, mode=spec.mode)
         if isinstance(payload, T5.T5Weights):
             return T5.plaintext_reference(payload, spec.variant, prefix_ids, n_new, mode=spec.mode)
         if isinstance(payload, LL.LlamaWeights):

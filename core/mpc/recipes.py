@@ -14,6 +14,11 @@ payload, the training time, its curves and its evaluation figures).
   attention map over the training sequences cut to ``n_max`` tokens (eq. 8), merged products (eq. 9-11),
   distilled from the teacher (:func:`~core.mpc.merge.train_mm`).
 
+Two model families. A :class:`GPT2Shape` builds a GPT-2 of that shape (random, or a teacher's weights loaded over
+the draw); :class:`SmolLM2Base` starts from the released SmolLM2-135M (LLaMA architecture), fine-tuned and then
+trained into its ER model and merge modules by the same recipes (:func:`build_model`, :func:`payload_of`; its merge
+module is :mod:`core.mpc.llama_merge`). The MPCFormer / THE-X students and the pretraining are GPT-2's only.
+
 Randomness. Every recipe runs under :func:`seeded` (``torch.manual_seed(seed)`` inside ``fork_rng``): the GPT-2 is
 drawn first (:func:`build_gpt2`; a teacher's weights are loaded over the draw), then dropout draws from the same
 stream, so the result depends on ``seed`` only and the caller's global RNG is left as it was.
@@ -39,14 +44,16 @@ from core.models.gpt2 import GPT2_EOS, tiny_gpt2
 from core.mpc import merge
 from core.mpc.approx import ApproxGPT2, distill
 from core.mpc.finetune import DialogueData, blocks_loss, finetune_lm, lm_loss, pretrain_lm
-from core.mpc.gpt2 import GPT2Weights, weights_from_hf
-from core.mpc.merge_spec import MergeSpec
+from core.mpc.gpt2 import weights_from_hf
 
 __all__ = [
     "Curve",
     "GPT2Shape",
+    "SmolLM2Base",
     "TrainedModel",
     "build_gpt2",
+    "build_model",
+    "payload_of",
     "seeded",
     "train_distilled",
     "train_er",
@@ -77,6 +84,26 @@ class GPT2Shape:
             raise ConfigError(f"GPT2Shape: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if not 0 <= self.eos < self.vocab:
             raise ConfigError(f"GPT2Shape: eos={self.eos} must be a token id below vocab={self.vocab}")
+
+
+SMOLLM2_EOS = 2  # SmolLM2's <|im_end|>: its tokenizer's EOS
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmolLM2Base:
+    """The released SmolLM2-135M as the stage's model (``core.stip.models.load_smollm2``: 30 blocks of width 576,
+    9 heads on 3 K/V heads, 49,152 tokens); ``n_positions``: how many positions the encrypted runs take rotary
+    tables for."""
+
+    n_positions: int
+    eos: int = SMOLLM2_EOS
+
+    def __post_init__(self) -> None:
+        if self.n_positions < 2:
+            raise ConfigError(f"SmolLM2Base.n_positions must be >= 2, got {self.n_positions}")
+
+
+Shape = GPT2Shape | SmolLM2Base
 
 
 @dataclass(frozen=True)
@@ -111,7 +138,7 @@ class TrainedModel:
     (``train_loss`` always) and the evaluation figures (``test_loss``, ``n_parameters``, ...)."""
 
     model: nn.Module
-    payload: GPT2Weights | MergeSpec
+    payload: Any  # GPT2Weights / LlamaWeights (gpt2 engine), MergeSpec / LlamaMergeSpec (merge engine)
     train_s: float
     curves: Mapping[str, Curve]
     metrics: Mapping[str, float] = field(default_factory=dict)
@@ -139,6 +166,35 @@ def build_gpt2(shape: GPT2Shape, state: State | None = None) -> nn.Module:
     if state is not None:
         model.load_state_dict(state)
     return model.eval()
+
+
+def build_model(shape: Shape, state: State | None = None) -> nn.Module:
+    """The model a recipe trains: :func:`build_gpt2` for a :class:`GPT2Shape`; for :class:`SmolLM2Base` the
+    released SmolLM2-135M (float32), with ``state`` (a fine-tuned or ER model's weights) loaded over it; eval mode."""
+    if isinstance(shape, GPT2Shape):
+        return build_gpt2(shape, state)
+    from core.stip.models import load_smollm2
+
+    model = load_smollm2()
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval()
+
+
+def payload_of(model: nn.Module, shape: Shape) -> Any:
+    """What the gpt2-engine methods run for a trained ``model``: its :class:`~core.mpc.gpt2.GPT2Weights`, or for
+    SmolLM2 its :class:`~core.mpc.llama.LlamaWeights` with rotary tables for ``shape.n_positions`` positions."""
+    if isinstance(shape, GPT2Shape):
+        return weights_from_hf(model)
+    from core.mpc import llama
+
+    return llama.weights_from_hf(model, n_positions=shape.n_positions)
+
+
+def _gpt2_only(shape: Shape, what: str) -> GPT2Shape:
+    if not isinstance(shape, GPT2Shape):
+        raise ConfigError(f"{what} is built for GPT-2 only, got {type(shape).__name__}: use a GPT2Shape")
+    return shape
 
 
 def _n_parameters(model: nn.Module) -> int:
@@ -197,25 +253,34 @@ def train_pretrained(
 
 
 def train_finetuned(
-    shape: GPT2Shape, data: DialogueData, start: State | None = None, *, steps: int, lr: float, seed: int
+    shape: Shape, data: DialogueData, start: State | None = None, *, steps: int, lr: float, seed: int
 ) -> TrainedModel:
-    """The GPT-2 every method runs, fine-tuned on ``data``'s batches from ``start`` (the pretrained weights) or
-    from a random draw. Metrics: ``test_loss`` on the test sequences, ``n_parameters``."""
+    """The model every method runs, fine-tuned on ``data``'s batches from ``start`` (the pretrained GPT-2's
+    weights), from a random GPT-2, or from the released SmolLM2. Metrics: ``test_loss`` on the test sequences
+    (and ``start_test_loss``, the same before fine-tuning, for SmolLM2), ``n_parameters``."""
     with seeded(seed):
-        model = build_gpt2(shape, start)
+        model = build_model(shape, start)
+        before = {}
+        if not isinstance(shape, GPT2Shape):  # what the released model scores before fine-tuning
+            before["start_test_loss"] = lm_loss(model, data.test_ids, data.test_mask)
         t0 = time.perf_counter()
         losses = finetune_lm(model, data.batches, steps, lr, seed=seed)
         train_s = time.perf_counter() - t0
-        metrics = {"test_loss": lm_loss(model, data.test_ids, data.test_mask), "n_parameters": _n_parameters(model)}
-    return TrainedModel(model, weights_from_hf(model), train_s, {"train_loss": Curve.per_step(losses)}, metrics)
+        metrics = {
+            "test_loss": lm_loss(model, data.test_ids, data.test_mask),
+            **before,
+            "n_parameters": _n_parameters(model),
+        }
+    return TrainedModel(model, payload_of(model, shape), train_s, {"train_loss": Curve.per_step(losses)}, metrics)
 
 
 def train_distilled(
-    shape: GPT2Shape, data: DialogueData, teacher: State, *, approx: str, steps: int, lr: float, seed: int
+    shape: Shape, data: DialogueData, teacher: State, *, approx: str, steps: int, lr: float, seed: int
 ) -> TrainedModel:
     """An :class:`~core.mpc.approx.ApproxGPT2` student with the ``approx`` nonlinearities (a registry name),
     distilled from the fine-tuned ``teacher`` on ``data``'s batches; its payload is the student's modules in a
     GPT-2 (what the gpt2 engine runs with the matching MPC variant)."""
+    shape = _gpt2_only(shape, "an MPCFormer / THE-X student")
     with seeded(seed):
         start = build_gpt2(shape, teacher)
         student = ApproxGPT2(start, approx)
@@ -240,13 +305,13 @@ def _hf_from_student(student: ApproxGPT2, shape: GPT2Shape) -> nn.Module:
 
 
 def train_er(
-    shape: GPT2Shape, data: DialogueData, teacher: State, *, steps: int, lr: float, er: merge.ERConfig, seed: int
+    shape: Shape, data: DialogueData, teacher: State, *, steps: int, lr: float, er: merge.ERConfig, seed: int
 ) -> TrainedModel:
     """The ER model (Sec. 4.2): the fine-tuned ``teacher``'s weights trained on eq. 7 with the augmentation of
     eq. 5 (``er``: p, eps, lambda), augmentation noise from ``seed``. Curves: ``train_loss`` (eq. 7's total) and
     ``align_loss`` (L_c, eq. 4); metrics: ``test_loss`` (plain next-token loss on the test sequences)."""
     with seeded(seed):
-        model = build_gpt2(shape, teacher)
+        model = build_model(shape, teacher)
         t0 = time.perf_counter()
         history = merge.train_er(model, data.batches, steps, lr, cfg=er, seed=seed)
         model.eval()
@@ -256,21 +321,32 @@ def train_er(
         "train_loss": Curve.per_step(h["total"] for h in history),
         "align_loss": Curve.per_step(h["align"] for h in history),
     }
-    return TrainedModel(model, weights_from_hf(model), train_s, curves, metrics)
+    return TrainedModel(model, payload_of(model, shape), train_s, curves, metrics)
 
 
 def train_mm(
-    shape: GPT2Shape, data: DialogueData, teacher: State, *, n_max: int, steps: int, lr: float, seed: int
+    shape: Shape, data: DialogueData, teacher: State, *, n_max: int, steps: int, lr: float, seed: int
 ) -> TrainedModel:
     """A merge module (Sec. 4.3) of the ``teacher`` (the fine-tuned or the ER model): the training sequences cut
     to ``n_max`` tokens give the constant attention's start (eq. 8) and the distillation batches; the payload is
-    the exported :class:`~core.mpc.merge_spec.MergeSpec` (eq. 10)."""
+    the exported :class:`~core.mpc.merge_spec.MergeSpec` (eq. 10), or for SmolLM2 the
+    :class:`~core.mpc.llama_merge.LlamaMergeSpec`."""
     short = [(ids[:, :n_max], mask[:, :n_max]) for ids, mask in data.batches]  # (B, n_max) each
     with seeded(seed):
-        source = build_gpt2(shape, teacher)
-        student = merge.build_merge_model(source, short, n_max)
+        source = build_model(shape, teacher)
+        if isinstance(shape, GPT2Shape):
+            student = merge.build_merge_model(source, short, n_max)
+        else:
+            from core.mpc import llama_merge
+
+            # eq. 9's gain-only f'_ln diverges on SmolLM2 (core.mpc.llama_merge.MLP_NORMS): the normalisation is kept
+            student = llama_merge.build_llama_merge_model(source, short, n_max, mlp_norm="rms")
         t0 = time.perf_counter()
         losses = merge.train_mm(student, source, short, steps, lr)
         student.eval()
         train_s = time.perf_counter() - t0
-    return TrainedModel(student, merge.export_spec(student), train_s, {"train_loss": Curve.per_step(losses)})
+    if isinstance(shape, GPT2Shape):
+        spec = merge.export_spec(student)
+    else:
+        spec = llama_merge.export_llama_spec(student)
+    return TrainedModel(student, spec, train_s, {"train_loss": Curve.per_step(losses)})
