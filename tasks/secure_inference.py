@@ -59,6 +59,7 @@ from tasks.secure_inference_models import (
     eos_of,
     gpt2_shape,
     kind_of,
+    model_fields,
     model_key,
     model_of,
     models_needed,
@@ -161,9 +162,7 @@ def train_model(name: str, cfg: SecureInferenceConfig, parent: RunRef, teacher: 
         "n_train_pairs": data.n_train_pairs,
         "n_test_pairs": data.n_test_pairs,
         "vocab": vocab,
-        "n_layer": cfg.n_layer,
-        "n_embd": cfg.n_embd,
-        "n_head": cfg.n_head,
+        **model_fields(cfg),
         "max_len": cfg.max_len,
     }
     technique = kind.technique.format(approx=name.removeprefix("distilled-"))
@@ -232,7 +231,7 @@ def collect_models(cfg: SecureInferenceConfig, models: dict[str, ModelRef], pare
     )  # the first n_prompts run under MPC; quality is scored on all of them
     state = state_of(models["finetuned"])
     prompts["table"] = state[TOKEN_TABLE[cfg.base]].detach().clone()
-    # what every method's decrypted text is compared with: the fine-tuned GPT-2's plaintext generation
+    # what every method's decrypted text is compared with: the fine-tuned model's plaintext generation
     finetuned = torch.load(Path(models["finetuned"].path) / "payload.pt", weights_only=False)
     prompts["finetuned_tokens"] = generate_plain("vanilla", finetuned, prompts["prefix"], cfg.gen_len)
     prompts_path = workdir / "prompts.pt"
@@ -309,6 +308,12 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "device": _device(cfg),
         "corpus": models.corpus,
         "base": cfg.base,
+        **model_fields(cfg),
+        # how far each model was trained (a claim's scale: the paper trains 30,000 steps each, App. C.2)
+        "train_steps": cfg.train_steps,
+        "er_steps": cfg.er_steps if spec.model in ("er", "merge") else None,
+        "mm_steps": cfg.mm_steps if spec.model in ("mm", "merge") else None,
+        "mlp_norm": ("rms" if cfg.base == "smollm2" else "gain") if spec.engine == "merge" else None,
     }
     with task_record(
         parent=parent,
@@ -327,7 +332,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         cut = lambda tokens: _cut(tokens, eos)
         twin = cut(generate_plain(method, payload, rest, cfg.gen_len)) if len(rest) else []
         tok = tokenizer_of(cfg.base)
-        decode = lambda ids: tok.decode([t for t in ids if t != eos])
+        decode = lambda ids: tok.decode([t for t in ids if t != eos], skip_special_tokens=True)
         refs_all = prompts["references"]
         refs = refs_all[: cfg.n_prompts]
         quality = text_quality(cut(out.tokens), refs, decode, prompts["table"])  # decrypted, MPC prompts
@@ -502,7 +507,7 @@ def _markdown(cfg: SecureInferenceConfig, t1: dict, t2: dict, quality: dict, sca
         f"Quality of the decrypted generations ({cfg.n_prompts} prompts under MPC)",
         "",
         (
-            "Drop: the fine-tuned GPT-2's plaintext score minus the method's (the paper's Table 3 comparison; "
+            "Drop: the fine-tuned model's plaintext score minus the method's (the paper's Table 3 comparison; "
             f"positive is worse) over {cfg.n_quality} prompts (the method's decrypted text on the MPC prompts, its "
             "plaintext twin's on the rest), ROUGE-L's with a paired bootstrap 95% interval over the prompts."
         ),

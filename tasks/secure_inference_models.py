@@ -21,7 +21,7 @@ from core.mpc import recipes
 from core.mpc.finetune import DialogueData, dialogue_data
 from core.mpc.merge import ERConfig
 from core.mpc.methods import method_spec
-from core.mpc.recipes import SMOLLM2_EOS, Curve, GPT2Shape, Shape, SmolLM2Base, TrainedModel
+from core.mpc.recipes import Curve, GPT2Shape, Shape, SmolLM2Base, TrainedModel
 from core.registry import lookup
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage.recording import Recorder
@@ -55,9 +55,10 @@ def model_shape(cfg: SecureInferenceConfig, vocab: int) -> Shape:
 
 def eos_of(cfg: SecureInferenceConfig) -> int:
     """The EOS id of ``cfg.base``'s tokenizer (the prompts' separator, the responses' end and the padding)."""
-    return SMOLLM2_EOS if cfg.base == "smollm2" else EOS
+    return int(tokenizer_of(cfg.base).eos_token_id)
 
 
+@functools.lru_cache(maxsize=2)
 def tokenizer_of(base: str) -> Any:
     """``base``'s tokenizer: GPT-2's byte-level BPE (built offline) or SmolLM2's own (from its GGUF file)."""
     if base == "smollm2":
@@ -68,6 +69,17 @@ def tokenizer_of(base: str) -> Any:
 
     return gpt2_tokenizer()
 
+
+def model_fields(cfg: SecureInferenceConfig) -> dict[str, Any]:
+    """The model a run's config names: GPT-2's ``n_layer``, ``n_embd``, ``n_head``, or for SmolLM2 its own shape
+    and which file it is (the shape fields of ``cfg`` are not read there)."""
+    if cfg.base == "smollm2":
+        return {"model": SMOLLM2_MODEL, "n_layer": 30, "n_embd": 576, "n_head": 9}
+    return {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head}
+
+
+# what base=smollm2 loads (core.stip.models.load_smollm2): the instruction-tuned release, its 4-bit GGUF dequantised
+SMOLLM2_MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"
 
 # the weights of the token table in a model's state (the quality's embedding F1 reads the fine-tuned model's)
 TOKEN_TABLE = {"gpt2": "transformer.wte.weight", "smollm2": "model.embed_tokens.weight"}
@@ -303,6 +315,7 @@ def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]
         "lr": c.mm_lr,
         "n_max": c.n_max,
         "mlp_norm": "rms" if c.base == "smollm2" else "gain",
+        "hidden_loss": "relative" if c.base == "smollm2" else "mse",  # core.mpc.merge.MMConfig.relative_hidden
     }
 
 

@@ -36,13 +36,14 @@ into a :class:`LlamaMergeSpec`, which :func:`merged_forward` / :func:`merge_gene
 :class:`EncryptedLlamaMerge` on shares. On shares every RMSNorm runs in its wide-range form
 (:func:`core.mpc.ops.rms_norm` with ``wide=True``: SmolLM2's residual stream reaches a mean square of 1e6).
 
-Measured on the pretrained SmolLM2-135M (random 8-token inputs): the merge model at its eq. 8 initialisation,
-before any training, is not usable as it is. Without the MLP's normalisation the SwiGLU grows quadratically in its
-input, and the residual's mean square goes from 33 after block 2 to 9e8 after block 4 and to inf (float32) by block
-6, where the model's own stays below 2,000 in those blocks; scaling ``g_2`` by the average inverse RMS does not
-prevent it. So
-:func:`~core.mpc.merge.train_mm` cannot start from it on SmolLM2 (its first loss is not finite); a training recipe
-for the full model is not built here. The tiny models of the tests stay finite.
+Measured on the pretrained SmolLM2-135M (random 8-token inputs): eq. 9's form is not usable there. Without the MLP's
+normalisation the SwiGLU grows with the square of its input, and the residual's mean square goes from 33 after block 2
+to 9e8 after block 4 and to inf (float32) by block 6 at the eq. 8 start, where the model's own stays below 2,000 in
+those blocks; scaling ``g_2`` by the average inverse RMS (overall, or per position over the training sequences) does
+not prevent it. So SmolLM2's merge module keeps the normalisation (``mlp_norm="rms"``, :data:`MLP_NORMS`): the block
+above with ``x / rms(x)`` before ``M_gate`` and ``M_up``, one wide-range RMSNorm per block more under MPC. It is
+distilled with each layer's error relative to its scale (:class:`~core.mpc.merge.MMConfig`). The tiny models of the
+tests run both forms.
 """
 
 from __future__ import annotations
@@ -555,7 +556,8 @@ class EncryptedLlamaMerge:
             self.embed = s(spec.embed)  # (V, d) prompt (and mm) lookups
             self.lm_head_t = s(spec.lm_head).t()  # (d, V); shared apart even when tied (both are the owner's)
             self.norm = s(spec.norm)
-            self.unit = s(torch.ones_like(spec.norm))  # the kept MLP normalisation's gain (folded into M_*)
+            # the kept MLP normalisation's gain is folded into M_*: a public one, no product of shares
+            self.unit = torch.ones_like(spec.norm).to(self.device)
             self.layers = [
                 (
                     {k: s(getattr(layer, k)) for k in ("C", "ln", "W_V", "W_d", "M_gate", "M_up", "W_down")},

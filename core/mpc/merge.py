@@ -63,11 +63,17 @@ class ERConfig:
 @dataclass(frozen=True, kw_only=True)
 class MMConfig:
     """Weighted distillation of the merge module from the ER model: ``hidden_weight * mean_n MSE(h^n)
-    + logits_weight * T^2 KL(teacher || student)``."""
+    + logits_weight * T^2 KL(teacher || student)``.
+
+    ``relative_hidden``: each layer's squared error divided by the teacher's mean square of that layer (detached),
+    so every layer weighs alike whatever its scale. GPT-2 uses the plain MSE; SmolLM2's residual stream has a mean
+    square near 1e6 at its first position (an attention sink) against about 1 to 1,000 elsewhere, so the plain MSE
+    there is that position's and a few layers' error, and the logits term is orders of magnitude smaller."""
 
     hidden_weight: float = 1.0
     logits_weight: float = 1.0
     temperature: float = 1.0
+    relative_hidden: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_weight < 0 or self.logits_weight < 0 or self.temperature <= 0:
@@ -410,6 +416,9 @@ def mm_loss(
     mse = s_out.logits.new_zeros(())
     for hs, ht in zip(s_out.hidden[1:], t_hidden[1:], strict=True):
         se = (hs - ht).pow(2)
+        if cfg.relative_hidden:  # in units of the teacher's mean square of this layer (MMConfig)
+            scale = ht.pow(2) if w is None else ht.pow(2) * w
+            se = se / ((scale.mean() if w is None else scale.sum() / (w.sum() * se.shape[-1])).detach() + 1e-12)
         mse = mse + (se.mean() if w is None else (se * w).sum() / (w.sum() * se.shape[-1]))
     mse = mse / (len(s_out.hidden) - 1)
     kd = logits_kd_loss(s_out.logits, t_logits, mask, cfg.temperature)

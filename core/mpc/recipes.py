@@ -342,7 +342,9 @@ def train_mm(
             # eq. 9's gain-only f'_ln diverges on SmolLM2 (core.mpc.llama_merge.MLP_NORMS): the normalisation is kept
             student = llama_merge.build_llama_merge_model(source, short, n_max, mlp_norm="rms")
         t0 = time.perf_counter()
-        losses = merge.train_mm(student, source, short, steps, lr)
+        # SmolLM2: each layer's error relative to its scale (MMConfig.relative_hidden: its attention sink)
+        mm = merge.MMConfig(relative_hidden=not isinstance(shape, GPT2Shape))
+        losses = merge.train_mm(student, source, short, steps, lr, cfg=mm)
         student.eval()
         train_s = time.perf_counter() - t0
     if isinstance(shape, GPT2Shape):

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.xdist_group("mpc-llama-merge")
 
 VOCAB, N_MAX, PROMPT, LONG_PROMPT, NEW = 64, 16, 4, 8, 3
 MPC_SEED, MPC_PROMPTS = 1, (9, 29)
+# the kept-MLP-norm spec's prompt: its greedy logits lead the next by >= 0.64 at every step (ties flip under MPC)
+RMS_PROMPT = 29
 """The two-party run's model and prompt seeds: with 64 tokens greedy decoding often meets near-ties, so these are
 chosen for the top two logits of every step (both modes, both prompts) to be apart by at least 0.23 of the logits'
 spread (std), where the shares' logits measured 0.03 spread off the plaintext ones (6x margin)."""
@@ -53,9 +55,9 @@ def prompt(n: int = PROMPT, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-def perturbed(model, seed: int = 1) -> LM.LlamaMergeModel:
+def perturbed(model, seed: int = 1, mlp_norm: str = "gain") -> LM.LlamaMergeModel:
     """The merge model of ``model`` moved away from its initialisation (C's logits too), so every term matters."""
-    mm = LM.build_llama_merge_model(model, batches(), N_MAX)
+    mm = LM.build_llama_merge_model(model, batches(), N_MAX, mlp_norm=mlp_norm)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mm.parameters():
@@ -68,9 +70,10 @@ def mm_c(mm: LM.LlamaMergeModel) -> torch.Tensor:
     return torch.stack([b.att.probs().detach() for b in mm.blocks])
 
 
-def reference_block(layer, C: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+def reference_block(layer, C: torch.Tensor, h: torch.Tensor, eps: float, mlp_norm: str = "gain") -> torch.Tensor:
     """Eq. 9 on a Hugging Face ``LlamaDecoderLayer``, head by head: query head q mixes its K/V head's values by C[q];
-    the MLP's RMSNorm becomes ``x * g_2`` and HF's own MLP runs on it."""
+    the MLP's RMSNorm becomes ``x * g_2`` (``mlp_norm="rms"``: stays ``x / rms(x) * g_2``) and HF's own MLP runs on
+    it."""
     attn, H, Hk = layer.self_attn, C.shape[0], layer.self_attn.config.num_key_value_heads
     D, N = attn.head_dim, h.shape[1]
     g = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * layer.input_layernorm.weight
@@ -80,18 +83,25 @@ def reference_block(layer, C: torch.Tensor, h: torch.Tensor, eps: float) -> torc
         v = g @ attn.v_proj.weight[kv * D : (kv + 1) * D].T  # (B, N, D)
         heads.append(C[q, :N, :N] @ v)
     x = h + attn.o_proj(torch.cat(heads, dim=-1))
-    return x + layer.mlp(x * layer.post_attention_layernorm.weight)
+    if mlp_norm == "rms":
+        x_in = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        x_in = x
+    return x + layer.mlp(x_in * layer.post_attention_layernorm.weight)
 
 
 # --- plaintext -----------------------------------------------------------------------------------------------
-def test_unmerged_block_equals_the_hand_written_reference() -> None:
-    """Trained (here: perturbed) weights and C: the block is eq. 9 on the HF layer carrying them."""
+@pytest.mark.parametrize("mlp_norm", LM.MLP_NORMS)
+def test_unmerged_block_equals_the_hand_written_reference(mlp_norm: str) -> None:
+    """Trained (here: perturbed) weights and C: the block is eq. 9 on the HF layer carrying them (or, with the kept
+    MLP norm, the HF layer with only its attention made constant)."""
     model = tiny()
-    mm = perturbed(model)
+    mm = perturbed(model, mlp_norm=mlp_norm)
     h = 3 * torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
         for block, layer in zip(mm.blocks, model.model.layers, strict=True):
-            ref = reference_block(_with_block_weights(layer, block), block.att.probs(), h, block.ln_1.eps)
+            carrying = _with_block_weights(layer, block)
+            ref = reference_block(carrying, block.att.probs(), h, block.ln_1.eps, mlp_norm)
             torch.testing.assert_close(block(h), ref, atol=1e-10, rtol=0)
 
 
@@ -122,10 +132,10 @@ def test_unperturbed_block_copies_the_hf_layer() -> None:
             torch.testing.assert_close(block.att.probs(), c[i], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_merged_spec_equals_the_model_whole_and_step_by_step(tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "mlp_norm"), [(True, "gain"), (False, "gain"), (True, "rms"), (False, "rms")])
+def test_merged_spec_equals_the_model_whole_and_step_by_step(tied: bool, mlp_norm: str) -> None:
     model = tiny(tied)
-    mm = perturbed(model)
+    mm = perturbed(model, mlp_norm=mlp_norm)
     spec = LM.export_llama_spec(mm)
     ids = batches()[0][:, :11]
     with torch.no_grad():
@@ -142,6 +152,7 @@ def test_merged_spec_equals_the_model_whole_and_step_by_step(tied: bool) -> None
     assert torch.equal(spec.lm_head, spec.embed) == tied and (mm.lm_head is None) == tied
     assert torch.equal(spec.lm_head, mm.head_weight())
     assert torch.equal(LM.export_llama_spec(LM.LlamaMergeModel(model, mm_c(mm))).lm_head, model.lm_head.weight)
+    assert all(layer.mlp_norm == (mlp_norm == "rms") for layer in spec.layers)
     for mode in LM.MERGE_MODES:  # incremental generation equals the recomputed reference
         toks = LM.merge_generate_plain(spec, prompt(), 6, mode=mode)
         assert torch.equal(toks, LM.merge_generate_plain(spec, prompt(), 6, mode=mode, recompute=True))
@@ -257,16 +268,34 @@ def test_bad_inputs_are_refused() -> None:
         LM.LlamaMergeModel(model, c)
 
 
+def test_a_spec_that_drops_the_kept_mlp_norm_fails() -> None:
+    """The kept normalisation is in the spec: the same weights without it (eq. 9's form) differ from the model."""
+    mm = perturbed(tiny(), mlp_norm="rms")
+    spec = LM.export_llama_spec(mm)
+    broken = dataclasses.replace(spec, layers=tuple(dataclasses.replace(x, mlp_norm=False) for x in spec.layers))
+    ids = batches()[0]
+    with torch.no_grad():
+        ref = mm(ids).logits
+    torch.testing.assert_close(
+        LM.merged_logits(spec, LM.merged_forward(spec, spec.embed[ids])), ref, atol=1e-10, rtol=0
+    )
+    assert (LM.merged_logits(broken, LM.merged_forward(broken, broken.embed[ids])) - ref).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="mlp_norm must be one of gain, rms, got 'none'"):
+        LM.build_llama_merge_model(tiny(), batches(), N_MAX, mlp_norm="none")
+
+
 # --- under MPC ------------------------------------------------------------------------------------------------
 METHODS = {"merge": "merge", "merge_mm": "mm"}  # registry method -> LlamaMergeSpec mode
 
 
-def _job(ctx, spec: LM.LlamaMergeSpec, ids: torch.Tensor, long_ids: torch.Tensor) -> dict:
+def _job(ctx, spec: LM.LlamaMergeSpec, ids: torch.Tensor, long_ids: torch.Tensor, rms: LM.LlamaMergeSpec) -> dict:
     from core.mpc.methods import run_method_party
 
     out = {m: run_method_party(ctx, m, spec, ids, NEW, tuple(ids.shape)) for m in METHODS}
     for m in METHODS:
         out[f"{m}_long"] = run_method_party(ctx, m, spec, long_ids, NEW, tuple(long_ids.shape))
+    rms_ids = prompt(PROMPT, seed=RMS_PROMPT)
+    out["merge_rms"] = run_method_party(ctx, "merge", rms, rms_ids, NEW, tuple(rms_ids.shape))  # the kept MLP norm
     return out
 
 
@@ -279,16 +308,26 @@ def runs() -> tuple[LM.LlamaMergeSpec, list[dict]]:
 
     model = tiny(dtype=torch.float32, seed=MPC_SEED)
     spec = LM.export_llama_spec(LM.build_llama_merge_model(model, batches(), N_MAX))
-    return spec, run_local(_job, (spec, *mpc_prompts()), timeout_s=300)
+    rms = LM.export_llama_spec(LM.build_llama_merge_model(model, batches(), N_MAX, mlp_norm="rms"))
+    return spec, run_local(_job, (spec, *mpc_prompts(), rms), timeout_s=300), rms
 
 
 def mpc_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return prompt(PROMPT, seed=MPC_PROMPTS[0]), prompt(LONG_PROMPT, seed=MPC_PROMPTS[1])
 
 
+def test_the_kept_mlp_norm_decrypts_to_its_twin_and_costs_one_norm_a_block_more(runs) -> None:
+    _, parties, rms = runs
+    ids = prompt(PROMPT, seed=RMS_PROMPT)
+    assert torch.equal(parties[1]["merge_rms"].tokens, LM.merge_generate_plain(rms, ids, NEW, mode="merge"))
+    norm = [parties[0][run].costs["Norm"]["calls"] for run in ("merge", "merge_rms")]
+    assert norm[1] > norm[0]  # the same generation with one wide RMSNorm more per block and step
+    assert parties[0]["merge_rms"].costs["Softmax"]["bytes"] == 0
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_decrypted_tokens_equal_the_plaintext_twin(runs, method: str) -> None:
-    spec, parties = runs
+    spec, parties, _ = runs
     short, long = mpc_prompts()
     assert parties[0][method].tokens is None  # only the client sees tokens
     plain = LM.merge_generate_plain(spec, short, NEW, mode=METHODS[method])
@@ -300,7 +339,7 @@ def test_decrypted_tokens_equal_the_plaintext_twin(runs, method: str) -> None:
 
 def test_the_twins_differ_between_modes(runs) -> None:
     """Equal tokens above are not one output both modes share: the tokens vary and the modes disagree."""
-    _, parties = runs
+    _, parties, _ = runs
     merge, mm = parties[1]["merge"].tokens, parties[1]["merge_mm"].tokens
     assert len(set(merge.flatten().tolist())) > 2 and not torch.equal(merge, mm)
 
