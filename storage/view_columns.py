@@ -49,6 +49,23 @@ PRIVACY_UTILITY_COLUMNS = [
     "started_at",
     "git_commit",
 ]
+GENERATION_QUALITY_COLUMNS = [
+    "run_id",
+    "method",
+    "dataset",
+    "base",
+    "model",
+    "seed",
+    "train_steps",
+    "er_steps",
+    "mm_steps",
+    "base_rouge_l",
+    "rouge_l_drop",
+    "chrf_drop",
+    "agreement",
+    "started_at",
+    "git_commit",
+]
 REATTENTION_COLUMNS = [
     "run_id",
     "dataset",

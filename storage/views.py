@@ -27,6 +27,7 @@ from storage.attack_views import film, membership, membership_roc, stip_attacks
 from storage.models import Metric, MpcCost, PrivacyLedger, Run
 from storage.view_columns import (
     CLIPPING_COLUMNS,
+    GENERATION_QUALITY_COLUMNS,
     MPC_COSTS_COLUMNS,
     PRIVACY_UTILITY_COLUMNS,
     REATTENTION_COLUMNS,
@@ -309,6 +310,51 @@ def mpc_costs(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     for name in ("seconds", "bytes", "rounds"):
         frame[name] = pd.to_numeric(frame[name])
     return _finish(frame, MPC_COSTS_COLUMNS, ["started_at", "method", "op_category"])
+
+
+_QUALITY_METRICS = {
+    "base_quality.rouge_l": "base_rouge_l",
+    "quality_drop.rouge_l": "rouge_l_drop",
+    "quality_drop.chrf": "chrf_drop",
+    "mpc_plain_token_agreement": "agreement",
+}
+
+
+def generation_quality(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
+    """The quality of each secure-inference method's text (``GENERATION_QUALITY_COLUMNS``), one row per generation
+    run: the fine-tuned model's plaintext ROUGE-L on the quality prompts (``base_rouge_l``), the method's drop from
+    it in ROUGE-L and chrF (positive: worse), the share of decrypted tokens equal to the plaintext twin's, and the
+    model it ran (``base``: gpt2 or smollm2, None for runs before the setting; ``model``: SmolLM2's file, ``lm`` in
+    the run's config, or ``GPT-2`` with its layers and width where recorded), its seed and step counts (None where
+    the run did not record them). The SmolLM2 runs of 76e5346 recorded the file under ``model``, over the method's
+    model kind."""
+    engine, f = _engine(db_url), _filters(filters)
+    base = _result_runs(engine, f, Run.stage == "secure-inference", Run.technique.not_like("scaling-%"))
+    if base.empty:
+        return pd.DataFrame(columns=GENERATION_QUALITY_COLUMNS)
+    frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), list(_QUALITY_METRICS)), on="run_id")
+    frame = frame.rename(columns={**_QUALITY_METRICS, "technique": "method"})
+    frame = frame[frame["rouge_l_drop"].notna()].copy() if "rouge_l_drop" in frame else frame.iloc[0:0]
+    if frame.empty:
+        return pd.DataFrame(columns=GENERATION_QUALITY_COLUMNS)
+    configs = [_config(c) for c in frame["config_json"]]
+    frame["base"] = [c.get("base") for c in configs]
+    frame["model"] = [_lm_of(c) for c in configs]
+    for key in ("train_steps", "er_steps", "mm_steps"):
+        frame[key] = [c.get(key) for c in configs]
+    from storage.leaderboard import run_meta  # the seed: the run's own, else its seed pass's
+
+    seeds = run_meta(db_url, frame["run_id"].tolist()).set_index("run_id")["seed"]
+    frame["seed"] = frame["run_id"].map(seeds)
+    return _finish(frame, GENERATION_QUALITY_COLUMNS, ["dataset", "base", "method", "seed", "started_at"])
+
+
+def _lm_of(config: dict[str, Any]) -> str:
+    """The language model a secure-inference generation run names (:func:`generation_quality`)."""
+    if config.get("base") == "smollm2":
+        return str(config.get("lm") or config.get("model"))
+    shape = (config.get("n_layer"), config.get("n_embd"))
+    return "GPT-2" if None in shape else f"GPT-2 {shape[0]} x {shape[1]}"
 
 
 _STIP_METRICS = STIP_OVERHEAD_COLUMNS[3:-1]

@@ -39,6 +39,7 @@ from core.mpc.methods import generate_plain, method_spec, run_method_party
 from core.mpc.parties import SHARE_RANDOMNESS, run_local
 from core.mpc.payloads import payload_params, random_payload
 from core.mpc.quality import quality_drop, text_quality
+from core.mpc.recipes import MERGE_FORMS
 from core.mpc.run_costs import EncryptedRun, RunMetrics, aggregate_parties, run_metrics
 from core.secret_source import SECRET_SOURCE_TAG
 from pbconfig.base import ModelShape
@@ -313,7 +314,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "train_steps": cfg.train_steps,
         "er_steps": cfg.er_steps if spec.model in ("er", "merge") else None,
         "mm_steps": cfg.mm_steps if spec.model in ("mm", "merge") else None,
-        "mlp_norm": ("rms" if cfg.base == "smollm2" else "gain") if spec.engine == "merge" else None,
+        "mlp_norm": MERGE_FORMS[cfg.base]["mlp_norm"] if spec.engine == "merge" else None,
     }
     with task_record(
         parent=parent,

@@ -72,9 +72,10 @@ def tokenizer_of(base: str) -> Any:
 
 def model_fields(cfg: SecureInferenceConfig) -> dict[str, Any]:
     """The model a run's config names: GPT-2's ``n_layer``, ``n_embd``, ``n_head``, or for SmolLM2 its own shape
-    and which file it is (the shape fields of ``cfg`` are not read there)."""
+    and which file it is, ``lm`` (the shape fields of ``cfg`` are not read there). A generation run's ``model`` is
+    the kind of trained model its method runs (``finetuned``, ``er``, ...)."""
     if cfg.base == "smollm2":
-        return {"model": SMOLLM2_MODEL, "n_layer": 30, "n_embd": 576, "n_head": 9}
+        return {"lm": SMOLLM2_MODEL, "n_layer": 30, "n_embd": 576, "n_head": 9}
     return {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head}
 
 
@@ -308,14 +309,13 @@ class _ModelKind:
 
 
 def _mm_config(source: str) -> Callable[[SecureInferenceConfig], dict[str, Any]]:
-    # mlp_norm: what replaced the norm before the MLP (core.mpc.llama_merge.MLP_NORMS; SmolLM2 keeps it)
+    # mlp_norm, hidden_loss: how the family's merge module is built and distilled (core.mpc.recipes.MERGE_FORMS)
     return lambda c: {
         "source": source,
         "steps": c.mm_steps,
         "lr": c.mm_lr,
         "n_max": c.n_max,
-        "mlp_norm": "rms" if c.base == "smollm2" else "gain",
-        "hidden_loss": "relative" if c.base == "smollm2" else "mse",  # core.mpc.merge.MMConfig.relative_hidden
+        **recipes.MERGE_FORMS[c.base],
     }
 
 

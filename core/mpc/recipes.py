@@ -105,6 +105,19 @@ class SmolLM2Base:
 
 Shape = GPT2Shape | SmolLM2Base
 
+# How each family's merge module replaces the norm before the MLP (core.mpc.llama_merge.MLP_NORMS) and weighs its
+# hidden-state distillation (core.mpc.merge.MMConfig.relative_hidden): GPT-2 as the paper; SmolLM2 keeps the norm
+# (eq. 9 diverges on it) and distils each layer relative to its scale (its attention sink dominates a plain MSE).
+MERGE_FORMS: dict[str, dict[str, str]] = {
+    "gpt2": {"mlp_norm": "gain", "hidden_loss": "mse"},
+    "smollm2": {"mlp_norm": "rms", "hidden_loss": "relative"},
+}
+
+
+def family_of(shape: Shape) -> str:
+    """``gpt2`` or ``smollm2``: the key of :data:`MERGE_FORMS` (and ``secure_inference.base``) of ``shape``."""
+    return "gpt2" if isinstance(shape, GPT2Shape) else "smollm2"
+
 
 @dataclass(frozen=True)
 class Curve:
@@ -332,6 +345,7 @@ def train_mm(
     the exported :class:`~core.mpc.merge_spec.MergeSpec` (eq. 10), or for SmolLM2 the
     :class:`~core.mpc.llama_merge.LlamaMergeSpec`."""
     short = [(ids[:, :n_max], mask[:, :n_max]) for ids, mask in data.batches]  # (B, n_max) each
+    form = MERGE_FORMS[family_of(shape)]
     with seeded(seed):
         source = build_model(shape, teacher)
         if isinstance(shape, GPT2Shape):
@@ -339,11 +353,9 @@ def train_mm(
         else:
             from core.mpc import llama_merge
 
-            # eq. 9's gain-only f'_ln diverges on SmolLM2 (core.mpc.llama_merge.MLP_NORMS): the normalisation is kept
-            student = llama_merge.build_llama_merge_model(source, short, n_max, mlp_norm="rms")
+            student = llama_merge.build_llama_merge_model(source, short, n_max, mlp_norm=form["mlp_norm"])
         t0 = time.perf_counter()
-        # SmolLM2: each layer's error relative to its scale (MMConfig.relative_hidden: its attention sink)
-        mm = merge.MMConfig(relative_hidden=not isinstance(shape, GPT2Shape))
+        mm = merge.MMConfig(relative_hidden=form["hidden_loss"] == "relative")
         losses = merge.train_mm(student, source, short, steps, lr, cfg=mm)
         student.eval()
         train_s = time.perf_counter() - t0

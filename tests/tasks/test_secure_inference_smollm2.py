@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -156,6 +157,11 @@ def test_smollm2_runs_decrypt_to_their_twins_and_the_claims_read_them_apart(
         assert out["agreement"] == 1.0  # decrypted tokens equal the plaintext twin's
         assert 0.0 <= out["quality"]["rouge_l"] <= 1.0
 
+    quality = views.generation_quality()  # the report's quality table reads the runs' model and step counts
+    assert sorted(quality["method"]) == ["merge", "merge_er"] and set(quality["base"]) == {"smollm2"}
+    assert set(quality["model"]) == {sim.SMOLLM2_MODEL} and set(quality["agreement"]) == {1.0}
+    assert quality.set_index("method").loc["merge", ["er_steps", "mm_steps"]].tolist() == [2, 2]
+    assert pd.isna(quality.set_index("method").loc["merge_er", "mm_steps"])
     costs = views.mpc_costs()
     assert set(costs["base"]) == {"smollm2"}
     claims = {c.id: c for c in load_claims()}
