@@ -458,7 +458,52 @@ def null_meter() -> CostMeter:
 _MERGE_ACT = {"gelu_new": "gelu", "gelu": "gelu", "relu": "relu", "quad": "quad"}
 
 
-class EncryptedMerge:
+class MergeLoop:
+    """The greedy generation loop of a merged model on shares, shared by the GPT-2 (:class:`EncryptedMerge`) and
+    LLaMA (``core.mpc.llama_merge.EncryptedLlamaMerge``) executors. The executor provides ``rank``, ``device``,
+    ``vocab_size``, ``setup_costs``, ``lm_head_t`` (d, V), ``hidden_step(emb, state)`` (the last output hidden state
+    after new input embeddings, one position per step) and, for ``recompute``, ``hidden(emb)`` (the whole sequence);
+    its blocks charge ``self.meter``, which the loop sets."""
+
+    def merge_loop(
+        self,
+        prefix_ids: torch.Tensor | None,
+        max_new_tokens: int,
+        mode: str,
+        shape: tuple,
+        table: CrypTensor,
+        recompute: bool = False,
+    ) -> GenerationResult:
+        """``merge``: the last hidden state is resent as the next input embedding (eq. 3) and the tokens are decoded
+        once at the end; ``mm``: every step selects a token (LM head + argmax) and looks its embedding up in
+        ``table`` privately. The prompt's one-hots come from the client; the model owner passes zeros of ``shape``."""
+        self.meter = m = CostMeter()
+        crypten, log = import_crypten(), StepLog()
+        with m.region():
+            log.open(m)
+            ids = prefix_ids if self.rank == CLIENT and prefix_ids is not None else torch.zeros(shape, dtype=torch.long)
+            x = ops.share(ops.onehot(ids, self.vocab_size), src=CLIENT, rank=self.rank, device=self.device)
+            emb, state, outs = ops.embed(x, table, m), MergeState(), []  # E_0 (B, N, d)
+            for step in range(max_new_tokens):
+                with log.step(m):
+                    if step:  # the previous step's output is this step's input (every step after the first alike)
+                        # mm: the selected token's embedding; merge: the hidden state itself (eq. 3)
+                        nxt = ops.embed(outs[-1], table, m) if mode == "mm" else outs[-1]
+                        emb = crypten.cat([emb, nxt], dim=1) if recompute else nxt
+                    last = self.hidden(emb)[:, -1:] if recompute else self.hidden_step(emb, state)  # (B, 1, d)
+                    if mode == "mm":
+                        outs.append(ops.argmax_onehot(ops.linear(last, self.lm_head_t, None, m), m))  # (B, 1, V)
+                    else:
+                        outs.append(last)
+            out = crypten.cat(outs, dim=1)  # (B, n_new, V) one-hots or (B, n_new, d) hidden states
+            if mode == "merge":
+                out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
+            tokens = reveal_tokens(out, self.rank)
+            log.close(m)
+        return finish_result(self.rank, mode, m, tokens, dict(self.setup_costs), log)
+
+
+class EncryptedMerge(MergeLoop):
     """A :class:`~core.mpc.merge_spec.MergeSpec` with shared weights (party 0); runs
     :func:`~core.mpc.merge_spec.merge_generate_plain` on shares (``generate(..., mode="merge")``).
 
@@ -561,27 +606,4 @@ class EncryptedMerge:
         Each step processes only the new position (``recompute=True``: the whole sequence, the reference)."""
         check_mode(mode, ("merge", "mm"))
         shape = prefix_shape(prefix_ids, shape, max_new_tokens, self.n_max)
-        self.meter = m = CostMeter()
-        crypten, log = import_crypten(), StepLog()
-        with m.region():
-            log.open(m)
-            ids = prefix_ids if self.rank == CLIENT and prefix_ids is not None else torch.zeros(shape, dtype=torch.long)
-            x = ops.share(ops.onehot(ids, self.vocab_size), src=CLIENT, rank=self.rank, device=self.device)
-            emb, state, outs = ops.embed(x, self.lm_head, m), MergeState(), []  # E_0 (B, N, d)
-            for step in range(max_new_tokens):
-                with log.step(m):
-                    if step:  # the previous step's output is this step's input (every step after the first alike)
-                        # mm: the selected token's embedding; merge: the hidden state itself (eq. 3)
-                        nxt = ops.embed(outs[-1], self.lm_head, m) if mode == "mm" else outs[-1]
-                        emb = crypten.cat([emb, nxt], dim=1) if recompute else nxt
-                    last = self.hidden(emb)[:, -1:] if recompute else self.hidden_step(emb, state)  # (B, 1, d)
-                    if mode == "mm":
-                        outs.append(ops.argmax_onehot(ops.linear(last, self.lm_head_t, None, m), m))  # (B, 1, V)
-                    else:
-                        outs.append(last)
-            out = crypten.cat(outs, dim=1)  # (B, n_new, V) one-hots or (B, n_new, d) hidden states
-            if mode == "merge":
-                out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
-            tokens = reveal_tokens(out, self.rank)
-            log.close(m)
-        return finish_result(self.rank, mode, m, tokens, dict(self.setup_costs), log)
+        return self.merge_loop(prefix_ids, max_new_tokens, mode, shape, self.lm_head, recompute)

@@ -61,10 +61,10 @@ from core.errors import ConfigError
 from core.mpc import ops
 from core.mpc.accounting import CostMeter, OpCategory
 from core.mpc.crypten_compat import import_crypten
-from core.mpc.gpt2 import GenerationResult, StepLog, check_mode, finish_result, reveal_tokens
+from core.mpc.gpt2 import GenerationResult, MergeLoop, check_mode
 from core.mpc.merge import ConstantAttention, MergeOutput, mean_attention_maps
 from core.mpc.merge_spec import MergeState, check_length
-from core.mpc.parties import CLIENT, MODEL_OWNER
+from core.mpc.parties import MODEL_OWNER
 
 CrypTensor = Any
 MERGE_MODES: tuple[str, ...] = ("merge", "mm")
@@ -535,7 +535,7 @@ def merge_generate_plain(
 
 
 # --- on shares ----------------------------------------------------------------------------------------------
-class EncryptedLlamaMerge:
+class EncryptedLlamaMerge(MergeLoop):
     """A :class:`LlamaMergeSpec` with shared weights (party 0, ``C`` included: the constant attention is the model
     owner's weight; its shape is public); runs :func:`merge_generate_plain` on shares (``generate``).
 
@@ -626,25 +626,4 @@ class EncryptedLlamaMerge:
         if shape is None:
             raise ConfigError("pass prefix_ids (client) or shape=(B, N) (model owner)")
         check_generation(int(shape[1]), max_new_tokens, self.n_max)
-        self.meter = m = CostMeter()
-        crypten, log = import_crypten(), StepLog()
-        with m.region():
-            log.open(m)
-            ids = prefix_ids if self.rank == CLIENT and prefix_ids is not None else torch.zeros(shape, dtype=torch.long)
-            x = ops.share(ops.onehot(ids, self.vocab_size), src=CLIENT, rank=self.rank, device=self.device)
-            emb, state, outs = ops.embed(x, self.embed, m), MergeState(), []  # E_0 (B, N, d)
-            for step in range(max_new_tokens):
-                with log.step(m):
-                    if step:  # the previous step's output is this step's input (every step after the first alike)
-                        emb = ops.embed(outs[-1], self.embed, m) if mode == "mm" else outs[-1]  # mm: lookup; eq. 3
-                    last = self.hidden_step(emb, state)  # (B, 1, d)
-                    if mode == "mm":
-                        outs.append(ops.argmax_onehot(ops.linear(last, self.lm_head_t, None, m), m))  # (B, 1, V)
-                    else:
-                        outs.append(last)
-            out = crypten.cat(outs, dim=1)  # (B, n_new, V) one-hots or (B, n_new, d) hidden states
-            if mode == "merge":
-                out = ops.argmax_onehot(ops.linear(out, self.lm_head_t, None, m), m)
-            tokens = reveal_tokens(out, self.rank)
-            log.close(m)
-        return finish_result(self.rank, mode, m, tokens, dict(self.setup_costs), log)
+        return self.merge_loop(prefix_ids, max_new_tokens, mode, shape, self.embed)
