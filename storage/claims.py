@@ -129,12 +129,16 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     if claim.applies_at is not None:
         at, elsewhere = at_scale(db_url, claim, rows)
         if at.empty:  # what ran elsewhere is shown, each context marked not applicable, and judged nowhere
-            reason = f"ran at {elsewhere}; the rule's bound applies at {claim.applies_at.scale}"
-            shown = tuple(
-                replace(decide(claim.rule, m, sides), context=name, verdict=NOT_APPLICABLE, reason="")
+            judged = [
+                (name, decide(claim.rule, m, sides))
                 for name, sides in sides_of(rows, m, seeds)[0].items()
                 if sides.a and (m.stat == "value" or sides.b)
-            )
+            ]
+            reason = f"ran at {elsewhere}; the rule's bound applies at {claim.applies_at.scale}"
+            if judged:  # what the rule reads at the scale that ran, shown and never counted
+                would = ", ".join(f"{name}: {r.verdict}" if name else r.verdict for name, r in judged)
+                reason += f"; at the scale that ran the rule would read {would} (not counted)"
+            shown = tuple(replace(r, context=name, verdict=NOT_APPLICABLE, reason="") for name, r in judged)
             return ClaimResult(claim, NOT_APPLICABLE, shown, reason, run_ids, datasets, 0)
         rows = at
     per_context, superseded = sides_of(rows, m, seeds)

@@ -63,6 +63,7 @@ GENERATION_QUALITY_COLUMNS = [
     "rouge_l_drop",
     "chrf_drop",
     "agreement",
+    "mpc_prompts",
     "started_at",
     "git_commit",
 ]

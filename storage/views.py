@@ -317,6 +317,7 @@ _QUALITY_METRICS = {
     "quality_drop.rouge_l": "rouge_l_drop",
     "quality_drop.chrf": "chrf_drop",
     "mpc_plain_token_agreement": "agreement",
+    "mpc_prompts": "mpc_prompts",
 }
 
 
@@ -337,24 +338,47 @@ def generation_quality(db_url: str | None = None, **filters: Any) -> pd.DataFram
     frame = frame[frame["rouge_l_drop"].notna()].copy() if "rouge_l_drop" in frame else frame.iloc[0:0]
     if frame.empty:
         return pd.DataFrame(columns=GENERATION_QUALITY_COLUMNS)
-    configs = [_config(c) for c in frame["config_json"]]
-    frame["base"] = [c.get("base") for c in configs]
-    frame["model"] = [_lm_of(c) for c in configs]
-    for key in ("train_steps", "er_steps", "mm_steps"):
-        frame[key] = [c.get(key) for c in configs]
+    from storage.claim_rows import run_configs  # a value the run lacks: its seed pass's (its stage config)
     from storage.leaderboard import run_meta  # the seed: the run's own, else its seed pass's
+
+    configs = [_config(c) for c in frame["config_json"]]
+    inherited = run_configs(db_url, frame["run_id"].tolist())
+    frame["base"] = [c.get("base") for c in configs]
+    frame["model"] = [_lm_of(c, inherited[r]) for c, r in zip(configs, frame["run_id"], strict=True)]
+    for key, kinds in _STEPS_OF.items():
+        frame[key] = [_steps(c, inherited[r], key, kinds) for c, r in zip(configs, frame["run_id"], strict=True)]
 
     seeds = run_meta(db_url, frame["run_id"].tolist()).set_index("run_id")["seed"]
     frame["seed"] = frame["run_id"].map(seeds)
     return _finish(frame, GENERATION_QUALITY_COLUMNS, ["dataset", "base", "method", "seed", "started_at"])
 
 
-def _lm_of(config: dict[str, Any]) -> str:
-    """The language model a secure-inference generation run names (:func:`generation_quality`)."""
+def _lm_of(config: dict[str, Any], inherited: dict[str, Any]) -> str:
+    """The language model a secure-inference generation run names (:func:`generation_quality`); ``inherited``: its
+    flattened config with its ancestors' values (``storage.claim_rows.run_configs``)."""
     if config.get("base") == "smollm2":
         return str(config.get("lm") or config.get("model"))
-    shape = (config.get("n_layer"), config.get("n_embd"))
+    shape = (inherited.get("config.n_layer"), inherited.get("config.n_embd"))
     return "GPT-2" if None in shape else f"GPT-2 {shape[0]} x {shape[1]}"
+
+
+# the step counts a generation run's text depends on, and the kinds of trained model (a run's ``model``) each
+# applies to (``train_steps``: every model descends from the fine-tuned one)
+_STEPS_OF: dict[str, tuple[str, ...] | None] = {
+    "train_steps": None,
+    "er_steps": ("er", "merge"),
+    "mm_steps": ("mm", "merge"),
+}
+
+
+def _steps(config: dict[str, Any], inherited: dict[str, Any], key: str, kinds: tuple[str, ...] | None) -> Any:
+    """A run's ``key`` step count: its own where it records the key (None: its model did not train that way);
+    else, for a run whose model kind trains that way, its seed pass's (runs before the key was recorded)."""
+    if key in config:
+        return config[key]
+    if kinds is not None and config.get("model") not in kinds:
+        return None
+    return inherited.get(f"config.{key}")
 
 
 _STIP_METRICS = STIP_OVERHEAD_COLUMNS[3:-1]

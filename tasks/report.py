@@ -106,7 +106,10 @@ def _provenance(profile: str | None, stages: pd.DataFrame, unfinished: pd.DataFr
     stopped = _unfinished(unfinished)
     if stages.empty:
         return [*lines, f"No finished stage flow run of profile `{profile}` is in the store.", "", *stopped]
-    commits = sorted({str(c)[:12] for c in stages["git_commit"].dropna()})
+    # a commit's first 12 characters, and -dirty where the checkout had uncommitted changes to tracked files
+    commits = sorted(
+        {str(c)[:12] + ("-dirty" if str(c).endswith("-dirty") else "") for c in stages["git_commit"].dropna()}
+    )
     devices = sorted({str(d) for d in stages["device"].dropna()})
     lines += [
         f"- profile: `{profile}`" if profile else "- profile: every profile in the store",
@@ -288,9 +291,9 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
 
 
 def _quality_section(quality: pd.DataFrame) -> list[str]:
-    """Every secure-inference method's text against the fine-tuned plaintext model's, per dataset, model and
-    method: the seeds, the steps each model trained, and the ROUGE-L and chrF drops with their t-intervals over seeds
-    (the claims judge MERGE's; this is every method's)."""
+    """Every secure-inference method's text against the fine-tuned plaintext model's, per dataset, model, method and
+    step counts: the seeds, and the ROUGE-L and chrF drops with their t-intervals over seeds (each seed's runs
+    averaged first; the claims judge MERGE's, this is every method's)."""
     if quality.empty:
         return []
     lines = [
@@ -298,18 +301,19 @@ def _quality_section(quality: pd.DataFrame) -> list[str]:
         "",
         (
             "Each method's greedy text on the quality prompts (decrypted under MPC on the first, its plaintext twin's "
-            "on the rest) against the fine-tuned model's plaintext text on the same prompts, ROUGE-L and chrF (0-100) "
-            "against the references; drop: the fine-tuned model's score minus the method's (points, positive is "
-            "worse), mean over "
-            "the seeds with its 95% t-interval; `agreement`: the least share of decrypted tokens equal to the twin's. "
-            "Steps: fine-tuning / embedding resending / merge module (the paper trains 30,000 each)."
+            "on the rest) against the fine-tuned model's plaintext text on the same prompts, ROUGE-L and chrF (both "
+            "0-100) against the references; drop: the fine-tuned model's score minus the method's (points, positive "
+            "is worse), mean over the seeds with its 95% t-interval; `agreement`: the least share of decrypted "
+            "tokens equal to the twin's, over `MPC prompts` prompts a seed. Steps: fine-tuning / embedding resending "
+            "/ merge module (the paper fine-tunes 3 epochs at batch 4 and trains MERGE 50,000 steps, Sec. 5; at "
+            "most 30,000, App. C.2)."
         ),
         "",
         (
-            "| dataset | model | method | seeds | steps | fine-tuned ROUGE-L | ROUGE-L drop (pt) | chrF drop (pt) "
-            "| agreement |"
+            "| dataset | model | method | steps | seeds | MPC prompts | fine-tuned ROUGE-L | ROUGE-L drop (pt) "
+            "| chrF drop (pt) | agreement |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def interval(values: pd.Series) -> str:
@@ -318,19 +322,25 @@ def _quality_section(quality: pd.DataFrame) -> list[str]:
             return f"{ci.mean:+.2f}"
         return f"{ci.mean:+.2f} [{ci.low:+.2f}, {ci.high:+.2f}]"
 
-    def steps(rows: pd.DataFrame) -> str:
-        parts = []
-        for key in ("train_steps", "er_steps", "mm_steps"):
-            known = sorted({int(v) for v in rows[key] if v is not None and not pd.isna(v)})
-            parts.append("/".join(str(v) for v in known) if known else "-")
-        return " / ".join(parts)
+    def count(value: Any) -> str:
+        return "-" if value is None or pd.isna(value) else str(int(value))
 
-    for (dataset, model, method), rows in quality.groupby(["dataset", "model", "method"], sort=True, dropna=False):
+    frame = quality.assign(
+        steps=[
+            " / ".join(count(v) for v in row)
+            for row in quality[["train_steps", "er_steps", "mm_steps"]].itertuples(index=False)
+        ],
+        rouge_l_drop_pt=100 * quality["rouge_l_drop"],
+        seed=quality["seed"].astype(object).where(quality["seed"].notna(), quality["run_id"]),
+    )
+    keys = ["dataset", "model", "method", "steps"]
+    for (dataset, model, method, steps), rows in frame.groupby(keys, sort=True, dropna=False):
+        per_seed = rows.groupby("seed")[["base_rouge_l", "rouge_l_drop_pt", "chrf_drop"]].mean()
+        prompts = sorted({count(v) for v in rows["mpc_prompts"]})
         lines.append(
-            f"| {dataset} | {model} | {method} | {rows['seed'].nunique()} | {steps(rows)} "
-            f"| {rows['base_rouge_l'].mean():.4f} | {interval(100 * rows['rouge_l_drop'])} "
-            f"| {interval(rows['chrf_drop'])} "
-            f"| {rows['agreement'].min():.2f} |"
+            f"| {dataset} | {model} | {method} | {steps} | {len(per_seed)} | {', '.join(prompts)} "
+            f"| {100 * per_seed['base_rouge_l'].mean():.2f} | {interval(per_seed['rouge_l_drop_pt'])} "
+            f"| {interval(per_seed['chrf_drop'])} | {rows['agreement'].min():.2f} |"
         )
     return [*lines, ""]
 

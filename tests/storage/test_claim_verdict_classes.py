@@ -109,10 +109,21 @@ def test_not_applicable_at_this_scale(home: Path) -> None:
     _seeds([1.0, 1.1, 1.2], n_layer=2)
     result = sc.evaluate_claim(None, _score(applies_at=GPT2))
     assert result.verdict == sc.NOT_APPLICABLE
-    assert result.reason == "ran at n_layer=2; the rule's bound applies at GPT-2 124M shape (12 layers)"
+    assert result.reason == (
+        "ran at n_layer=2; the rule's bound applies at GPT-2 124M shape (12 layers); at the scale that ran the rule "
+        "would read reproduced (not counted)"
+    )
     # what ran is shown (its estimate and interval), every context marked not applicable, none judged
     assert [(c.verdict, c.n_a, round(c.estimate, 6)) for c in result.contexts] == [(sc.NOT_APPLICABLE, 3, 1.1)]
     assert len(result.run_ids) == 3  # the runs are named, though not judged
+
+
+def test_not_applicable_says_what_its_rule_would_read_where_it_ran(home: Path) -> None:
+    """The reading at the scale that ran can be the other verdict: it is reported, and still not counted."""
+    _seeds([-1.0, -1.1, -1.2], n_layer=2)
+    result = sc.evaluate_claim(None, _score(applies_at=GPT2))
+    assert result.verdict == sc.NOT_APPLICABLE
+    assert result.reason.endswith("at the scale that ran the rule would read not reproduced (not counted)")
 
 
 def test_not_run(home: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -373,3 +374,28 @@ def test_no_softmax_and_constant_step_costs(runs) -> None:
         assert party["merge"].costs["Generation"]["calls"] == 1 and party["merge"].costs["Embed"]["calls"] == 1
         assert party["merge_mm"].costs["Generation"]["calls"] == NEW
         assert party["merge_mm"].costs["Embed"]["calls"] == NEW  # the prompt + NEW - 1 tokens
+
+
+@pytest.mark.slow
+def test_eq9_diverges_on_smollm2_and_the_kept_norm_does_not() -> None:
+    """Why SmolLM2's merge module keeps the MLP's normalisation (``MLP_NORMS``): on the released model at its eq. 8
+    start (the average attention over 32 dialogue sequences of 15 tokens), eq. 9's gain-only form sends the
+    residual's mean square past 1e6 within 4 blocks and past float32's range (NaN) by block 7, while the model's own
+    stays below 1,000 there; with the normalisation kept every block's output is finite."""
+    from core.attacks.llama_victim import smollm2_tokenizer
+    from core.mpc.textdata import text_pairs
+    from core.stip.models import load_smollm2
+
+    model = load_smollm2()
+    tok = smollm2_tokenizer()
+    _, pairs = text_pairs("chatterbot", max_pairs=64)
+    ids = torch.tensor([(tok.encode(p + " " + r) + [tok.eos_token_id] * 15)[:15] for p, r in pairs[:32]])
+    batches_ = [ids[:16], ids[16:]]
+    with torch.no_grad():
+        own = model(input_ids=ids, output_hidden_states=True).hidden_states
+        gain = LM.build_llama_merge_model(model, batches_, 15)(ids).hidden
+        rms = LM.build_llama_merge_model(model, batches_, 15, mlp_norm="rms")(ids).hidden
+    mean_square = lambda h: float(h.double().pow(2).mean())
+    assert max(mean_square(h) for h in own[1:8]) < 1000
+    assert mean_square(gain[4]) > 1e6 and not math.isfinite(mean_square(gain[7]))
+    assert all(torch.isfinite(h).all() for h in rms)
