@@ -310,7 +310,7 @@ def mpc_generation(method: str, cfg: SecureInferenceConfig, models: SIModels, pa
         "corpus": models.corpus,
         "base": cfg.base,
         **model_fields(cfg),
-        # how far each model was trained (a claim's scale: the paper trains 30,000 steps each, App. C.2)
+        # how far each model was trained (a claim's scale: the paper trains MERGE up to 30,000 steps, App. C.2)
         "train_steps": cfg.train_steps,
         "er_steps": cfg.er_steps if spec.model in ("er", "merge") else None,
         "mm_steps": cfg.mm_steps if spec.model in ("mm", "merge") else None,
