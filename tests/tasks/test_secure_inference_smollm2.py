@@ -23,8 +23,8 @@ from pbconfig.claims import load_claims
 from pbconfig.secure_inference import SecureInferenceConfig
 from storage import views
 from storage.claim_rows import matches
-from storage.recording import record_run
 from storage.repository import ResultsRepository
+from tests.tasks.test_secure_inference_models import _parent
 
 VOCAB = 49152  # SmolLM2's tokenizer
 
@@ -90,14 +90,6 @@ def _tiny_llama() -> torch.nn.Module:
             scale[live] = 1.0
             model.get_input_embeddings().weight.mul_(scale)
         return model
-
-
-def _parent():
-    with record_run(
-        flow="secure-inference", stage="secure-inference", technique="flow", config={}, track=False
-    ) as parent:
-        pass
-    return parent.ref
 
 
 def test_the_models_train_from_the_released_weights_with_smollm2s_tokenizer(
