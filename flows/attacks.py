@@ -109,6 +109,7 @@ def attacks_flow(
         [prepared[j.dataset] for j in lm_jobs],
         unmapped(run),
         seed=[j.seed for j in lm_jobs],
+        matched=[j.matched for j in lm_jobs],
     )
     mt_jobs = of_type(jobs, MTJob)
     mt = utility_translation.map(

@@ -16,6 +16,7 @@ from pbconfig.train_dp import TrainMethod
 
 Embedding = Literal["subword", "seb_ar", "seb_cr", "seb_co"]
 EMBEDDINGS: tuple[str, ...] = get_args(Embedding)
+SebEmbedding = Literal["seb_ar", "seb_cr", "seb_co"]
 # what the attacker does with the gradient (see core.attacks.film):
 #   subwords    non-zero rows of a subword embedding's gradient (subword victims only)
 #   bytes       non-zero byte rows, then every subword made only of those bytes (the issue's SEB attacker)
@@ -174,9 +175,18 @@ class UtilityConfig(FrozenConfig):
     logits), the paper's Table 6 relation (SEB_co fewer). Both arms tie the output layer to the input embedding, so
     the recorded ``embedding_params`` is the input module's, counted once. Perplexities of the two settings differ
     in kind (compact folds every unseen test subword into one ``<unk>`` class) and are compared within a setting.
+
+    ``matched``: SEB variants trained a second time at the subword arm's embedding parameters (technique
+    ``seb-lm-<variant>-matched``): the FFN's hidden width is the widest whose module has no more parameters than the
+    subword table at the same vocabulary and width (``core.attacks.seb.matched_hidden``), everything else as the
+    variant's own arm. It compares utility at equal size where the vocabulary makes ``seb.hidden`` the larger.
     """
 
     embeddings: tuple[Embedding, ...] = EMBEDDINGS
+    matched: tuple[SebEmbedding, ...] = Field(
+        (),
+        description="SEB variants also trained with their FFN narrowed to the subword table's parameter count",
+    )
     lm_datasets: tuple[str, ...] = ("shakespeare", "kjv")
     lm_vocab: LmVocab = Field(
         "compact", description="the LMs' vocabulary: compact (the training text's subwords) or full (GPT-2's 50,257)"
@@ -246,6 +256,8 @@ class UtilityConfig(FrozenConfig):
             raise ValueError(
                 f"utility.embeddings={list(self.embeddings)} lacks 'subword', the baseline SEB is compared with; add it"
             )
+        if len(set(self.matched)) != len(self.matched):
+            raise ValueError(f"utility.matched={list(self.matched)} names a variant twice; list each once")
         return self
 
     @property

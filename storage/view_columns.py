@@ -67,6 +67,25 @@ GENERATION_QUALITY_COLUMNS = [
     "started_at",
     "git_commit",
 ]
+SEB_UTILITY_COLUMNS = [
+    "run_id",
+    "method",
+    "dataset",
+    "embedding",
+    "lm_vocab",
+    "matched",
+    "seed",
+    "perplexity",
+    "embedding_params",
+    "subword_embedding_params",
+    "seb_hidden",
+    "vocab_size",
+    "steps",
+    "best_step",
+    "plateaued",
+    "started_at",
+    "git_commit",
+]
 REATTENTION_COLUMNS = [
     "run_id",
     "dataset",

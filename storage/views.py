@@ -32,6 +32,7 @@ from storage.view_columns import (
     PRIVACY_UTILITY_COLUMNS,
     REATTENTION_COLUMNS,
     RUNS_COLUMNS,
+    SEB_UTILITY_COLUMNS,
     STIP_OVERHEAD_COLUMNS,
     TANGENT_ACCURACY_COLUMNS,
     TRAIN_SEARCH_COLUMNS,
@@ -379,6 +380,44 @@ def _steps(config: dict[str, Any], inherited: dict[str, Any], key: str, kinds: t
     if kinds is not None and config.get("model") not in kinds:
         return None
     return inherited.get(f"config.{key}")
+
+
+_SEB_UTILITY_METRICS = (
+    "perplexity",
+    "embedding_params",
+    "subword_embedding_params",
+    "seb_hidden",
+    "vocab_size",
+    "steps",
+    "best_step",
+    "plateaued",
+)
+
+
+def seb_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
+    """SEB's utility language models (``SEB_UTILITY_COLUMNS``, attacks stage, techniques ``seb-lm-*``): one row per
+    run with its test perplexity and embedding parameters, the vocabulary it trained at (``lm_vocab``; ``compact``
+    for runs before the setting), whether its SEB FFN was narrowed to the subword table's size (``matched``, with
+    that table's count in ``subword_embedding_params``), its FFN width (``seb_hidden``: the run's, else the
+    ``seb.hidden`` it trained with; None for subword), and its training steps."""
+    engine, f = _engine(db_url), _filters(filters)
+    base = _result_runs(engine, f, Run.stage == "attacks", Run.technique.like("seb-lm-%"))
+    if base.empty:
+        return pd.DataFrame(columns=SEB_UTILITY_COLUMNS)
+    frame = base.merge(_metrics_wide(engine, base["run_id"].tolist(), list(_SEB_UTILITY_METRICS)), on="run_id")
+    frame = frame.rename(columns={"technique": "method"})
+    configs = [_config(c) for c in frame["config_json"]]
+    utility = [c.get("utility", {}) for c in configs]
+    frame["embedding"] = [c.get("embedding") for c in configs]
+    frame["seed"] = [c.get("seed") for c in configs]
+    frame["lm_vocab"] = [u.get("lm_vocab", "compact") for u in utility]
+    frame["matched"] = [bool(u.get("matched_params", False)) for u in utility]
+    for column in _SEB_UTILITY_METRICS:
+        if column not in frame:
+            frame[column] = math.nan
+    recorded = [c.get("seb", {}).get("hidden") if e != "subword" else None for c, e in zip(configs, frame["embedding"])]
+    frame["seb_hidden"] = frame["seb_hidden"].where(frame["seb_hidden"].notna(), pd.Series(recorded, index=frame.index))
+    return _finish(frame, SEB_UTILITY_COLUMNS, ["dataset", "lm_vocab", "method", "seed"])
 
 
 _STIP_METRICS = STIP_OVERHEAD_COLUMNS[3:-1]

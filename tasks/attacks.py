@@ -113,10 +113,13 @@ def utility_lm(
     parent: RunRef,
     seed: int | None = None,
     vocab: str | None = None,
+    matched: bool = False,
 ) -> dict[str, Any]:
     """Perplexity of a small causal LM on ``dataset``'s test split with ``embedding`` (Sec. 5.2.3's analogue),
     initialised and trained with ``seed`` (None: ``utility.seed``) at the vocabulary ``vocab`` (None:
-    ``utility.lm_vocab``; ``compact`` or ``full``).
+    ``utility.lm_vocab``; ``compact`` or ``full``). ``matched`` (SEB only; technique ``seb-lm-<embedding>-matched``):
+    SEB's FFN hidden width is the widest whose module has no more parameters than the subword arm's table at this
+    vocabulary (``core.attacks.seb.matched_hidden``), recorded as ``seb_hidden`` beside ``subword_embedding_params``.
 
     Both arms tie their output layer to the input embedding (subword: ``lm_head`` is ``wte``; SEB: logits against
     the input SEB module's table), so ``embedding_params`` counts the input module once; ``output_head_params``
@@ -131,6 +134,7 @@ def utility_lm(
         perplexity,
         train_lm,
     )
+    from core.attacks.seb import matched_hidden
     from core.attacks.vocab import GPT2_EOS, GPT2_VOCAB, LM_VOCABS, lm_vocabulary
 
     seed = _utility_seed(cfg, seed)
@@ -138,9 +142,18 @@ def utility_lm(
     vocab = u.lm_vocab if vocab is None else vocab
     if vocab not in LM_VOCABS:  # refused before a run is recorded
         raise ConfigError(f"utility LM vocab={vocab!r} is unknown; use one of {LM_VOCABS} (None: utility.lm_vocab)")
-    utility = u.model_dump(mode="json") | {"lm_vocab": vocab}  # the vocabulary this run trained at
-    run_name = f"LM {embedding} on {dataset} ({vocab} vocabulary), seed {seed}"
-    with _utility_record(cfg, parent, f"seb-lm-{embedding}", dataset, embedding, seed, utility, run_name) as rec:
+    if matched and not embedding.startswith("seb_"):
+        raise ConfigError(
+            f"matched=True narrows an SEB module to the subword table's size; embedding={embedding!r} is not SEB "
+            "(list SEB variants in utility.matched)"
+        )
+    # the vocabulary this run trained at, and whether its SEB FFN was narrowed to the subword table's size
+    utility = u.model_dump(mode="json") | {"lm_vocab": vocab, "matched_params": matched}
+    technique = f"seb-lm-{embedding}" + ("-matched" if matched else "")
+    run_name = (
+        f"LM {embedding}{' (matched parameters)' if matched else ''} on {dataset} ({vocab} vocabulary), seed {seed}"
+    )
+    with _utility_record(cfg, parent, technique, dataset, embedding, seed, utility, run_name) as rec:
         data = _texts(path)
         train, test = _encode(data["train"]), _encode(data["test"])
         plateau = None
@@ -154,27 +167,37 @@ def utility_lm(
             va = words.encode(_lm_blocks(val, u.lm_max_len, GPT2_EOS))
             plateau = Plateau(va, torch.ones_like(va, dtype=torch.bool), every=u.lm_eval_every, patience=u.lm_patience)
 
-        def build(size: int) -> torch.nn.Module:
+        def build(size: int, kind: str = embedding, hidden: int = cfg.seb.hidden) -> torch.nn.Module:
             return build_causal_lm(
                 size,
-                embedding=embedding,
+                embedding=kind,
                 n_layer=u.lm_shape.n_layer,
                 n_embd=u.lm_shape.n_embd,
                 n_head=u.lm_shape.n_head,
                 n_positions=u.lm_max_len,
-                mapping=_mapping(cfg, size) if embedding != "subword" else None,
+                mapping=_mapping(cfg, size) if kind != "subword" else None,
                 byte_dim=cfg.seb.byte_dim,
-                hidden=cfg.seb.hidden,
+                hidden=hidden,
                 output="tied",
                 tie_subword=True,
                 seed=seed,
             )
 
-        model = build(words.size)
+        hidden = None if embedding == "subword" else cfg.seb.hidden
+        subword_params = None
+        if matched:  # the subword arm's table at this vocabulary, counted as its runs count it (tied: once)
+            subword_params = embedding_parameter_count(build(words.size, "subword"))
+            shape = {"d_model": u.lm_shape.n_embd, "n_bytes": cfg.seb.n_bytes, "byte_vocab": cfg.seb.byte_vocab}
+            hidden = matched_hidden(subword_params, embedding.removeprefix("seb_"), byte_dim=cfg.seb.byte_dim, **shape)
+        model = build(words.size, hidden=hidden or cfg.seb.hidden)  # subword: no hidden width
         counted = embedding_parameters(model)
         # the same model at GPT-2's whole vocabulary (as the paper counts, Table 6): the trained one at `full`, else
         # built only to be counted
-        full_vocab_params = counted.total if vocab == "full" else embedding_parameter_count(build(GPT2_VOCAB))
+        full_vocab_params = (
+            counted.total
+            if vocab == "full"
+            else embedding_parameter_count(build(GPT2_VOCAB, hidden=hidden or cfg.seb.hidden))
+        )
         t0 = time.perf_counter()
         fit = train_lm(
             model,
@@ -202,12 +225,16 @@ def utility_lm(
             "vocab_size": counted.vocab_size,
             "test_unk_rate": words.unk_rate(te),
         }
+        if hidden is not None:
+            out["seb_hidden"] = hidden
+        if subword_params is not None:
+            out["subword_embedding_params"] = subword_params
         if plateau is not None:
             out |= {k: float(fit[k]) for k in ("best_step", "val_perplexity", "plateaued")}
             for step, ppl in fit["val_curve"]:
                 rec.metric("val_perplexity_curve", ppl, step=step)
         rec.metrics(out, units={"train_s": "s"})
-    return {"dataset": dataset, "embedding": embedding, "seed": seed, "lm_vocab": vocab, **out}
+    return {"dataset": dataset, "embedding": embedding, "seed": seed, "lm_vocab": vocab, "matched": matched, **out}
 
 
 @task(name="seb-mt", **RESUMABLE)
@@ -320,15 +347,17 @@ class FilmJob:
 
 @dataclass(frozen=True)
 class LMJob:
-    """SEB's utility: a language model with ``embedding`` on ``dataset`` at ``seed``."""
+    """SEB's utility: a language model with ``embedding`` on ``dataset`` at ``seed``; ``matched``: SEB narrowed to
+    the subword table's parameter count."""
 
     dataset: str
     embedding: str
     seed: int | None
+    matched: bool = False
 
     @property
     def technique(self) -> str:
-        return f"seb-lm-{self.embedding}"
+        return f"seb-lm-{self.embedding}" + ("-matched" if self.matched else "")
 
 
 @dataclass(frozen=True)
@@ -358,6 +387,7 @@ def plan(cfg: AttacksConfig) -> list[Job]:
         jobs += [Recorded("feature-cache"), Recorded("mia-unlearning")] if a.unlearning else []
     if u is not None:
         jobs += [LMJob(d, e, s) for s in u.run_seeds for d in u.lm_datasets for e in u.embeddings]
+        jobs += [LMJob(d, e, s, matched=True) for s in u.run_seeds for d in u.lm_datasets for e in u.matched]
         jobs += [MTJob(e, s) for s in u.run_seeds for e in u.mt_embeddings] if u.translation else []
     if f is not None:
         jobs += [FilmJob(v, b) for v in f.victims for b in f.batch_sizes]

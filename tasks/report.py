@@ -345,6 +345,46 @@ def _quality_section(quality: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
+def _seb_utility_section(utility: pd.DataFrame) -> list[str]:
+    """SEB's utility language models beside their sizes: per dataset, vocabulary and method, the seeds, the test
+    perplexity (mean and 95% t-interval over seeds), the embedding parameters, SEB's FFN width and the steps."""
+    if utility.empty:
+        return []
+    lines = [
+        "## SEB utility at its size (language models)",
+        "",
+        (
+            "Each utility language model's test perplexity (the best validation checkpoint where the profile trains to "
+            "a plateau), mean over the seeds with its 95% t-interval, beside its embedding parameters (input module, "
+            "output tied: counted once) and, for SEB, its FFN hidden width. `-matched` rows narrow SEB's FFN to the "
+            "widest whose module has no more parameters than the subword table of the same vocabulary (the subword "
+            "row's count). Perplexities compare within a dataset and vocabulary only."
+        ),
+        "",
+        "| dataset | vocabulary | method | seeds | test perplexity | embedding parameters | SEB hidden | steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def interval(values: pd.Series) -> str:
+        ci = seed_interval(values)
+        if ci.n < 2:
+            return f"{ci.mean:.2f}"
+        return f"{ci.mean:.2f} [{ci.low:.2f}, {ci.high:.2f}]"
+
+    def distinct(values: pd.Series) -> str:
+        kept = sorted({int(v) for v in values if v is not None and not pd.isna(v)})
+        return ", ".join(f"{v:,}" for v in kept) or "-"
+
+    for (dataset, vocab, method), rows in utility.groupby(["dataset", "lm_vocab", "method"], sort=True):
+        steps = rows["steps"].dropna()
+        lines.append(
+            f"| {dataset} | {vocab} | {method} | {rows['seed'].nunique()} | {interval(rows['perplexity'])} "
+            f"| {distinct(rows['embedding_params'])} | {distinct(rows['seb_hidden'])} "
+            f"| {f'{steps.mean():,.0f}' if len(steps) else '-'} |"
+        )
+    return [*lines, ""]
+
+
 def _reattention_section(sizes: pd.DataFrame) -> list[str]:
     """How much attention DPFormer's Re-Attention moves, per dataset, epsilon and block, over its runs."""
     if sizes.empty:
@@ -554,6 +594,7 @@ def render_report(
     lines += _search_section(views.train_search(db_url, **filters), views.privacy_utility(db_url, **filters))
     lines += _reattention_section(views.reattention_sizes(db_url, **filters))
     lines += _quality_section(views.generation_quality(db_url, **filters))
+    lines += _seb_utility_section(views.seb_utility(db_url, **filters))
     # the benchmarks have only the quick and paper profiles: a reference report shows (and judges) the paper ones
     lines += _bench_section(bench_runs(db_url, profile=bench_profile(profile) if profile else None, root=root))
     lines += _history_section(results, profile)

@@ -240,6 +240,43 @@ class SEBEmbedding(nn.Module):
         )
 
 
+def seb_parameter_count(
+    variant: Variant, *, d_model: int, hidden: int, n_bytes: int = 8, byte_vocab: int = 256, byte_dim: int = 64
+) -> int:
+    """The parameters of an :class:`SEBEmbedding` (Sec. 4.3), from its shape alone; the vocabulary does not enter
+    (the mapping is a buffer). co: ``w1 (n*V_b, h)``, ``b1``; ar: ``B (V_b, byte_dim)``, ``fc1 (byte_dim -> h)``;
+    cr: ``B``, ``fc1 (n*byte_dim -> h)``; all: ``fc2 (h -> d_model)``."""
+    if variant not in VARIANTS:
+        raise ConfigError(f"unknown SEB variant {variant!r}; choose one of {VARIANTS} (Table 3)")
+    _check_positive(d_model=d_model, hidden=hidden, n_bytes=n_bytes, byte_vocab=byte_vocab, byte_dim=byte_dim)
+    fc2 = hidden * d_model + d_model
+    if variant == "co":
+        return n_bytes * byte_vocab * hidden + hidden + fc2
+    fan_in = byte_dim if variant == "ar" else n_bytes * byte_dim
+    return byte_vocab * byte_dim + fan_in * hidden + hidden + fc2
+
+
+def matched_hidden(
+    budget: int, variant: Variant, *, d_model: int, n_bytes: int = 8, byte_vocab: int = 256, byte_dim: int = 64
+) -> int:
+    """The widest FFN hidden width whose SEB module has at most ``budget`` parameters: SEB at a subword table's
+    size (``budget`` = its ``V_w x d_model``), the comparison at matched embedding parameters. The count is affine in
+    the width, so the width is the budget less the fixed part over the per-unit part, rounded down.
+
+    Raises:
+        ConfigError: when even one hidden unit exceeds ``budget`` (the byte table alone may).
+    """
+    shape = {"d_model": d_model, "n_bytes": n_bytes, "byte_vocab": byte_vocab, "byte_dim": byte_dim}
+    fixed = seb_parameter_count(variant, hidden=1, **shape)
+    per_unit = seb_parameter_count(variant, hidden=2, **shape) - fixed
+    if budget < fixed:
+        raise ConfigError(
+            f"an SEB_{variant} module needs {fixed} parameters at hidden width 1 ({shape}), more than the budget "
+            f"{budget}; match a larger subword table (a larger vocabulary or d_model) or shrink n_bytes/byte_dim"
+        )
+    return 1 + (budget - fixed) // per_unit
+
+
 class SEBLMHead(nn.Module):
     """Output layer over SEB embeddings: ``hidden (..., d_model) -> logits (..., V_w) = hidden @ table().T``.
 

@@ -21,6 +21,8 @@ EMPTY_VIEWS = {
     "tangent_accuracy": cols.TANGENT_ACCURACY_COLUMNS,
     "unlearning": cols.UNLEARNING_COLUMNS,
     "mpc_costs": cols.MPC_COSTS_COLUMNS,
+    "generation_quality": cols.GENERATION_QUALITY_COLUMNS,
+    "seb_utility": cols.SEB_UTILITY_COLUMNS,
     "stip_overhead": cols.STIP_OVERHEAD_COLUMNS,
     "stip_attacks": cols.STIP_ATTACKS_COLUMNS,
     "film": cols.FILM_COLUMNS,

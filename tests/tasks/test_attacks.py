@@ -134,3 +134,53 @@ def test_utility_lm_refuses_an_unknown_vocabulary_before_recording(lines: str) -
         utility_lm.fn("lines", "subword", CFG, lines, parent, vocab="whole")
     _, rows = ResultsRepository().query("select count(*) from runs where technique like 'seb-lm-%'")
     assert rows == [(0,)]
+
+
+def test_matched_seb_takes_the_subword_tables_size_and_the_report_shows_both(lines: str) -> None:
+    """``matched``: SEB_co's FFN is the widest whose module fits in the subword table of the same vocabulary (here
+    GPT-2's whole one, where that is wider than ``seb.hidden``); the run is its own technique, the view and the report
+    show its size beside the subword arm's; where the byte layer alone exceeds the table (8 bytes at the compact
+    vocabulary), the run fails with that said."""
+    from storage import views
+    from tasks.report import _seb_utility_section
+
+    parent = _parent("attacks", "attacks")
+    sub = utility_lm.fn("lines", "subword", CFG, lines, parent, vocab="full")
+    got = utility_lm.fn("lines", "seb_co", CFG, lines, parent, vocab="full", matched=True)
+    h = got["seb_hidden"]
+
+    def by_hand(width: int) -> int:
+        return N_BYTES * BYTE_VOCAB * width + width + width * D + D
+
+    assert got["subword_embedding_params"] == sub["embedding_params"] == GPT2_VOCAB * D
+    assert got["embedding_params"] == by_hand(h) <= GPT2_VOCAB * D < by_hand(h + 1)
+    assert h > HIDDEN and got["matched"] and got["perplexity"] > 1
+
+    table = views.seb_utility()
+    assert table.set_index("method")["matched"].to_dict() == {"seb-lm-seb_co-matched": True, "seb-lm-subword": False}
+    row = table[table["method"] == "seb-lm-seb_co-matched"].iloc[0]
+    assert (row["seb_hidden"], row["lm_vocab"], row["embedding_params"]) == (h, "full", by_hand(h))
+    section = "\n".join(_seb_utility_section(table))
+    assert f"| lines | full | seb-lm-seb_co-matched | 1 | {got['perplexity']:.2f} | {by_hand(h):,} | {h:,} |" in section
+    assert f"| lines | full | seb-lm-subword | 1 | {sub['perplexity']:.2f} | {GPT2_VOCAB * D:,} | - |" in section
+
+    wide = CFG.model_copy(update={"seb": CFG.seb.model_copy(update={"n_bytes": 8})})  # 2,048 one-hot rows
+    with pytest.raises(ConfigError, match="more than the budget"):  # the compact table: under 100 x 16
+        utility_lm.fn("lines", "seb_co", wide, lines, parent, vocab="compact", matched=True)
+    _, rows = ResultsRepository().query("select status, error from runs where technique = 'seb-lm-seb_co-matched'")
+    assert sorted(r[0] for r in rows) == ["failed", "finished"]
+    assert "more than the budget" in next(e for s, e in rows if s == "failed")
+    with pytest.raises(ConfigError, match="embedding='subword' is not SEB"):
+        utility_lm.fn("lines", "subword", CFG, lines, parent, matched=True)
+
+
+def test_the_plan_trains_each_matched_variant_beside_its_arms() -> None:
+    from tasks.attacks import LMJob, plan
+
+    cfg = CFG.model_copy(update={"utility": CFG.utility.model_copy(update={"matched": ("seb_co",), "seeds": (0, 1)})})
+    lm = [j for j in plan(cfg) if isinstance(j, LMJob)]
+    assert sorted(j.technique for j in lm) == sorted(
+        [f"seb-lm-{e}" for e in ("subword", "seb_co") for _ in (0, 1)] + ["seb-lm-seb_co-matched"] * 2
+    )
+    with pytest.raises(ValueError, match="subword"):
+        AttacksConfig.model_validate({"utility": {"matched": ["subword"]}})

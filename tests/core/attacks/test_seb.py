@@ -272,3 +272,38 @@ def test_co_parameter_count_matches_paper_table_4(n_bytes: int, byte_vocab: int,
     mapping = build_byte_mapping(16, n_bytes=n_bytes, byte_vocab=byte_vocab)
     seb = SEBEmbedding(mapping, 512, variant="co", hidden=1024, byte_vocab=byte_vocab)
     assert round(seb.embedding_parameter_count() / 1e6, 2) == millions
+
+
+# ------------------------------------------------------------------ SEB at a subword table's parameter count
+
+
+@pytest.mark.parametrize("variant", ["ar", "cr", "co"])
+@pytest.mark.parametrize(
+    ("d_model", "hidden", "n_bytes", "byte_vocab", "byte_dim"), [(16, 8, 4, 32, 8), (8, 3, 2, 7, 5)]
+)
+def test_the_parameter_count_is_the_modules(variant, d_model, hidden, n_bytes, byte_vocab, byte_dim) -> None:
+    from core.attacks.seb import seb_parameter_count
+
+    mapping = build_byte_mapping(40, n_bytes=n_bytes, byte_vocab=byte_vocab, seed=1)
+    module = SEBEmbedding(mapping, d_model, variant=variant, byte_dim=byte_dim, hidden=hidden, byte_vocab=byte_vocab)
+    shape = {"d_model": d_model, "n_bytes": n_bytes, "byte_vocab": byte_vocab, "byte_dim": byte_dim}
+    assert seb_parameter_count(variant, hidden=hidden, **shape) == module.embedding_parameter_count()
+
+
+@pytest.mark.parametrize("variant", ["ar", "cr", "co"])
+def test_matched_hidden_is_the_widest_within_the_budget(variant) -> None:
+    """Against asking every width in turn (the slow, obvious search) over budgets around each step of the count."""
+    from core.attacks.seb import matched_hidden, seb_parameter_count
+
+    shape = {"d_model": 6, "n_bytes": 3, "byte_vocab": 5, "byte_dim": 4}
+
+    def count(h: int) -> int:
+        return seb_parameter_count(variant, hidden=h, **shape)
+
+    for budget in sorted({count(h) + delta for h in range(1, 40) for delta in (-1, 0, 1)}):
+        if budget < count(1):
+            with pytest.raises(ConfigError, match=f"more than the budget {budget}"):
+                matched_hidden(budget, variant, **shape)
+            continue
+        widest = max(h for h in range(1, 60) if count(h) <= budget)
+        assert matched_hidden(budget, variant, **shape) == widest
