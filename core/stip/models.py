@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from core.errors import DataError
+from core.models import hf
 from core.models.gpt2 import GPT2_VOCAB, tiny_gpt2
 
 __all__ = ["build_model", "load_smollm2", "randomize_norms", "smollm2_gguf_path", "tiny_llama"]
@@ -69,7 +70,7 @@ def tiny_llama(
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    return randomize_norms(LlamaForCausalLM(cfg), seed).eval()
+    return randomize_norms(hf.build(LlamaForCausalLM, cfg), seed).eval()
 
 
 def smollm2_gguf_path() -> Path:
@@ -89,7 +90,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> nn.Module:
     try:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model = hf.load(AutoModelForCausalLM.from_pretrained, str(path.parent), gguf_file=path.name, dtype=dtype)
     except ImportError as exc:  # gguf / accelerate missing
         raise DataError(f"cannot load {path.name} ({exc}); install with `{SMOLLM2_INSTALL}`") from exc
     return model.eval()

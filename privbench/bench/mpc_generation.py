@@ -47,6 +47,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from core.errors import ConfigError
+from core.models import hf
 from pbconfig.base import FrozenConfig, require_heads_divide
 from pbconfig.benchmark import with_overrides
 from pbconfig.secure_inference import SI_METHODS, SIMethod
@@ -331,7 +332,7 @@ def _t5_payloads(setting: Setting, methods: tuple[str, ...]) -> dict[str, Any]:
         attn_implementation="eager",
     )
     with seeded(setting.seed):
-        model = T5ForConditionalGeneration(cfg).eval()
+        model = hf.build(T5ForConditionalGeneration, cfg).eval()
     weights = weights_from_hf(model)
     if setting.t5_encoder == "every_step":
         weights = dataclasses.replace(weights, rerun_encoder=True)

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from core.errors import ConfigError, DataError
+from core.models import hf
 from privbench.bench.harness import Progress, bench_threads, register, run_in_fresh_process
 from privbench.bench.tangent_measure import measure_composition, measure_jvp, measure_unlearning
 
@@ -289,7 +290,7 @@ def load_backbone(setting: Setting, backbone: str, progress: Progress) -> Any:
     )
     with torch.random.fork_rng():
         torch.manual_seed(setting.seed)
-        model = Dinov2Model(cfg)
+        model = hf.build(Dinov2Model, cfg)
     return model.eval()
 
 
