@@ -14,8 +14,6 @@ SIMethod = Literal[
 SI_METHODS: tuple[str, ...] = get_args(SIMethod)
 PretrainCorpus = Literal["shakespeare", "milton", "kjv", "chatterbot"]
 SIBase = Literal["gpt2", "smollm2"]
-# the methods whose model is a distilled MPCFormer / THE-X student: built for GPT-2 only
-DISTILLED_METHODS: tuple[str, ...] = ("mpcformer_2relu", "mpcformer_2quad", "thex")
 
 
 class NetworkSpec(FrozenConfig):
@@ -43,8 +41,8 @@ class SecureInferenceConfig(SeedPasses):
     ``base: smollm2`` runs the stage on the real pretrained SmolLM2-135M (LLaMA architecture, its own 49,152-token
     tokenizer) instead: it is fine-tuned on the dialogue corpus from its released weights (no pretraining here,
     ``pretrain_steps`` 0), and the ER model and merge modules are trained from it as for GPT-2; ``n_layer``,
-    ``n_embd`` and ``n_head`` are the model's own and not read. The MPCFormer / THE-X students are GPT-2 modules,
-    so those methods are refused there, as are the length-scaling runs (random GPT-2 payloads).
+    ``n_embd`` and ``n_head`` are the model's own and not read. Its MPCFormer / THE-X students are distilled on its
+    LLaMA modules (``core.mpc.approx_llama``); the length-scaling runs (random GPT-2 payloads) are refused there.
     """
 
     methods: tuple[SIMethod, ...] = Field(SI_METHODS, min_length=1)
@@ -140,12 +138,6 @@ class SecureInferenceConfig(SeedPasses):
         return self
 
     def _check_smollm2(self) -> None:
-        distilled = [m for m in self.methods if m in DISTILLED_METHODS]
-        if distilled:
-            raise ValueError(
-                f"base=smollm2 cannot run {distilled}: the MPCFormer / THE-X students are built for GPT-2 only; "
-                f"drop them from secure_inference.methods (keep {[m for m in self.methods if m not in distilled]})"
-            )
         if self.pretrain_steps > 0:
             raise ValueError(
                 f"base=smollm2 is already pretrained: set secure_inference.pretrain_steps=0 (got "

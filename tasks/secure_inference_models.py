@@ -378,7 +378,12 @@ MODEL_KINDS: dict[str, _ModelKind] = {
     "distilled": _ModelKind(
         _distilled,
         "distill-{approx}",
-        lambda c: {"steps": c.distill_steps, "lr": c.distill_lr},
+        # hidden_loss: the layer-wise stage's hidden error, plain or relative to each layer's scale (per family)
+        lambda c: {
+            "steps": c.distill_steps,
+            "lr": c.distill_lr,
+            "hidden_loss": recipes.MERGE_FORMS[c.base]["hidden_loss"],
+        },
         ("distill_steps", "distill_lr"),
     ),
     "er": _ModelKind(

@@ -178,16 +178,35 @@ class ApproxGPT2(nn.Module):
 
 
 def _as_approx(model: nn.Module) -> nn.Module:
-    return model if isinstance(model, ApproxGPT2) else ApproxGPT2(model, "exact", share=True)
+    """``model`` run through the exact approximated forward of its architecture (GPT-2, or LLaMA:
+    :class:`core.mpc.approx_llama.ApproxLlama`), its modules shared."""
+    from core.mpc.approx_llama import ApproxLlama, is_llama
+
+    if isinstance(model, ApproxGPT2 | ApproxLlama):
+        return model
+    return ApproxLlama(model, "exact", share=True) if is_llama(model) else ApproxGPT2(model, "exact", share=True)
 
 
-def layerwise_loss(student: ApproxOutput, teacher: ApproxOutput, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """MPCFormer stage 1: sum over layers of MSE(hidden) + MSE(attention), averaged over real positions."""
+def _mean(se: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Mean of (B, N, d) ``se`` over the real positions (``w`` (B, N, 1) weights; None: all)."""
+    return se.mean() if w is None else (se * w).sum() / (w.sum() * se.shape[-1])
+
+
+def layerwise_loss(
+    student: ApproxOutput, teacher: ApproxOutput, mask: torch.Tensor | None = None, *, relative: bool = False
+) -> torch.Tensor:
+    """MPCFormer stage 1: sum over layers of MSE(hidden) + MSE(attention), averaged over real positions.
+
+    ``relative``: each layer's hidden MSE divided by the teacher's mean square of that layer (detached), as
+    :class:`core.mpc.merge.MMConfig`'s ``relative_hidden`` (SmolLM2's attention-sink position has a mean square
+    near 1e6 and would otherwise be the whole loss)."""
     w = None if mask is None else mask.to(student.logits.dtype)[..., None]  # (B, N, 1)
     loss = student.logits.new_zeros(())
     for hs, ht in zip(student.hidden, teacher.hidden, strict=True):
-        se = (hs - ht).pow(2)
-        loss = loss + (se.mean() if w is None else (se * w).sum() / (w.sum() * se.shape[-1]))
+        mse = _mean((hs - ht).pow(2), w)
+        if relative:
+            mse = mse / (_mean(ht.pow(2), w).detach() + 1e-12)
+        loss = loss + mse
     for a_s, a_t in zip(student.attentions, teacher.attentions, strict=True):
         loss = loss + F.mse_loss(a_s, a_t)
     return loss
@@ -218,23 +237,27 @@ def _unpack(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def distill(
     teacher: nn.Module,
-    student: ApproxGPT2,
+    student: nn.Module,
     batches: Sequence | Iterable,
     steps: int,
     lr: float,
     *,
     layerwise_fraction: float = 0.5,
     temperature: float = 1.0,
+    relative: bool = False,
 ) -> list[float]:
     """MPCFormer distillation of ``student`` from the frozen fine-tuned ``teacher``.
 
     Args:
-        teacher: a HF ``GPT2LMHeadModel`` (run through the exact :class:`ApproxGPT2` forward) or ApproxGPT2.
-        student: the approximated model, usually ``ApproxGPT2(teacher, name)``.
+        teacher: a HF ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (run through the exact approximated forward of its
+            architecture), or such a forward.
+        student: the approximated model, usually ``ApproxGPT2(teacher, name)`` or ``ApproxLlama(teacher, name)``.
         batches: cycled; each an ids tensor (B, N) or (ids, mask) with mask (B, N) bool.
         steps: optimizer steps; the first ``round(layerwise_fraction * steps)`` minimise
             :func:`layerwise_loss`, the rest :func:`logits_kd_loss`.
         lr: AdamW learning rate.
+        relative: the layer-wise stage's hidden MSE per layer relative to the teacher's scale
+            (:func:`layerwise_loss`).
 
     Returns:
         the loss of every step.
@@ -262,7 +285,7 @@ def distill(
             t_out = teacher_fwd(ids)
         s_out = student(ids)
         if step < n_layerwise:
-            loss = layerwise_loss(s_out, t_out, mask)
+            loss = layerwise_loss(s_out, t_out, mask, relative=relative)
         else:
             loss = logits_kd_loss(s_out.logits, t_out.logits, mask, temperature)
         losses.append(guard.check(loss, step=step + 1))  # DivergedError: NaN/inf or exploding

@@ -18,7 +18,8 @@ and which generation procedure, and the plaintext twin of each (the decrypted MP
 payload's type says which architecture runs; a LLaMA-architecture decoder
 (:class:`core.mpc.llama.LlamaWeights`, SmolLM2) runs the ``gpt2``-engine methods and its merge module
 (:class:`core.mpc.llama_merge.LlamaMergeSpec`) the ``merge``-engine ones. On T5 the exact methods keep the model's
-own FFN nonlinearity (ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2.
+own FFN nonlinearity (ReLU or GELU, gated or not) and the approximations replace it, as on GPT-2; on LLaMA they
+replace the SwiGLU gate's SiLU, and THE-X's norm is RMSNorm's ``x * g`` (:mod:`core.mpc.approx_llama`).
 """
 
 from __future__ import annotations

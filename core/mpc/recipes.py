@@ -204,12 +204,6 @@ def payload_of(model: nn.Module, shape: Shape) -> Any:
     return llama.weights_from_hf(model, n_positions=shape.n_positions)
 
 
-def _gpt2_only(shape: Shape, what: str) -> GPT2Shape:
-    if not isinstance(shape, GPT2Shape):
-        raise ConfigError(f"{what} is built for GPT-2 only, got {type(shape).__name__}: use a GPT2Shape")
-    return shape
-
-
 def _n_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -290,10 +284,24 @@ def train_finetuned(
 def train_distilled(
     shape: Shape, data: DialogueData, teacher: State, *, approx: str, steps: int, lr: float, seed: int
 ) -> TrainedModel:
-    """An :class:`~core.mpc.approx.ApproxGPT2` student with the ``approx`` nonlinearities (a registry name),
-    distilled from the fine-tuned ``teacher`` on ``data``'s batches; its payload is the student's modules in a
-    GPT-2 (what the gpt2 engine runs with the matching MPC variant)."""
-    shape = _gpt2_only(shape, "an MPCFormer / THE-X student")
+    """An :class:`~core.mpc.approx.ApproxGPT2` student (SmolLM2: :class:`~core.mpc.approx_llama.ApproxLlama`) with
+    the ``approx`` nonlinearities (a registry name), distilled from the fine-tuned ``teacher`` on ``data``'s batches
+    (SmolLM2: each layer's hidden error relative to its scale, the family's ``hidden_loss`` in :data:`MERGE_FORMS`);
+    its payload is the student's modules in their model (what the gpt2 engine runs with the matching MPC
+    variant)."""
+    if not isinstance(shape, GPT2Shape):
+        from core.mpc.approx_llama import ApproxLlama
+
+        relative = MERGE_FORMS[family_of(shape)]["hidden_loss"] == "relative"
+        with seeded(seed):
+            start = build_model(shape, teacher)
+            student = ApproxLlama(start, approx)
+            t0 = time.perf_counter()
+            losses = distill(start, student, data.batches, steps, lr, relative=relative)
+            train_s = time.perf_counter() - t0
+        return TrainedModel(
+            student.eval(), payload_of(student.hf, shape), train_s, {"train_loss": Curve.per_step(losses)}
+        )
     with seeded(seed):
         start = build_gpt2(shape, teacher)
         student = ApproxGPT2(start, approx)

@@ -49,7 +49,6 @@ SMOL = SecureInferenceConfig(
 @pytest.mark.parametrize(
     ("update", "message"),
     [
-        ({"methods": ("merge", "thex")}, r"base=smollm2 cannot run \['thex'\].*keep \['merge'\]"),
         ({"pretrain_steps": 5, "pretrain_corpora": ("kjv",), "pretrain_len": 16}, r"already pretrained: set"),
         ({"scaling_gen_lens": (4,)}, r"base=smollm2 runs no length-scaling points"),
         ({"base": "llama"}, r"base"),
@@ -61,7 +60,8 @@ def test_settings_smollm2_cannot_run_are_refused_by_name(update: dict, message: 
 
 
 def _tiny_llama() -> torch.nn.Module:
-    """A LLaMA of SmolLM2's vocabulary and kind (tied head, grouped K/V heads, SiLU), the same weights each call."""
+    """A LLaMA of SmolLM2's vocabulary and kind (grouped K/V heads, SiLU), the same weights each call; its head is
+    untied (SmolLM2's is tied) so that it can favour a few tokens while every token's input row keeps its scale."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -72,7 +72,7 @@ def _tiny_llama() -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=SMOLLM2_EOS,
         pad_token_id=SMOLLM2_EOS,
@@ -81,14 +81,16 @@ def _tiny_llama() -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         model = LlamaForCausalLM(config).eval()
-        # 64 tokens keep their rows, the others shrink 100-fold: the greedy token of a random model is then one of
-        # the 64, ahead of the next by far more than the wide-range RMSNorm's error under MPC (up to 5e-3 relative),
-        # where among 49,152 rows of one scale the top two logits are often within it
+        # 64 tokens keep their head rows, the others' shrink 100-fold: the greedy token of a random model is then one
+        # of the 64, ahead of the next by far more than the wide-range RMSNorm's error under MPC (up to 5e-3
+        # relative), where among 49,152 rows of one scale the top two logits are often within it. The input rows
+        # keep their scale: a shrunk one (mean square 2.5e-5) would be below the wide norm's range (from 1e-4;
+        # SmolLM2's rows: ~0.018), and a method that looks the prompt up would normalise it wrongly under MPC
         with torch.no_grad():
             live = torch.randperm(VOCAB)[:64]
             scale = torch.full((VOCAB, 1), 0.01)
             scale[live] = 1.0
-            model.get_input_embeddings().weight.mul_(scale)
+            model.lm_head.weight.mul_(scale)
         return model
 
 
@@ -168,3 +170,35 @@ def test_smollm2_runs_decrypt_to_their_twins_and_the_claims_read_them_apart(
     assert [f.get("config.base") for f in flat] == ["smollm2"]
     assert claims["merge-quality-close-to-plaintext-smollm2"].measure.where == {"config.base": "smollm2"}
     assert claims["merge-quality-close-to-plaintext"].measure.where == {"config.base": ["gpt2", None]}
+
+
+@pytest.mark.skipif(not crypten_available(), reason="CrypTen is not installed")
+def test_the_mpcformer_and_thex_students_distil_from_smollm2_and_decrypt_to_their_twins(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The students of SmolLM2 (core.mpc.approx_llama): distilled with the relative hidden loss and recorded; the
+    2Quad one runs under MPC with its approximations (SiLU gate -> quad, softmax -> 2Quad). THE-X's student trains
+    here, but its RMSNorm -> x * g leaves this random model's residual at ~3e5 after two blocks, where 2-party fixed
+    point wraps; its decryption is tested on a model in range (tests/core/mpc/test_llama.py). The 2ReLU student of
+    this model decrypts to other tokens than its twin's (not yet diagnosed; 2ReLU with c = 0 divides by a sum that
+    is 0 where every score of a query is negative)."""
+    import core.stip.models as stip_models
+
+    monkeypatch.setattr(stip_models, "load_smollm2", _tiny_llama)
+    cfg = SMOL.model_copy(update={"methods": ("mpcformer_2relu", "mpcformer_2quad", "thex"), "distill_steps": 2})
+    students = ["distilled-mpcformer_2relu", "distilled-mpcformer_2quad", "distilled-thex"]
+    assert sorted(sim.models_needed(cfg)) == sorted(["finetuned", *students])
+    parent = _parent()
+    fine = si.train_model.fn("finetuned", cfg, parent)
+    students = {n: si.train_model.fn(n, cfg, parent, teacher=fine) for n in sim.models_needed(cfg)[1:]}
+    for ref in students.values():
+        assert isinstance(torch.load(Path(ref.path) / "payload.pt", weights_only=False), LlamaWeights)
+    repo = ResultsRepository()
+    _, rows = repo.query("select technique, config_json from runs where technique like 'distill-%'")
+    assert sorted(t for t, _ in rows) == ["distill-mpcformer_2quad", "distill-mpcformer_2relu", "distill-thex"]
+    assert {json.loads(c)["hidden_loss"] for _, c in rows} == {"relative"}  # SmolLM2's scale-relative loss
+    models = si.collect_models.fn(cfg, {"finetuned": fine, **students}, parent)
+    out = si.mpc_generation.fn("mpcformer_2quad", cfg, models, parent)
+    assert out["agreement"] == 1.0  # decrypted tokens equal the plaintext twin's
+    quality = views.generation_quality()
+    assert list(quality["method"]) == ["mpcformer_2quad"] and set(quality["base"]) == {"smollm2"}
