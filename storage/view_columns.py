@@ -62,6 +62,7 @@ GENERATION_QUALITY_COLUMNS = [
     "base_rouge_l",
     "rouge_l_drop",
     "chrf_drop",
+    "embedding_f1_drop",
     "agreement",
     "mpc_prompts",
     "started_at",

@@ -317,6 +317,7 @@ _QUALITY_METRICS = {
     "base_quality.rouge_l": "base_rouge_l",
     "quality_drop.rouge_l": "rouge_l_drop",
     "quality_drop.chrf": "chrf_drop",
+    "quality_drop.embedding_f1": "embedding_f1_drop",
     "mpc_plain_token_agreement": "agreement",
     "mpc_prompts": "mpc_prompts",
 }
