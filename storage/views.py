@@ -383,16 +383,7 @@ def _steps(config: dict[str, Any], inherited: dict[str, Any], key: str, kinds: t
     return inherited.get(f"config.{key}")
 
 
-_SEB_UTILITY_METRICS = (
-    "perplexity",
-    "embedding_params",
-    "subword_embedding_params",
-    "seb_hidden",
-    "vocab_size",
-    "steps",
-    "best_step",
-    "plateaued",
-)
+_SEB_UTILITY_METRICS = SEB_UTILITY_COLUMNS[7:-2]  # perplexity .. plateaued: what the runs record as metrics
 
 
 def seb_utility(db_url: str | None = None, **filters: Any) -> pd.DataFrame:

@@ -290,6 +290,18 @@ def _search_section(search: pd.DataFrame, final: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
+def _mean_interval(values: pd.Series, spec: str) -> str:
+    """The mean of ``values`` (NaN dropped; ``-`` when none) with its 95% t-interval over them when there are two or
+    more, each formatted with ``spec`` (e.g. ``+.2f``)."""
+    values = values.dropna()
+    if values.empty:
+        return "-"
+    ci = seed_interval(values)
+    if ci.n < 2:
+        return format(ci.mean, spec)
+    return f"{ci.mean:{spec}} [{ci.low:{spec}}, {ci.high:{spec}}]"
+
+
 def _quality_section(quality: pd.DataFrame) -> list[str]:
     """Every secure-inference method's text against the fine-tuned plaintext model's, per dataset, model, method and
     step counts: the seeds, and the ROUGE-L, chrF and embedding-F1 drops with their t-intervals over seeds (each
@@ -317,21 +329,8 @@ def _quality_section(quality: pd.DataFrame) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def interval(values: pd.Series) -> str:
-        ci = seed_interval(values)
-        if ci.n < 2:
-            return f"{ci.mean:+.2f}"
-        return f"{ci.mean:+.2f} [{ci.low:+.2f}, {ci.high:+.2f}]"
-
     def count(value: Any) -> str:
         return "-" if value is None or pd.isna(value) else str(int(value))
-
-    def f1(values: pd.Series) -> str:  # runs before the metric have none
-        values = values.dropna()
-        if values.empty:
-            return "-"
-        ci = seed_interval(values)
-        return f"{ci.mean:+.3f}" if ci.n < 2 else f"{ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
 
     frame = quality.assign(
         steps=[
@@ -347,9 +346,10 @@ def _quality_section(quality: pd.DataFrame) -> list[str]:
         prompts = sorted({count(v) for v in rows["mpc_prompts"]})
         lines.append(
             f"| {dataset} | {model} | {method} | {steps} | {len(per_seed)} | {', '.join(prompts)} "
-            f"| {100 * per_seed['base_rouge_l'].mean():.2f} | {interval(per_seed['rouge_l_drop_pt'])} "
-            f"| {interval(per_seed['chrf_drop'])} | {f1(per_seed['embedding_f1_drop'])} "
-            f"| {rows['agreement'].min():.2f} |"
+            f"| {100 * per_seed['base_rouge_l'].mean():.2f} "
+            f"| {_mean_interval(per_seed['rouge_l_drop_pt'], '+.2f')} "
+            f"| {_mean_interval(per_seed['chrf_drop'], '+.2f')} "
+            f"| {_mean_interval(per_seed['embedding_f1_drop'], '+.3f')} | {rows['agreement'].min():.2f} |"
         )
     return [*lines, ""]
 
@@ -374,12 +374,6 @@ def _seb_utility_section(utility: pd.DataFrame) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
 
-    def interval(values: pd.Series) -> str:
-        ci = seed_interval(values)
-        if ci.n < 2:
-            return f"{ci.mean:.2f}"
-        return f"{ci.mean:.2f} [{ci.low:.2f}, {ci.high:.2f}]"
-
     def distinct(values: pd.Series) -> str:
         kept = sorted({int(v) for v in values if v is not None and not pd.isna(v)})
         return ", ".join(f"{v:,}" for v in kept) or "-"
@@ -387,8 +381,9 @@ def _seb_utility_section(utility: pd.DataFrame) -> list[str]:
     for (dataset, vocab, method), rows in utility.groupby(["dataset", "lm_vocab", "method"], sort=True):
         steps = rows["steps"].dropna()
         lines.append(
-            f"| {dataset} | {vocab} | {method} | {rows['seed'].nunique()} | {interval(rows['perplexity'])} "
-            f"| {distinct(rows['embedding_params'])} | {distinct(rows['seb_hidden'])} "
+            f"| {dataset} | {vocab} | {method} | {rows['seed'].nunique()} "
+            f"| {_mean_interval(rows['perplexity'], '.2f')} | {distinct(rows['embedding_params'])} "
+            f"| {distinct(rows['seb_hidden'])} "
             f"| {f'{steps.mean():,.0f}' if len(steps) else '-'} |"
         )
     return [*lines, ""]
