@@ -365,26 +365,34 @@ def _seb_utility_section(utility: pd.DataFrame) -> list[str]:
         (
             "Each utility language model's test perplexity (the best validation checkpoint where the profile trains to "
             "a plateau), mean over the seeds with its 95% t-interval, beside its embedding parameters (input module, "
-            "output tied: counted once) and, for SEB, its FFN hidden width. `-matched` rows narrow SEB's FFN to the "
-            "widest whose module has no more parameters than the subword table of the same vocabulary (the subword "
-            "row's count). Perplexities compare within a dataset and vocabulary only."
+            "output tied: counted once) and, for SEB, its FFN hidden width; steps: trained, best step: the checkpoint "
+            "tested (means over the seeds; each model stops at its own plateau, so the arms' budgets can differ). "
+            "`-matched` rows narrow SEB's FFN to the widest whose module has no more parameters than the subword table "
+            "of the same vocabulary (the subword row's count). Perplexities compare within a dataset and vocabulary "
+            "only."
         ),
         "",
-        "| dataset | vocabulary | method | seeds | test perplexity | embedding parameters | SEB hidden | steps |",
-        "|---|---|---|---|---|---|---|---|",
+        (
+            "| dataset | vocabulary | method | seeds | test perplexity | embedding parameters | SEB hidden | steps "
+            "| best step |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def mean(values: pd.Series) -> str:
+        kept = values.dropna()
+        return f"{kept.mean():,.0f}" if len(kept) else "-"
 
     def distinct(values: pd.Series) -> str:
         kept = sorted({int(v) for v in values if v is not None and not pd.isna(v)})
         return ", ".join(f"{v:,}" for v in kept) or "-"
 
     for (dataset, vocab, method), rows in utility.groupby(["dataset", "lm_vocab", "method"], sort=True):
-        steps = rows["steps"].dropna()
         lines.append(
             f"| {dataset} | {vocab} | {method} | {rows['seed'].nunique()} "
             f"| {_mean_interval(rows['perplexity'], '.2f')} | {distinct(rows['embedding_params'])} "
             f"| {distinct(rows['seb_hidden'])} "
-            f"| {f'{steps.mean():,.0f}' if len(steps) else '-'} |"
+            f"| {mean(rows['steps'])} | {mean(rows['best_step'])} |"
         )
     return [*lines, ""]
 
