@@ -102,6 +102,8 @@ def protocol(spec: StipModelSpec, design: str, cfg: StipConfig, parent: Any) -> 
             {k: v for k, v in out.items() if isinstance(v, int | float)},
             units={"p2_s": "s", "plaintext_s": "s", "three_process_wall_s": "s"},
         )
+        for i, ratio in enumerate(out["round_ratios"]):  # the rounds behind the median and its interval
+            rec.metric("server_over_plaintext_same_work_time_round", ratio, step=i)
         rec.artifact_json("tokens.json", {"stip": out["tokens"], "plaintext": out["plain_tokens"]})
     return {"model": spec.name, **{k: v for k, v in out.items() if k not in ("tokens", "plain_tokens")}}
 

@@ -127,6 +127,7 @@ def protocol_costs(
         **interval,
         "timing_rounds": float(repeats),
         "timing_order": order,
+        "round_ratios": same_work,  # each round's P2 / same-work plaintext time, in round order (recorded as steps)
         "user_overhead_fraction": statistics.median(fractions),
         "p2_s": statistics.median(p2s),
         "plaintext_s": statistics.median(plains),

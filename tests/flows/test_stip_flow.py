@@ -37,6 +37,13 @@ def test_stip_flow_records_protocol_and_attacks(stage_store: StageStore, monkeyp
         assert r["tokens_match"] == 1.0 and r["exact_float64"] == 1.0 and r["float64_max_rel_err"] <= 1e-9
         assert 0 <= r["max_abs_err"] < 1e-3  # float32, reported as measured
         assert r["bytes_up_per_token"] > 0 and r["bytes_down_per_token"] > 0 and 0 < r["user_overhead_fraction"] < 1
+    _, rounds = repo.query(
+        "select r.technique, m.step, m.value from metrics m join runs r on r.id = m.run_id "
+        "where m.name = 'server_over_plaintext_same_work_time_round' order by r.technique, m.step"
+    )
+    median = {f"stip-{r['design']}": r["server_over_plaintext_same_work_time"] for r in summary["protocol"]}
+    assert [(t, s) for t, s, _ in rounds] == [("stip-user_embed", 0), ("stip-vocab_perm", 0)]  # one round each
+    assert all(v == median[t] for t, _, v in rounds)  # one round: its ratio is the median
     vocab = next(r for r in summary["protocol"] if r["design"] == "vocab_perm")
     assert vocab["bytes_down_per_token"] > 50257 * 4  # logits over the whole (substituted) vocabulary come back
     _, rows = repo.query(

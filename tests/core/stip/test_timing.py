@@ -140,6 +140,7 @@ def test_rounds_alternate_the_order_after_one_warm_up(biased):
     assert out["timing_order"] == "abba" and out["timing_rounds"] == 6
     assert out["server_over_plaintext_same_work_time"] == 1.0  # unbiased fake clock: the same work, the same time
     assert out["server_over_plaintext_same_work_time_lo"] == out["server_over_plaintext_same_work_time_hi"] == 1.0
+    assert out["round_ratios"] == [1.0] * 6  # every round kept, in order
     _, fixed = biased(1.0, 3, order="fixed")
     assert fixed == ["plaintext", "protocol"] * 4
 
@@ -158,6 +159,7 @@ def test_an_order_bias_moves_the_fixed_order_and_not_the_abba_median(biased):
     assert abs(abba["server_over_plaintext_same_work_time"] - 1) < 0.03
     assert abba["server_over_plaintext_same_work_time_lo"] == pytest.approx(1 / bias)
     assert abba["server_over_plaintext_same_work_time_hi"] == pytest.approx(bias)
+    assert abba["round_ratios"] == pytest.approx([bias if r % 2 else 1 / bias for r in range(8)])  # who went first
 
 
 def test_unknown_order_is_refused_before_any_run(monkeypatch):
