@@ -142,7 +142,7 @@ def test_matched_seb_takes_the_subword_tables_size_and_the_report_shows_both(lin
     show its size beside the subword arm's; where the byte layer alone exceeds the table (8 bytes at the compact
     vocabulary), the run fails with that said."""
     from storage import views
-    from tasks.report import _seb_utility_section
+    from tasks.report_tables import seb_utility_section
 
     parent = _parent("attacks", "attacks")
     sub = utility_lm.fn("lines", "subword", CFG, lines, parent, vocab="full")
@@ -160,7 +160,7 @@ def test_matched_seb_takes_the_subword_tables_size_and_the_report_shows_both(lin
     assert table.set_index("method")["matched"].to_dict() == {"seb-lm-seb_co-matched": True, "seb-lm-subword": False}
     row = table[table["method"] == "seb-lm-seb_co-matched"].iloc[0]
     assert (row["seb_hidden"], row["lm_vocab"], row["embedding_params"]) == (h, "full", by_hand(h))
-    section = "\n".join(_seb_utility_section(table))
+    section = "\n".join(seb_utility_section(table))
     assert f"| lines | full | seb-lm-seb_co-matched | 1 | {got['perplexity']:.2f} | {by_hand(h):,} | {h:,} |" in section
     assert f"| lines | full | seb-lm-subword | 1 | {sub['perplexity']:.2f} | {GPT2_VOCAB * D:,} | - |" in section
 
