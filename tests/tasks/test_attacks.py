@@ -184,3 +184,5 @@ def test_the_plan_trains_each_matched_variant_beside_its_arms() -> None:
     )
     with pytest.raises(ValueError, match="subword"):
         AttacksConfig.model_validate({"utility": {"matched": ["subword"]}})
+    with pytest.raises(ValueError, match=r"utility.matched=\['seb_co', 'seb_co'\] names a variant twice"):
+        AttacksConfig.model_validate({"utility": {"matched": ["seb_co", "seb_co"]}})
