@@ -101,6 +101,12 @@ def attacks_flow(
         family=unmapped(epsilon_family(a) if a is not None else None),
     )
     forget = audit_unlearning.submit(tangent, a, vision["images"], vision["model"], run) if unlearning else None
+    film = None
+    if f is not None:  # queued behind the audits (which run while the priors train), ahead of the utility models
+        prior_dirs = {name: fut.result() for name, fut in prior.items()}
+        private = {n: prepared[n] for n in f.private}
+        victims = unique([j.victim for j in of_type(jobs, FilmJob)])
+        film = film_attack.map(victims, unmapped(config), unmapped(private), unmapped(prior_dirs), unmapped(run))
     lm_jobs = of_type(jobs, LMJob)
     lm = utility_lm.map(
         [j.dataset for j in lm_jobs],
@@ -119,15 +125,7 @@ def attacks_flow(
         unmapped(run),
         seed=[j.seed for j in mt_jobs],
     )
-    film_runs: list[dict[str, Any]] = []
-    if f is not None:
-        prior_dirs = {name: fut.result() for name, fut in prior.items()}
-        private = {n: prepared[n] for n in f.private}
-        victims = unique([j.victim for j in of_type(jobs, FilmJob)])
-        per_victim = film_attack.map(
-            victims, unmapped(config), unmapped(private), unmapped(prior_dirs), unmapped(run)
-        ).result()
-        film_runs = [row for rows in per_victim for row in rows]
+    film_runs = [row for rows in film.result() for row in rows] if film is not None else []
     coverage = cov.result() if cov is not None else None
     summary = attacks_summary(
         film=film_runs,

@@ -375,8 +375,10 @@ class MTJob:
 def plan(cfg: AttacksConfig) -> list[Job]:
     """Every run of the stage below its flow run (:mod:`tasks.jobs`), in the order the flow starts them: the
     trained priors and the byte-coverage curve (with FILM), the audited targets (``tasks.audit.AuditJob``) and the
-    unlearning audit (its feature cache, then its run), the utility models, then FILM against each victim at each
-    batch size."""
+    unlearning audit (its feature cache, then its run), FILM against each victim at each batch size, then the
+    utility models, SEB's before the subword ones. The pool takes the longer jobs first (FILM against SEB is one
+    task of minutes, an SEB model costs about twice a subword one), so that it does not end with one worker on a
+    long job and the other idle; every job is seeded by its own config, so the order changes no result."""
     f, u, a = cfg.film, cfg.utility, cfg.audit
     jobs: list[Job] = []
     if f is not None:
@@ -385,10 +387,11 @@ def plan(cfg: AttacksConfig) -> list[Job]:
     if a is not None:
         jobs += audit_targets(a)
         jobs += [Recorded("feature-cache"), Recorded("mia-unlearning")] if a.unlearning else []
-    if u is not None:
-        jobs += [LMJob(d, e, s) for s in u.run_seeds for d in u.lm_datasets for e in u.embeddings]
-        jobs += [LMJob(d, e, s, matched=True) for s in u.run_seeds for d in u.lm_datasets for e in u.matched]
-        jobs += [MTJob(e, s) for s in u.run_seeds for e in u.mt_embeddings] if u.translation else []
     if f is not None:
         jobs += [FilmJob(v, b) for v in f.victims for b in f.batch_sizes]
+    if u is not None:
+        lms = [LMJob(d, e, s) for s in u.run_seeds for d in u.lm_datasets for e in u.embeddings]
+        lms += [LMJob(d, e, s, matched=True) for s in u.run_seeds for d in u.lm_datasets for e in u.matched]
+        jobs += sorted(lms, key=lambda j: j.embedding == "subword")  # stable: SEB's first, each in config order
+        jobs += [MTJob(e, s) for s in u.run_seeds for e in u.mt_embeddings] if u.translation else []
     return jobs

@@ -331,3 +331,29 @@ def test_claims_name_the_recipe_they_rest_on(stage_store, monkeypatch) -> None:
     assert table.loc["dpformer-beats-transformer", "scale"] == (
         "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64 for 1 epoch, transformer lr 0.005 x 64 for 1 epoch"
     )
+
+
+def test_the_queue_starts_the_longest_points_first_and_the_choice_ignores_it() -> None:
+    """The pool takes the non-private points (the schedule's longer run) first, then DPFormer's (Re-Attention: the
+    costlier epoch), then the rest, each group in grid order; the search's choice on a tie is the grid's first
+    point whatever order the results come back in."""
+    import random
+
+    from tasks.train_dp import expand_tuning, select_recipes
+
+    cfg = _tuned_config(epsilon=8, seed=7)
+    cfg = cfg.model_validate(cfg.model_dump() | {"nonprivate_schedule": {"epochs": 45, "batch_size": 16}})
+    search = expand_tuning(cfg, {"ml-1m-tiny": "/x"})
+    kinds = [("nonprivate" if p.epsilon is None else p.method) for p in search]
+    assert kinds == sorted(kinds, key=["nonprivate", "dpformer", "transformer"].index)
+    grid_order = [(p.lr, p.batch_size) for p in search if p.method == "transformer" and p.epsilon is not None]
+    assert grid_order == [(lr, b) for lr in cfg.lrs for b in cfg.batch_sizes]
+    grid = expand_grid(cfg, {"ml-1m-tiny": "/x"})
+    assert [p.epsilon is None for p in grid][:1] == [True] and grid[1].method == "dpformer"
+    results = [_result(p, 0.3) for p in search]  # every point ties
+    for seed in range(5):
+        random.Random(seed).shuffle(results)
+        chosen = select_recipes(cfg, results)
+        assert (chosen["ml-1m-tiny|transformer|dp"]["lr"], chosen["ml-1m-tiny|transformer|dp"]["batch_size"]) == (
+            cfg.lrs[0], cfg.batch_sizes[0]
+        )
