@@ -114,6 +114,8 @@ def protocol_costs(
         else {
             "server_over_plaintext_same_work_time_lo": same.lo,
             "server_over_plaintext_same_work_time_hi": same.hi,
+            # the interval's exact coverage (at least 95%; 1 - 2/2^8 = 99.2% at 8 rounds, where it is [min, max])
+            "server_over_plaintext_same_work_time_coverage": same.coverage,
         }
     )
     return {

@@ -70,7 +70,9 @@ def test_interval_is_the_sign_test_interval_of_the_rounds_and_absent_below_six(s
     assert out["server_over_plaintext_same_work_time"] == pytest.approx(ordered[3])
     assert out["server_over_plaintext_same_work_time_lo"] == pytest.approx(ordered[0])
     assert out["server_over_plaintext_same_work_time_hi"] == pytest.approx(ordered[-1])
+    assert out["server_over_plaintext_same_work_time_coverage"] == pytest.approx(1 - 2 / 2**7)  # [min, max] of 7
     stubbed += [(1.2, 3.0, 1.0)] * 5
     short = E.protocol_costs(None, None, 2, design="user_embed", repeats=5, timeout_s=1.0)
     assert "server_over_plaintext_same_work_time_lo" not in short  # 5 rounds cannot give a 95% interval
+    assert "server_over_plaintext_same_work_time_coverage" not in short
     assert math.isclose(short["server_over_plaintext_same_work_time"], 1.2)
