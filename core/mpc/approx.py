@@ -3,10 +3,13 @@
 :class:`ApproxGPT2` re-runs a Hugging Face ``GPT2LMHeadModel``'s own weights (copied) with a hand-written
 forward whose three nonlinearities are pluggable (:class:`Approximation`):
 
-* softmax over causal attention scores ``s`` (B, H, N, N), with ``mask`` the causal mask and ``eps = 1e-6``:
+* softmax over causal attention scores ``s`` (B, H, N, N), with ``mask`` the causal mask and ``n`` a query's number
+  of unmasked keys; every form but ``exact`` is :func:`core.mpc.ops.plain_softmax`, the plaintext twin of the
+  encrypted one, so the model distilled is the model run under MPC:
   ``exact``: ``softmax(s)`` over unmasked keys;
-  ``2relu`` (MPCFormer, Li et al. 2022; MERGE Sec. 2): ``relu(s + c) * mask / (sum(relu(s + c) * mask) + eps)``;
-  ``2quad`` (MPCFormer): ``(s + c)^2 * mask / (sum((s + c)^2 * mask) + eps)``, c = 5 as in MPCFormer;
+  ``2relu`` (MPCFormer, Li et al. 2022; MERGE Sec. 2): ``relu(s + c) * mask / (sum(relu(s + c) * mask) + eps n)``
+  with ``eps = ops.RELU_EPS`` (1e-3 a key: the encrypted reciprocal's floor);
+  ``2quad`` (MPCFormer): ``(s + c)^2 * mask / sum((s + c)^2 * mask)``, c = 5 as in MPCFormer;
   ``thex`` (our reading of THE-X, Chen et al. 2022): ``exp`` replaced by ``relu(s + c)`` (c = 3) so the
   score stays non-negative without a max, normalised by the masked sum (THE-X estimates the reciprocal
   with a small trained network under HE; in plaintext/MPC we divide exactly).
@@ -42,7 +45,6 @@ from core.registry import lookup
 SoftmaxKind = Literal["exact", "2relu", "2quad", "thex"]
 ActKind = Literal["gelu_new", "quad", "relu"]
 LNKind = Literal["exact", "affine"]
-SOFTMAX_EPS = 1e-6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,18 +85,19 @@ def causal_mask(n: int, device=None) -> torch.Tensor:
 
 
 def approx_softmax(scores: torch.Tensor, kind: str, c: float = 0.0) -> torch.Tensor:
-    """Causal attention probabilities from scores (..., N, N) with the given approximation (module docstring)."""
+    """Causal attention probabilities from scores (..., N, N) with the given approximation (module docstring):
+    the approximations are :func:`core.mpc.ops.plain_softmax` (THE-X's is its ``2relu`` at ``c``), masked keys
+    contributing exactly 0."""
+    from core.mpc import ops  # the encrypted forms' plaintext twins
+
     mask = causal_mask(scores.shape[-1], scores.device)
     if kind == "exact":
         return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    if kind in ("2relu", "thex"):
-        num = torch.relu(scores + c)
-    elif kind == "2quad":
-        num = (scores + c).pow(2)
-    else:
+    if kind not in ("2relu", "2quad", "thex"):
         raise ConfigError(f"unknown softmax approximation {kind!r}; known: exact, 2relu, 2quad, thex")
-    num = num * mask  # masked keys contribute exactly 0
-    return num / (num.sum(dim=-1, keepdim=True) + SOFTMAX_EPS)
+    n = scores.shape[-1]
+    keep = ops.causal_mask(n, n, scores.device).to(scores.dtype)
+    return ops.plain_softmax(scores, kind="2relu" if kind == "thex" else kind, mask=keep, c=c)
 
 
 def _norm(ln: nn.LayerNorm, x: torch.Tensor, kind: str) -> torch.Tensor:

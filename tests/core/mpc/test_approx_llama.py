@@ -60,8 +60,11 @@ def _reference_logits(model: LlamaForCausalLM, ids: torch.Tensor, name: str) -> 
         if a.softmax == "exact":
             e = torch.exp(scores - scores.max())
             return e / e.sum()
-        f = (scores + a.c) ** 2 if a.softmax == "2quad" else (scores + a.c).clamp_min(0)
-        return f / (f.sum() + 1e-6)
+        if a.softmax == "2quad":
+            f = (scores + a.c) ** 2
+            return f / f.sum()
+        f = (scores + a.c).clamp_min(0)  # 2ReLU, THE-X: the encrypted reciprocal's floor, 1e-3 a key
+        return f / (f.sum() + 1e-3 * len(scores))
 
     n = ids.shape[1]
     inv = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
