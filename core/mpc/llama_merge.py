@@ -61,7 +61,8 @@ from core.errors import ConfigError
 from core.mpc import ops
 from core.mpc.accounting import CostMeter, OpCategory
 from core.mpc.crypten_compat import import_crypten
-from core.mpc.gpt2 import GenerationResult, MergeLoop, check_mode
+from core.mpc.gpt2 import GenerationResult, check_mode
+from core.mpc.gpt2_merge import MergeLoop
 from core.mpc.merge import ConstantAttention, MergeOutput, mean_attention_maps
 from core.mpc.merge_spec import MergeState, check_length
 from core.mpc.parties import MODEL_OWNER
@@ -540,7 +541,7 @@ class EncryptedLlamaMerge(MergeLoop):
     """A :class:`LlamaMergeSpec` with shared weights (party 0, ``C`` included: the constant attention is the model
     owner's weight; its shape is public); runs :func:`merge_generate_plain` on shares (``generate``).
 
-    Costs, in :class:`~core.mpc.gpt2.EncryptedMerge`'s categories: ``C @ v`` and the products by ``W_V``, ``W_d``,
+    Costs, in :class:`~core.mpc.gpt2_merge.EncryptedMerge`'s categories: ``C @ v`` and the products by ``W_V``, ``W_d``,
     ``M_gate``, ``M_up``, ``W_down`` are Linear, the kept RMSNorms (wide-range) Norm, silu and the gate's product
     Activation, the prompt lookup (and ``mm``'s token lookups) Embed, the LM head Linear and the argmax Generation.
     No softmax; ``merge`` has no lookup and no token selection per step. Each step processes one new position

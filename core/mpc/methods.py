@@ -31,6 +31,7 @@ import torch
 
 from core.errors import ConfigError
 from core.mpc import gpt2 as G
+from core.mpc import gpt2_merge as GM
 from core.mpc import llama as LL
 from core.mpc import llama_merge as LLM
 from core.mpc import t5 as T5
@@ -114,7 +115,7 @@ def run_method_party(
             raise ConfigError(
                 f"method {method!r} runs a MergeSpec, T5MergeSpec or LlamaMergeSpec, got {type(payload).__name__}"
             )
-        return G.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(
+        return GM.EncryptedMerge(payload, rank=ctx.rank, device=ctx.device).generate(
             ids, n_new, mode=spec.mode, shape=shape
         )
     if isinstance(payload, T5.T5Weights):

@@ -355,5 +355,6 @@ def test_the_queue_starts_the_longest_points_first_and_the_choice_ignores_it() -
         random.Random(seed).shuffle(results)
         chosen = select_recipes(cfg, results)
         assert (chosen["ml-1m-tiny|transformer|dp"]["lr"], chosen["ml-1m-tiny|transformer|dp"]["batch_size"]) == (
-            cfg.lrs[0], cfg.batch_sizes[0]
+            cfg.lrs[0],
+            cfg.batch_sizes[0],
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from core.mpc import gpt2 as G
+from core.mpc import gpt2_merge as GM
 from core.mpc.crypten_compat import crypten_available
 from core.mpc.merge_spec import MergedLayerSpec, MergeSpec
 
@@ -105,7 +106,7 @@ def _two_party_job(ctx, w, ids, spec):
     out["logits"] = model.forward(x).get_plain_text()
     for mode in G.GENERATION_MODES:
         out[mode] = model.generate(ids if ctx.is_client else None, NEW, mode=mode, shape=tuple(ids.shape))
-    merged = G.EncryptedMerge(spec, rank=ctx.rank)
+    merged = GM.EncryptedMerge(spec, rank=ctx.rank)
     out["merge"] = merged.generate(ids if ctx.is_client else None, NEW, shape=tuple(ids.shape))
     out["mm"] = merged.generate(ids if ctx.is_client else None, NEW, mode="mm", shape=tuple(ids.shape))
     out["merge_recompute"] = merged.generate(

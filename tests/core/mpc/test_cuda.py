@@ -10,6 +10,7 @@ import torch
 
 from core.mpc import crypten_compat as C
 from core.mpc import gpt2 as G
+from core.mpc import gpt2_merge as GM
 from core.mpc.merge_spec import merge_generate_plain
 
 from .conftest import NEW, require_crypten, tiny_merge_spec
@@ -83,7 +84,7 @@ def _generate(ctx, w, ids, spec):
     client_ids = ids if ctx.is_client else None
     for mode in ("vanilla", "vanilla_kv"):
         out[mode] = model.generate(client_ids, NEW, mode=mode, shape=tuple(ids.shape))
-    out["merge"] = G.EncryptedMerge(spec, rank=ctx.rank, device=ctx.device).generate(
+    out["merge"] = GM.EncryptedMerge(spec, rank=ctx.rank, device=ctx.device).generate(
         client_ids, NEW, shape=tuple(ids.shape)
     )
     return out
