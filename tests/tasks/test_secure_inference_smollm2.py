@@ -179,9 +179,13 @@ def test_the_mpcformer_and_thex_students_distil_from_smollm2_and_decrypt_to_thei
     """The students of SmolLM2 (core.mpc.approx_llama): distilled with the relative hidden loss and recorded; the
     2Quad one runs under MPC with its approximations (SiLU gate -> quad, softmax -> 2Quad). THE-X's student trains
     here, but its RMSNorm -> x * g leaves this random model's residual at ~3e5 after two blocks, where 2-party fixed
-    point wraps; its decryption is tested on a model in range (tests/core/mpc/test_llama.py). The 2ReLU student of
-    this model decrypts to other tokens than its twin's (not yet diagnosed; 2ReLU with c = 0 divides by a sum that
-    is 0 where every score of a query is negative)."""
+    point wraps; its decryption is tested on a model in range (tests/core/mpc/test_llama.py). The 2ReLU student is
+    left out: on such a random model its decryption differs from its twin now and then, with the shares' draw (on
+    the module's tiny LLaMA of tests/core/mpc/test_llama.py, 1 run in 3 flipped a token whose plaintext margin is
+    3.1 logits, while each block's hidden states decrypt within 3e-3 of the twin's). Likely cause, not proven: 24%
+    of its attention rows have a sum within 2x of 2ReLU's 1e-3 floor, so their reciprocals are near 1000, and
+    2-party CrypTen's local truncation fails (a rare, huge error) with a probability that grows with the magnitude
+    truncated; 2Quad's sums keep reciprocals near 1."""
     import core.stip.models as stip_models
 
     monkeypatch.setattr(stip_models, "load_smollm2", _tiny_llama)
