@@ -378,7 +378,9 @@ def plan(cfg: AttacksConfig) -> list[Job]:
     unlearning audit (its feature cache, then its run), FILM against each victim at each batch size, then the
     utility models, SEB's before the subword ones. The pool takes the longer jobs first (FILM against SEB is one
     task of minutes, an SEB model costs about twice a subword one), so that it does not end with one worker on a
-    long job and the other idle; every job is seeded by its own config, so the order changes no result."""
+    long job and the other idle. Every job is seeded by its own config, so the order changes no result; a job
+    capped by wall-clock time (a prior's or a utility model's ``max_seconds``) depends on the machine's load,
+    whatever the order."""
     f, u, a = cfg.film, cfg.utility, cfg.audit
     jobs: list[Job] = []
     if f is not None:
