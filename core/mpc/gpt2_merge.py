@@ -34,6 +34,10 @@ class MergeLoop:
     after new input embeddings, one position per step) and, for ``recompute``, ``hidden(emb)`` (the whole sequence);
     its blocks charge ``self.meter``, which the loop sets."""
 
+    def _share(self, x: torch.Tensor) -> CrypTensor:
+        """``x`` secret-shared by the model owner (party 0), on this party's device."""
+        return ops.share(x, src=MODEL_OWNER, rank=self.rank, device=self.device)
+
     def merge_loop(
         self,
         prefix_ids: torch.Tensor | None,
@@ -109,9 +113,6 @@ class EncryptedMerge(MergeLoop):
             ]
         self.setup_costs = setup.totals()
         self.meter = CostMeter()
-
-    def _share(self, x: torch.Tensor) -> CrypTensor:
-        return ops.share(x, src=MODEL_OWNER, rank=self.rank, device=self.device)
 
     def _block(self, layer: tuple, h: CrypTensor, sums: CrypTensor | None, start: int | None) -> tuple:
         """One block on h (B, n, d): the whole sequence (``start`` None) or the new positions ``start..start+n-1``

@@ -65,7 +65,6 @@ from core.mpc.gpt2 import GenerationResult, check_mode
 from core.mpc.gpt2_merge import MergeLoop
 from core.mpc.merge import ConstantAttention, MergeOutput, mean_attention_maps
 from core.mpc.merge_spec import MergeState, check_length
-from core.mpc.parties import MODEL_OWNER
 
 CrypTensor = Any
 MERGE_MODES: tuple[str, ...] = ("merge", "mm")
@@ -572,9 +571,6 @@ class EncryptedLlamaMerge(MergeLoop):
             ]
         self.setup_costs = setup.totals()
         self.meter = CostMeter()
-
-    def _share(self, x: torch.Tensor) -> CrypTensor:
-        return ops.share(x, src=MODEL_OWNER, rank=self.rank, device=self.device)
 
     def _rms(self, h: CrypTensor, gain: CrypTensor) -> CrypTensor:
         return ops.rms_norm(h, gain, self.meter, eps=self.eps, wide=True)
