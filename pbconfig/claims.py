@@ -151,6 +151,27 @@ def _check_source(source: str, stage: str | None, techniques: tuple[str, ...], w
         raise ValueError(f"stage/techniques apply to source 'metrics' only, not {source!r}; use where")
 
 
+class Choice(FrozenConfig):
+    """``measure.choose``: one value of column ``among`` (e.g. which attack) chosen once per context, before the rule
+    reads anything, as the one whose rows score highest on ``by`` (their mean over every run of both sides, every seed
+    pooled; ties to the first in sorted order); only its rows are judged. ``by`` must be data the judged ``value``
+    does not read (a selection half where the value is the held-out half): a choice made on the judged data is the
+    best-of-several after the fact this avoids."""
+
+    among: str = Field(min_length=1)
+    by: str
+
+    @field_validator("by")
+    @classmethod
+    def _expression(cls, value: str) -> str:
+        if not _names(value):
+            raise ValueError(f"choose.by {value!r} names no column")
+        return value
+
+    def columns(self) -> set[str]:
+        return {self.among} | _names(self.by)
+
+
 class SideSource(FrozenConfig):
     """Side b read from another source than side a (``measure.b_source``; see the module docstring)."""
 
@@ -216,6 +237,8 @@ class Measure(FrozenConfig):
     # many bounds): the judged rows' shares must add up to at most 1 - CONFIDENCE, else the strongest of them is not a
     # 95% statement and the verdict is "inconclusive" (e.g. seeds audited after the family was fixed)
     family: str | None = None
+    # one value of a column (e.g. the attack) chosen once per context on data the value does not read (Choice)
+    choose: Choice | None = None
 
     @field_validator("value", "value_b", "power", "validation", "family")
     @classmethod
@@ -247,6 +270,20 @@ class Measure(FrozenConfig):
             raise ValueError("value_b needs a side b")
         if self.run_interval is not None and self.stat not in ("value", "difference"):
             raise ValueError(f"run_interval applies to stat 'value' or 'difference', got stat {self.stat!r}")
+        if self.choose is not None:
+            if self.b_source is not None:
+                raise ValueError("choose pools both sides' runs of one source: it does not apply with b_source")
+            judged = _names(self.value).union(*(_names(b) for b in self.run_interval or ()))
+            if self.choose.columns() & judged - {self.choose.among}:
+                raise ValueError(
+                    f"choose.by {self.choose.by!r} reads the judged value ({self.value!r}): choose on data the value "
+                    f"does not read (e.g. a selection half, where the value is the held-out half)"
+                )
+            if self.choose.among in self.where or self.choose.among in self.per:
+                raise ValueError(
+                    f"choose.among {self.choose.among!r} is also in where or per: the choice would have nothing to "
+                    f"choose among; drop it from there"
+                )
         if self.run_interval is not None and self.b_source is not None:
             raise ValueError("run_interval does not apply to a b_source (a peer's runs record no interval of ours)")
         for bound in self.run_interval or ():
@@ -262,6 +299,8 @@ class Measure(FrozenConfig):
             cols |= _names(bound)
         for extra in (self.power, self.validation, self.family):
             cols |= _names(extra) if extra else set()
+        if self.choose is not None:
+            cols |= self.choose.columns()
         return cols | set(self.b or {})
 
 
@@ -471,6 +510,7 @@ __all__ = [
     "STAGE_SECTIONS",
     "VERDICTS",
     "AppliesAt",
+    "Choice",
     "Claim",
     "ClaimsFile",
     "Measure",

@@ -87,7 +87,8 @@ _EPS = re.compile(r"eps=([0-9.eE+-]+)")
 def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     """Membership-inference audits (``MEMBERSHIP_COLUMNS``), with the AUC's 95% interval over the audited users
     (``auc_lo``, ``auc_hi``: DeLong), the attack chosen on one half of the users (``selected``) with every
-    attack's AUC on the other half (``auc_heldout``, ``auc_heldout_lo``, ``auc_heldout_hi``), and the audit's power
+    attack's AUC on the first half (``auc_selection``) and on the other half (``auc_heldout``, ``auc_heldout_lo``,
+    ``auc_heldout_hi``), and the audit's power
     ``certifiable_epsilon_max`` (the largest ``empirical_epsilon_lo`` the audit could report at its sample sizes, a
     perfect attack's; a run where it does not exceed ``accountant_epsilon`` cannot show the guarantee broken) and
     the attacks' reach ``nonprivate_epsilon_lo`` (what they certified on the same audit's non-private model).
@@ -111,7 +112,7 @@ def membership(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     # the attack the audit chose on one half of its users, and every attack's AUC on the other half with its DeLong
     # interval (``core.attacks.audit``; NaN, and selected False, before it was recorded)
     frame["selected"] = pd.Series([bool(e.get("selected", False)) for e in extra], index=frame.index, dtype=bool)
-    for column in ("auc_heldout", "auc_heldout_lo", "auc_heldout_hi"):
+    for column in ("auc_selection", "auc_heldout", "auc_heldout_lo", "auc_heldout_hi"):
         frame[column] = pd.Series([e.get(column, math.nan) for e in extra], index=frame.index, dtype=float)
     # the audit's power: the largest empirical_epsilon_lo it could certify at its size (NaN before it was recorded)
     # the audited models' recipe (config.train: NaN for the unlearning audit)

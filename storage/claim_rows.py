@@ -15,7 +15,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from core.errors import ConfigError
-from pbconfig.claims import Claim, SideSource, dotted_name
+from pbconfig.claims import Claim, Measure, SideSource, dotted_name
 from storage import view_query as vq
 from storage import views
 
@@ -142,10 +142,39 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
         ]
         parts = [p for p in parts if len(p)]
         frame = pd.concat(parts, ignore_index=True) if parts else frame.reindex(columns=[*keep, "side"])
+    chosen: dict[tuple[Any, ...], Any] = {}
+    if m.choose is not None and len(frame):
+        frame, chosen = choose_once(frame, m)
     measured = frame[frame["value"].notna()]
     # runs the claim selects whose value is missing (e.g. recorded before the measure existed): the reason counts them
     measured.attrs["unmeasured_runs"] = int(frame.loc[frame["value"].isna(), "run_id"].nunique()) if len(frame) else 0
+    measured.attrs["chosen"] = chosen
     return measured
+
+
+def choose_once(frame: pd.DataFrame, m: Measure) -> tuple[pd.DataFrame, dict[tuple[Any, ...], Any]]:
+    """``measure.choose``: per context (the ``per`` columns), the value of ``choose.among`` whose rows have the
+    highest mean ``choose.by`` over the rows of both sides together (every run and seed pooled; ties to the first in
+    sorted order), and ``frame`` cut to its rows; with ``{context key: chosen value}``. One choice for both sides,
+    made on ``by`` (data the judged value does not read), so neither side is judged under its own best pick."""
+    assert m.choose is not None
+    sides = matches(frame, m.a) | (matches(frame, m.b) if m.b is not None else False)
+    by = _evaluate(m.choose.by, frame)
+    pool = frame.assign(_by=by)[sides & by.notna()]
+    chosen: dict[tuple[Any, ...], Any] = {}
+    keep = pd.Series(False, index=frame.index)
+    keys = list(m.per)
+    groups = pool.groupby(keys, dropna=False, sort=True) if keys else [((), pool)]
+    for key, rows in groups:
+        key = key if isinstance(key, tuple) else (key,)
+        means = rows.groupby(m.choose.among, sort=True)["_by"].mean()
+        if means.empty:
+            continue
+        best = means.index[int(np.argmax(means.to_numpy()))]  # argmax: the first of equal maxima in sorted order
+        chosen[key] = best
+        in_context = matches(frame, dict(zip(keys, key, strict=True))) if keys else pd.Series(True, index=frame.index)
+        keep |= in_context & matches(frame, {m.choose.among: best})
+    return frame[keep].copy(), chosen
 
 
 def matches(frame: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:

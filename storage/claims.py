@@ -119,6 +119,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
                 f"measure ({m.value}): {_how(claim, filters.get('profile'))}",
             )
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
+    choices = _choices(rows.attrs.get("chosen", {}), m)
     meta = run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
     rows = rows.drop(columns=[c for c in ("started_at", "git_commit") if c in rows]).merge(
@@ -168,8 +169,21 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
         note = f"{superseded} run{'s' if superseded != 1 else ''} of an older commit superseded by the newest commit's"
         reason = f"{reason}; {note}" if reason else note
     return ClaimResult(
-        claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded, _recipes(rows, m)
+        claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded, _recipes(rows, m) + choices
     )
+
+
+def _choices(chosen: dict[tuple[Any, ...], Any], m: Any) -> tuple[str, ...]:
+    """How the report names each ``measure.choose`` choice: ``<among> <value> chosen once on <by>, both sides
+    pooled`` (prefixed by its context where the claim has several)."""
+    if m.choose is None:
+        return ()
+    out = []
+    for key, value in sorted(chosen.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        where = ", ".join(context_part(c, v) for c, v in zip(m.per, key, strict=True))
+        label = f"{m.choose.among} {value} chosen once on {m.choose.by}, both sides pooled"
+        out.append(f"{where}: {label}" if where and len(chosen) > 1 else label)
+    return tuple(out)
 
 
 def _family_spent(

@@ -209,6 +209,7 @@ MEMBERSHIP_COLUMNS = [
     "auc_lo",
     "auc_hi",
     "selected",
+    "auc_selection",
     "auc_heldout",
     "auc_heldout_lo",
     "auc_heldout_hi",

@@ -1,0 +1,156 @@
+"""``measure.choose``: one value of a column (the membership audit's attack) chosen once per context on data the
+judged value does not read, pooled over both sides and every seed, so that neither side is judged under its own best
+pick. Known cases: the pooled choice where each side alone would pick another attack, ties, contexts choosing apart,
+the registry's ``nonprivate-more-exposed`` failing on a hand-made case that per-side picks would pass, and a choice
+that reads the judged value refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import pytest
+from pydantic import ValidationError
+
+from pbconfig.claims import Measure, load_claims
+from storage import claim_rows as cr
+from storage import claims as sc
+
+MEASURE = {
+    "source": "membership",
+    "where": {"audit": "dp"},
+    "choose": {"among": "attack", "by": "auc_selection"},
+    "value": "auc_heldout",
+    "a": {"private": False},
+    "b": {"private": True},
+    "per": ["dataset"],
+    "stat": "difference",
+}
+
+
+def _rows(table: dict[tuple[str, bool, int], tuple[float, float]], dataset: str = "d") -> list[dict[str, Any]]:
+    """Membership rows: (attack, private, seed) -> (auc_selection, auc_heldout), one run per (arm, seed)."""
+    return [
+        {
+            "audit": "dp",
+            "dataset": dataset,
+            "attack": attack,
+            "private": private,
+            "run_id": f"{dataset}-{'dp' if private else 'np'}-{seed}",
+            "auc_selection": sel,
+            "auc_heldout": held,
+        }
+        for (attack, private, seed), (sel, held) in table.items()
+    ]
+
+
+def _claim_rows(monkeypatch: pytest.MonkeyPatch, measure: dict[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
+    frame = pd.DataFrame(rows)
+    monkeypatch.setattr(cr, "_source_rows", lambda *args, **kwargs: frame.copy())
+    claim = next(c for c in load_claims() if c.id == "nonprivate-more-exposed")
+    claim = claim.model_copy(update={"measure": Measure.model_validate(measure)})
+    return cr.claim_rows(None, claim)
+
+
+# each side alone would pick another attack: the non-private arm lira (0.70), the DP arm loss (0.60); pooled, the
+# means are lira 0.60, loss 0.575: lira for both
+SPLIT = {
+    ("lira", False, 0): (0.70, 0.52),
+    ("loss", False, 0): (0.55, 0.90),
+    ("lira", True, 0): (0.50, 0.51),
+    ("loss", True, 0): (0.60, 0.95),
+}
+
+
+def test_one_attack_is_chosen_for_both_sides_on_the_pooled_selection_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = _claim_rows(monkeypatch, MEASURE, _rows(SPLIT))
+    assert set(rows["attack"]) == {"lira"}
+    assert sorted(rows["private"]) == [False, True]
+    assert rows.attrs["chosen"] == {("d",): "lira"}
+    # the judged value never enters the choice: loss holds the highest held-out AUCs on both sides
+    assert rows["value"].tolist() == [0.52, 0.51]
+
+
+def test_ties_go_to_the_first_value_in_sorted_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = {("loss", False, 0): (0.6, 0.5), ("lira", False, 0): (0.6, 0.5)}
+    table |= {("loss", True, 0): (0.5, 0.5), ("lira", True, 0): (0.5, 0.5)}
+    assert _claim_rows(monkeypatch, MEASURE, _rows(table)).attrs["chosen"] == {("d",): "lira"}
+
+
+def test_each_context_chooses_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = {(a, p, s): (1.0 - sel, held) for (a, p, s), (sel, held) in SPLIT.items()}  # loss wins here
+    rows = _claim_rows(monkeypatch, MEASURE, _rows(SPLIT, "d") + _rows(other, "e"))
+    assert rows.attrs["chosen"] == {("d",): "lira", ("e",): "loss"}
+    assert set(zip(rows["dataset"], rows["attack"], strict=True)) == {("d", "lira"), ("e", "loss")}
+
+
+def test_rows_of_neither_side_do_not_vote(monkeypatch: pytest.MonkeyPatch) -> None:
+    measure = MEASURE | {"a": {"private": False, "method": "m"}, "b": {"private": True, "method": "m"}}
+    rows = [r | {"method": "m"} for r in _rows(SPLIT)]
+    # a third model, on neither side, whose loss selection AUC would swing the pooled mean to loss
+    rows += [r | {"method": "other"} for r in _rows({("loss", True, 0): (1.0, 0.5), ("lira", True, 0): (0.0, 0.5)})]
+    assert _claim_rows(monkeypatch, measure, rows).attrs["chosen"] == {("d",): "lira"}
+
+
+def _membership(seeds: int) -> pd.DataFrame:
+    """A hand-made audit where the non-private arm is less exposed than the DP arm under either attack (held-out AUC
+    2 points lower), but each arm's own best pick would make it look more exposed: the non-private arm's selection
+    half favours lira, whose held-out AUC is high on both arms, and the DP arm's favours loss, low on both."""
+    table = {}
+    for s in range(seeds):
+        jitter = 0.001 * s
+        table |= {
+            ("lira", False, s): (0.70, 0.70 + jitter),
+            ("loss", False, s): (0.55, 0.50 + jitter),
+            ("lira", True, s): (0.54, 0.72 - jitter),
+            ("loss", True, s): (0.60, 0.52 - jitter),
+        }
+    frame = pd.DataFrame(_rows(table, "ml-100k"))
+    frame["method"] = "transformer"
+    frame["epsilon"] = [8.0 if p else float("nan") for p in frame["private"]]
+    frame["selected"] = False
+    for (run_id, _), part in frame.groupby(["run_id", "private"]):  # each audit's own pick, as recorded
+        frame.loc[part["auc_selection"].idxmax(), "selected"] = True
+    for side in ("lo", "hi"):
+        frame[f"auc_heldout_{side}"] = frame["auc_heldout"] + (-0.01 if side == "lo" else 0.01)
+    return frame
+
+
+def _evaluate(monkeypatch: pytest.MonkeyPatch, claim_id: str, frame: pd.DataFrame) -> sc.ClaimResult:
+    claim = next(c for c in load_claims() if c.id == claim_id)
+    monkeypatch.setattr(cr, "_source_rows", lambda *args, **kwargs: frame.copy())
+    runs = frame["run_id"].drop_duplicates().tolist()
+    meta = pd.DataFrame(
+        {
+            "run_id": runs,
+            "seed": [int(r.rsplit("-", 1)[1]) for r in runs],
+            "started_at": pd.Timestamp("2026-01-01", tz="UTC"),
+            "git_commit": "abc1234",
+        }
+    )
+    monkeypatch.setattr(sc, "run_meta", lambda db_url, run_ids: meta[meta["run_id"].isin(run_ids)].copy())
+    return sc.evaluate_claim(None, claim)
+
+
+def test_the_registered_audit_claim_fails_where_per_side_picks_would_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    frame = _membership(seeds=3)
+    result = _evaluate(monkeypatch, "nonprivate-more-exposed", frame)
+    assert result.verdict == sc.NOT_REPRODUCED, (result.verdict, result.reason)
+    assert any("attack lira chosen once on auc_selection" in r for r in result.recipes), result.recipes
+    # the same rows judged under each arm's own recorded pick (the rule before 2026-11-29) would have passed
+    picked = frame[frame["selected"]]
+    gap = picked[~picked["private"]]["auc_heldout"].mean() - picked[picked["private"]]["auc_heldout"].mean()
+    assert gap > 0.15
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"choose": {"among": "attack", "by": "auc_heldout"}}, "reads the judged value"),
+        ({"choose": {"among": "attack", "by": "auc_heldout_lo + 0"}, "run_interval": ["auc_heldout_lo", "x"]}, "reads"),
+        ({"where": {"audit": "dp", "attack": "loss"}}, "choose.among 'attack' is also in where or per"),
+    ],
+)
+def test_a_choice_on_the_judged_data_or_with_nothing_to_choose_is_refused(change: dict, named: str) -> None:
+    with pytest.raises(ValidationError, match=named):
+        Measure.model_validate(MEASURE | change)
