@@ -427,6 +427,9 @@ class Claim(FrozenConfig):
     # design of ours the paper leaves open): its verdict stands in the table, marked ``privbench check``, and the
     # report counts the papers' own claims apart from the checks
     check: str | None = None
+    # columns of the judged rows the report's scale column names per technique and side (a search's chosen point,
+    # the schedule, the steps a stopping rule reached): one value, a range, or the values seen; read by no rule
+    shows: tuple[str, ...] = ()
     registered: Registration
     history: tuple[RuleChange, ...] = ()
 

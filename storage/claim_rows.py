@@ -122,7 +122,7 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
     """The rows that measure ``claim`` (after ``where``), with a ``value`` column (and a ``side`` column, ``a`` or
     ``b``, when side b comes from a ``b_source``); raises ValueError naming a column a source does not have."""
     m = claim.measure
-    frame = _source_rows(db_url, claim.id, m.source, m.stage, m.techniques, m.columns, **filters)
+    frame = _source_rows(db_url, claim.id, m.source, m.stage, m.techniques, m.columns | set(claim.shows), **filters)
     frame = frame[matches(frame, m.where)].copy()
     frame["value"] = _evaluate(m.value, frame) if len(frame) else pd.Series(dtype=float)
     if m.run_interval is not None:

@@ -37,7 +37,7 @@ import pandas as pd
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Verdict, load_claims
 from storage.claim_context import ContextResult, IntervalKind, Sides, context_part, decide, fmt, sides_of
-from storage.claim_rows import at_scale, claim_rows, run_configs
+from storage.claim_rows import at_scale, claim_rows, matches, run_configs
 from storage.leaderboard import CONFIDENCE, run_meta
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = (
@@ -119,7 +119,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
                 f"measure ({m.value}): {_how(claim, filters.get('profile'))}",
             )
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
-    choices = _choices(rows.attrs.get("chosen", {}), m)
+    choices = _choices(rows.attrs.get("chosen", {}), m) + shown_per_side(rows, claim)
     meta = run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
     rows = rows.drop(columns=[c for c in ("started_at", "git_commit") if c in rows]).merge(
@@ -171,6 +171,42 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     return ClaimResult(
         claim, verdict, tuple(contexts), reason, run_ids, datasets, len(rows), superseded, _recipes(rows, m) + choices
     )
+
+
+def _shown_value(values: pd.Series) -> str:
+    """One value as is, several numbers as their range, several others as the values seen (sorted)."""
+    seen = values.dropna().unique().tolist()
+    if not seen:
+        return "-"
+    if len(seen) == 1:
+        value = seen[0]
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in seen):
+        return f"{min(seen):g}-{max(seen):g}"
+    return "/".join(sorted(map(str, seen)))
+
+
+def shown_per_side(rows: pd.DataFrame, claim: Claim) -> tuple[str, ...]:
+    """``claim.shows`` as the scale column names them: per technique (``method``) and side, each shown column's
+    value over the side's rows (``lr 0.01, pretrained True``; a range where the runs differ)."""
+    columns = [c for c in claim.shows if c in rows.columns]
+    if not columns or rows.empty:
+        return ()
+    m = claim.measure
+    labels = [("a", m.a), ("b", m.b)] if m.b is not None else [("a", m.a)]
+    out = []
+    for _, selector in labels:
+        side = rows[matches(rows, selector)] if selector else rows
+        label = " ".join(str(v) if not isinstance(v, list) else "/".join(map(str, v)) for v in selector.values())
+        groups = side.groupby("method", sort=True) if "method" in side else [("", side)]
+        for method, part in groups:
+            name = str(method) if label in ("", str(method)) else f"{method} {label}".strip()
+            shown = ", ".join(
+                f"{c.removeprefix('config.')} {_shown_value(part[c])}" for c in columns if part[c].notna().any()
+            )
+            if shown:
+                out.append(f"{name}: {shown}" if name else shown)
+    return tuple(dict.fromkeys(out))
 
 
 def _choices(chosen: dict[tuple[Any, ...], Any], m: Any) -> tuple[str, ...]:
@@ -354,7 +390,7 @@ def claims_table(results: Sequence[ClaimResult], profile: str | None = None) -> 
         if shown:
             scale = f"{'bench ' if c.stage == 'bench' else ''}{shown} profile" + (f": {scale}" if scale else "")
         if r.recipes:
-            scale = f"{scale}; {', '.join(r.recipes)}" if scale else ", ".join(r.recipes)
+            scale = f"{scale}; {'; '.join(r.recipes)}" if scale else "; ".join(r.recipes)
         rows.append(
             {
                 "paper": c.paper,

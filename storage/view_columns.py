@@ -130,6 +130,8 @@ TANGENT_ACCURACY_COLUMNS = [
     "n_shards",
     "test_accuracy",
     "mean_component_accuracy",
+    "lr",
+    "epochs",
     "dataset",
     "started_at",
 ]

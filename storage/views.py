@@ -234,6 +234,11 @@ def tangent_accuracy(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     ]
     frame = frame.dropna(subset=["n_shards", "test_accuracy"])
     frame["n_shards"] = frame["n_shards"].astype(int)
+    # the one model's recipe (a search's chosen point where the stage searched; NaN for compositions, whose run
+    # records no learning rate of its own)
+    configs = [_config(c) for c in frame["config_json"]]
+    for key in ("lr", "epochs"):
+        frame[key] = pd.Series([c.get(key, math.nan) for c in configs], index=frame.index, dtype=float)
     return _finish(frame, TANGENT_ACCURACY_COLUMNS, ["method", "n_shards", "started_at"])
 
 

@@ -1,0 +1,51 @@
+"""``claim.shows``: the scale column names each side's recipe per technique (one value, a range of numbers, or the
+values seen), so a reader sees the point a search chose and the schedule behind a verdict."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from pbconfig.claims import load_claims
+from storage.claims import shown_per_side
+
+
+def _claim(claim_id: str):  # noqa: ANN202 - a registry Claim
+    return next(c for c in load_claims() if c.id == claim_id)
+
+
+def test_each_technique_and_side_names_its_chosen_point() -> None:
+    claim = _claim("tangent-dp-beats-regular-dp")
+    rows = pd.DataFrame(
+        {
+            "method": ["dp-full"] * 4,
+            "config.parameters": ["ours", "ours", "reg", "reg"],
+            "config.lr": [0.01, 0.01, 0.001, 0.01],
+            "config.pretrained": [True, True, False, True],
+            "config.epochs": [2, 2, 2, 2],
+            "config.batch_size": [250, 250, 250, 250],
+        }
+    )
+    assert shown_per_side(rows, claim) == (
+        "dp-full ours: lr 0.01, pretrained True, epochs 2, batch_size 250",
+        "dp-full reg: lr 0.001-0.01, pretrained False/True, epochs 2, batch_size 250",
+    )
+
+
+def test_a_column_no_run_recorded_is_left_out_and_a_side_named_by_its_technique_once() -> None:
+    claim = _claim("seb-utility-close-to-subword")
+    rows = pd.DataFrame(
+        {
+            "method": ["seb-lm-seb_co", "seb-lm-subword"],
+            "steps": [1000.0, 800.0],
+            "best_step": [math.nan, math.nan],
+        }
+    )
+    assert shown_per_side(rows, claim) == ("seb-lm-seb_co: steps 1000", "seb-lm-subword: steps 800")
+
+
+def test_a_claim_that_shows_nothing_adds_nothing() -> None:
+    claim = _claim("composition-equals-ensemble")
+    assert claim.shows == ()
+    assert shown_per_side(pd.DataFrame({"method": ["x"], "lr": [1.0]}), claim) == ()
