@@ -142,13 +142,9 @@ def claim_rows(db_url: str | None, claim: Claim, **filters: Any) -> pd.DataFrame
         ]
         parts = [p for p in parts if len(p)]
         frame = pd.concat(parts, ignore_index=True) if parts else frame.reindex(columns=[*keep, "side"])
-    chosen: dict[tuple[Any, ...], Any] = {}
-    if m.choose is not None and len(frame):
-        frame, chosen = choose_once(frame, m)
     measured = frame[frame["value"].notna()]
     # runs the claim selects whose value is missing (e.g. recorded before the measure existed): the reason counts them
     measured.attrs["unmeasured_runs"] = int(frame.loc[frame["value"].isna(), "run_id"].nunique()) if len(frame) else 0
-    measured.attrs["chosen"] = chosen
     return measured
 
 
@@ -156,7 +152,8 @@ def choose_once(frame: pd.DataFrame, m: Measure) -> tuple[pd.DataFrame, dict[tup
     """``measure.choose``: per context (the ``per`` columns), the value of ``choose.among`` whose rows have the
     highest mean ``choose.by`` over the rows of both sides together (every run and seed pooled; ties to the first in
     sorted order), and ``frame`` cut to its rows; with ``{context key: chosen value}``. One choice for both sides,
-    made on ``by`` (data the judged value does not read), so neither side is judged under its own best pick."""
+    made on ``by`` (data the judged value does not read), so neither side is judged under its own best pick.
+    ``storage.claims`` applies it to the rows the rule keeps (at the claim's scale, the newest commit's runs)."""
     assert m.choose is not None
     sides = matches(frame, m.a) | (matches(frame, m.b) if m.b is not None else False)
     by = _evaluate(m.choose.by, frame)

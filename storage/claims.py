@@ -37,7 +37,7 @@ import pandas as pd
 from core.errors import ConfigError
 from pbconfig.claims import Claim, Verdict, load_claims
 from storage.claim_context import ContextResult, IntervalKind, Sides, context_part, decide, fmt, sides_of
-from storage.claim_rows import at_scale, claim_rows, matches, run_configs
+from storage.claim_rows import at_scale, choose_once, claim_rows, matches, run_configs
 from storage.leaderboard import CONFIDENCE, run_meta
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = (
@@ -119,7 +119,6 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
                 f"measure ({m.value}): {_how(claim, filters.get('profile'))}",
             )
         return ClaimResult(claim, NOT_RUN, (), f"nothing measured: {_how(claim, filters.get('profile'))}")
-    choices = _choices(rows.attrs.get("chosen", {}), m) + shown_per_side(rows, claim)
     meta = run_meta(db_url, rows["run_id"].drop_duplicates().tolist())
     seeds = dict(zip(meta["run_id"], meta["seed"], strict=True))
     rows = rows.drop(columns=[c for c in ("started_at", "git_commit") if c in rows]).merge(
@@ -130,6 +129,7 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
     if claim.applies_at is not None:
         at, elsewhere = at_scale(db_url, claim, rows)
         if at.empty:  # what ran elsewhere is shown, each context marked not applicable, and judged nowhere
+            rows, _ = _chosen(rows, m, seeds)
             judged = [
                 (name, decide(claim.rule, m, sides))
                 for name, sides in sides_of(rows, m, seeds)[0].items()
@@ -142,7 +142,11 @@ def evaluate_claim(db_url: str | None, claim: Claim, **filters: Any) -> ClaimRes
             shown = tuple(replace(r, context=name, verdict=NOT_APPLICABLE, reason="") for name, r in judged)
             return ClaimResult(claim, NOT_APPLICABLE, shown, reason, run_ids, datasets, 0)
         rows = at
-    per_context, superseded = sides_of(rows, m, seeds)
+    superseded = sides_of(rows, m, seeds)[1]
+    rows, choices = _chosen(rows, m, seeds)
+    per_context = sides_of(rows, m, seeds)[0]
+    kept = {run for sides in per_context.values() for run in sides.runs}
+    choices += shown_per_side(rows[rows["run_id"].isin(kept)], claim)
     contexts: list[ContextResult] = []
     for name, sides in per_context.items():
         if sides.a and (m.stat == "value" or sides.b):  # a context without both sides is not a comparison
@@ -198,15 +202,29 @@ def shown_per_side(rows: pd.DataFrame, claim: Claim) -> tuple[str, ...]:
     for _, selector in labels:
         side = rows[matches(rows, selector)] if selector else rows
         label = " ".join(str(v) if not isinstance(v, list) else "/".join(map(str, v)) for v in selector.values())
-        groups = side.groupby("method", sort=True) if "method" in side else [("", side)]
-        for method, part in groups:
-            name = str(method) if label in ("", str(method)) else f"{method} {label}".strip()
+        keys = [k for k in ("method", "dataset") if k in side and (k == "method" or k in m.per)]
+        groups = side.groupby(keys, sort=True) if keys else [((), side)]
+        for key, part in groups:
+            key = key if isinstance(key, tuple) else (key,)
+            method = " ".join(map(str, key))
+            name = method if label in ("", str(key[0]) if key else "") else f"{method} {label}".strip()
             shown = ", ".join(
                 f"{c.removeprefix('config.')} {_shown_value(part[c])}" for c in columns if part[c].notna().any()
             )
             if shown:
                 out.append(f"{name}: {shown}" if name else shown)
     return tuple(dict.fromkeys(out))
+
+
+def _chosen(rows: pd.DataFrame, m: Any, seeds: dict[str, Any]) -> tuple[pd.DataFrame, tuple[str, ...]]:
+    """``measure.choose`` on the rows the rule keeps (the newest commit's runs of each context, side and seed: an
+    older commit's superseded runs do not vote), with how the scale column names the choice; the rows as they are
+    for a claim without a choice."""
+    if m.choose is None or rows.empty:
+        return rows, ()
+    kept = {run for sides in sides_of(rows, m, seeds)[0].values() for run in sides.runs}
+    chosen_rows, chosen = choose_once(rows[rows["run_id"].isin(kept)], m)
+    return chosen_rows, _choices(chosen, m)
 
 
 def _choices(chosen: dict[tuple[Any, ...], Any], m: Any) -> tuple[str, ...]:

@@ -44,12 +44,12 @@ def _rows(table: dict[tuple[str, bool, int], tuple[float, float]], dataset: str 
     ]
 
 
-def _claim_rows(monkeypatch: pytest.MonkeyPatch, measure: dict[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
-    frame = pd.DataFrame(rows)
-    monkeypatch.setattr(cr, "_source_rows", lambda *args, **kwargs: frame.copy())
-    claim = next(c for c in load_claims() if c.id == "nonprivate-more-exposed")
-    claim = claim.model_copy(update={"measure": Measure.model_validate(measure)})
-    return cr.claim_rows(None, claim)
+def _claim_rows(measure: dict[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """``choose_once`` on the rows, the judged value ``auc_heldout``; the choice in ``attrs["chosen"]``."""
+    frame = pd.DataFrame(rows).assign(value=lambda f: f["auc_heldout"])
+    out, chosen = cr.choose_once(frame, Measure.model_validate(measure))
+    out.attrs["chosen"] = chosen
+    return out
 
 
 # each side alone would pick another attack: the non-private arm lira (0.70), the DP arm loss (0.60); pooled, the
@@ -62,8 +62,8 @@ SPLIT = {
 }
 
 
-def test_one_attack_is_chosen_for_both_sides_on_the_pooled_selection_halves(monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = _claim_rows(monkeypatch, MEASURE, _rows(SPLIT))
+def test_one_attack_is_chosen_for_both_sides_on_the_pooled_selection_halves() -> None:
+    rows = _claim_rows(MEASURE, _rows(SPLIT))
     assert set(rows["attack"]) == {"lira"}
     assert sorted(rows["private"]) == [False, True]
     assert rows.attrs["chosen"] == {("d",): "lira"}
@@ -71,25 +71,37 @@ def test_one_attack_is_chosen_for_both_sides_on_the_pooled_selection_halves(monk
     assert rows["value"].tolist() == [0.52, 0.51]
 
 
-def test_ties_go_to_the_first_value_in_sorted_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ties_go_to_the_first_value_in_sorted_order() -> None:
     table = {("loss", False, 0): (0.6, 0.5), ("lira", False, 0): (0.6, 0.5)}
     table |= {("loss", True, 0): (0.5, 0.5), ("lira", True, 0): (0.5, 0.5)}
-    assert _claim_rows(monkeypatch, MEASURE, _rows(table)).attrs["chosen"] == {("d",): "lira"}
+    assert _claim_rows(MEASURE, _rows(table)).attrs["chosen"] == {("d",): "lira"}
 
 
-def test_each_context_chooses_on_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_context_chooses_on_its_own_rows() -> None:
     other = {(a, p, s): (1.0 - sel, held) for (a, p, s), (sel, held) in SPLIT.items()}  # loss wins here
-    rows = _claim_rows(monkeypatch, MEASURE, _rows(SPLIT, "d") + _rows(other, "e"))
+    rows = _claim_rows(MEASURE, _rows(SPLIT, "d") + _rows(other, "e"))
     assert rows.attrs["chosen"] == {("d",): "lira", ("e",): "loss"}
     assert set(zip(rows["dataset"], rows["attack"], strict=True)) == {("d", "lira"), ("e", "loss")}
 
 
-def test_rows_of_neither_side_do_not_vote(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_of_neither_side_do_not_vote() -> None:
     measure = MEASURE | {"a": {"private": False, "method": "m"}, "b": {"private": True, "method": "m"}}
     rows = [r | {"method": "m"} for r in _rows(SPLIT)]
     # a third model, on neither side, whose loss selection AUC would swing the pooled mean to loss
     rows += [r | {"method": "other"} for r in _rows({("loss", True, 0): (1.0, 0.5), ("lira", True, 0): (0.0, 0.5)})]
-    assert _claim_rows(monkeypatch, measure, rows).attrs["chosen"] == {("d",): "lira"}
+    assert _claim_rows(measure, rows).attrs["chosen"] == {("d",): "lira"}
+
+
+def test_one_choice_pools_every_seed() -> None:
+    """Seeds 1 and 2 alone would choose loss (by 0.02 each); seed 0's lira lead (0.30) carries the pooled mean: a
+    choice per seed would judge seeds 1 and 2 under loss."""
+    table = {("lira", p, 0): (0.80, 0.5) for p in (False, True)} | {("loss", p, 0): (0.50, 0.5) for p in (False, True)}
+    for s in (1, 2):
+        table |= {("lira", p, s): (0.50, 0.5) for p in (False, True)}
+        table |= {("loss", p, s): (0.52, 0.5) for p in (False, True)}
+    rows = _claim_rows(MEASURE, _rows(table))
+    assert rows.attrs["chosen"] == {("d",): "lira"}
+    assert set(rows["attack"]) == {"lira"} and rows["run_id"].nunique() == 6
 
 
 def _membership(seeds: int) -> pd.DataFrame:
@@ -109,7 +121,7 @@ def _membership(seeds: int) -> pd.DataFrame:
     frame["method"] = "transformer"
     frame["epsilon"] = [8.0 if p else float("nan") for p in frame["private"]]
     frame["selected"] = False
-    for (run_id, _), part in frame.groupby(["run_id", "private"]):  # each audit's own pick, as recorded
+    for _, part in frame.groupby(["run_id", "private"]):  # each audit's own pick, as recorded
         frame.loc[part["auc_selection"].idxmax(), "selected"] = True
     for side in ("lo", "hi"):
         frame[f"auc_heldout_{side}"] = frame["auc_heldout"] + (-0.01 if side == "lo" else 0.01)
@@ -154,3 +166,28 @@ def test_the_registered_audit_claim_fails_where_per_side_picks_would_pass(monkey
 def test_a_choice_on_the_judged_data_or_with_nothing_to_choose_is_refused(change: dict, named: str) -> None:
     with pytest.raises(ValidationError, match=named):
         Measure.model_validate(MEASURE | change)
+
+
+def test_runs_of_an_older_commit_do_not_vote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same seeds measured at an older commit, whose selection halves favour loss by far, are superseded by the
+    newest commit's runs (which favour lira) before the choice: the choice is lira, and it names no old run."""
+    new = _membership(seeds=3)
+    old = new.copy()
+    old["run_id"] = "old-" + old["run_id"]
+    old["auc_selection"] = [0.99 if a == "loss" else 0.01 for a in old["attack"]]
+    frame = pd.concat([old, new], ignore_index=True)
+    monkeypatch.setattr(cr, "_source_rows", lambda *args, **kwargs: frame.copy())
+    runs = frame["run_id"].drop_duplicates().tolist()
+    meta = pd.DataFrame(
+        {
+            "run_id": runs,
+            "seed": [int(r.rsplit("-", 1)[1]) for r in runs],
+            "started_at": [pd.Timestamp("2026-01-0" + ("1" if r.startswith("old-") else "2"), tz="UTC") for r in runs],
+            "git_commit": ["0ld0000" if r.startswith("old-") else "abc1234" for r in runs],
+        }
+    )
+    monkeypatch.setattr(sc, "run_meta", lambda db_url, run_ids: meta[meta["run_id"].isin(run_ids)].copy())
+    claim = next(c for c in load_claims() if c.id == "nonprivate-more-exposed")
+    result = sc.evaluate_claim(None, claim)
+    assert any("attack lira chosen once" in r for r in result.recipes), result.recipes
+    assert result.superseded == 6

@@ -94,6 +94,8 @@ def _frame(
                     row["power"] = power
                 if m.validation is not None:
                     row["validation"] = VALIDATION_ERROR * (-1) ** i
+                if m.choose is not None:  # one value to choose among, with the data the choice reads
+                    row |= {c: "x" if c == m.choose.among else 0.5 for c in m.choose.columns()}
                 rows.append(row)
                 meta.append({"run_id": run_id, "seed": seed, "started_at": started, "git_commit": COMMIT})
     frame = pd.DataFrame(rows)
