@@ -329,7 +329,7 @@ def test_claims_name_the_recipe_they_rest_on(stage_store, monkeypatch) -> None:
     stage_store.point_at(monkeypatch)
     table = claims_table(evaluate_claims(profile="tiny"), "tiny").set_index("claim")
     assert table.loc["dpformer-beats-transformer", "scale"] == (
-        "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64 for 1 epoch, transformer lr 0.005 x 64 for 1 epoch"
+        "tiny profile: ml-1m-tiny; dpformer lr 0.005 x 64 for 1 epoch; transformer lr 0.005 x 64 for 1 epoch"
     )
 
 
