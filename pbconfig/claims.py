@@ -151,6 +151,13 @@ def _check_source(source: str, stage: str | None, techniques: tuple[str, ...], w
         raise ValueError(f"stage/techniques apply to source 'metrics' only, not {source!r}; use where")
 
 
+def _naming(value: str, what: str) -> str:
+    """``value`` when the expression names a column; a ValueError naming ``what`` otherwise."""
+    if not _names(value):
+        raise ValueError(f"{what} {value!r} names no column")
+    return value
+
+
 class Choice(FrozenConfig):
     """``measure.choose``: one value of column ``among`` (e.g. which attack) chosen once per context, before the rule
     reads anything, as the one whose rows score highest on ``by`` (their mean over every run of both sides, every seed
@@ -161,12 +168,7 @@ class Choice(FrozenConfig):
     among: str = Field(min_length=1)
     by: str
 
-    @field_validator("by")
-    @classmethod
-    def _expression(cls, value: str) -> str:
-        if not _names(value):
-            raise ValueError(f"choose.by {value!r} names no column")
-        return value
+    _by = field_validator("by")(classmethod(lambda cls, value: _naming(value, "choose.by")))
 
     def columns(self) -> set[str]:
         return {self.among} | _names(self.by)
@@ -182,12 +184,7 @@ class SideSource(FrozenConfig):
     value: str
     profile: str | None = None  # only the runs of this profile (None: every profile)
 
-    @field_validator("value")
-    @classmethod
-    def _expression(cls, value: str) -> str:
-        if not _names(value):
-            raise ValueError(f"value {value!r} names no column")
-        return value
+    _value = field_validator("value")(classmethod(lambda cls, value: _naming(value, "value")))
 
     @model_validator(mode="after")
     def _consistent(self) -> SideSource:

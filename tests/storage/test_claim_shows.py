@@ -7,11 +7,11 @@ import math
 
 import pandas as pd
 
-from pbconfig.claims import load_claims
+from pbconfig.claims import Claim, load_claims
 from storage.claims import shown_per_side
 
 
-def _claim(claim_id: str):  # noqa: ANN202 - a registry Claim
+def _claim(claim_id: str) -> Claim:
     return next(c for c in load_claims() if c.id == claim_id)
 
 
