@@ -144,6 +144,11 @@ def _names(expression: str) -> set[str]:
     return names
 
 
+def column_names(expression: str) -> set[str]:
+    """The column names a claim's ``value``-style expression reads (public form of the registry's own check)."""
+    return _names(expression)
+
+
 def _check_source(source: str, stage: str | None, techniques: tuple[str, ...], where: str) -> None:
     if source == "metrics" and not stage:
         raise ValueError(f"source 'metrics' needs the runs' stage: set {where}stage (e.g. stage: tangent)")

@@ -35,10 +35,11 @@ from typing import Any
 import pandas as pd
 
 from core.errors import ConfigError
-from pbconfig.claims import Claim, Verdict, load_claims
+from pbconfig.claims import Claim, Verdict, column_names, load_claims
 from storage.claim_context import ContextResult, IntervalKind, Sides, context_part, decide, fmt, sides_of
 from storage.claim_rows import at_scale, choose_once, claim_rows, matches, run_configs
 from storage.leaderboard import CONFIDENCE, run_meta
+from storage.view_columns import SELECTION_COLUMNS
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = (
     Verdict.REPRODUCED,
@@ -220,11 +221,31 @@ def _chosen(rows: pd.DataFrame, m: Any, seeds: dict[str, Any]) -> tuple[pd.DataF
     """``measure.choose`` on the rows the rule keeps (the newest commit's runs of each context, side and seed: an
     older commit's superseded runs do not vote), with how the scale column names the choice; the rows as they are
     for a claim without a choice."""
-    if m.choose is None or rows.empty:
+    if m.choose is None:
+        return rows, ()
+    check_choice(m)
+    if rows.empty:
         return rows, ()
     kept = {run for sides in sides_of(rows, m, seeds)[0].values() for run in sides.runs}
     chosen_rows, chosen = choose_once(rows[rows["run_id"].isin(kept)], m)
     return chosen_rows, _choices(chosen, m)
+
+
+def check_choice(m: Any) -> None:
+    """Refuse a ``measure.choose`` whose ``by`` is not a selection column of its source view measured apart from the
+    judged value (``storage.view_columns.SELECTION_COLUMNS``): the registry checks names only, this checks what the
+    column is."""
+    declared = SELECTION_COLUMNS.get(m.source, {})
+    by = sorted(column_names(m.choose.by))
+    judged = sorted(column_names(m.value).union(*(column_names(b) for b in m.run_interval or ())))
+    apart = [c for c in by if c in declared and set(judged) <= set(declared[c])]
+    if not by or len(apart) != len(by):
+        known = "; ".join(f"{c} (apart from {', '.join(v)})" for c, v in declared.items()) or "none"
+        raise ConfigError(
+            f"choose.by {m.choose.by!r} on {m.source} is not a selection column measured apart from the judged "
+            f"{', '.join(judged)}; selection columns of {m.source}: {known}. Choose on one of those, or declare a new "
+            f"one in storage/view_columns.py SELECTION_COLUMNS with the columns it is measured apart from"
+        )
 
 
 def _choices(chosen: dict[tuple[Any, ...], Any], m: Any) -> tuple[str, ...]:

@@ -132,6 +132,8 @@ TANGENT_ACCURACY_COLUMNS = [
     "mean_component_accuracy",
     "lr",
     "epochs",
+    "lr_milestones",
+    "searched_lrs",
     "dataset",
     "started_at",
 ]
@@ -240,3 +242,12 @@ MEMBERSHIP_COLUMNS = [
     "started_at",
 ]
 ROC_COLUMNS = ["run_id", "dataset", "method", "setting", "attack", "fpr", "tpr"]
+
+# The columns a claim's ``measure.choose.by`` may read, per view: data measured apart from the columns listed with it
+# (``auc_selection``: the audit's AUC on its fixed selection half of the examples, core/attacks/audit.py
+# selection_half; ``auc_heldout`` and its interval: the other half). A choice on any other column could be made on
+# the data the rule then judges, the best-of-several after the fact that ``choose`` exists to avoid, and a column's
+# name alone does not say which examples it was measured on.
+SELECTION_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
+    "membership": {"auc_selection": ("auc_heldout", "auc_heldout_lo", "auc_heldout_hi")},
+}

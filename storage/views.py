@@ -239,7 +239,22 @@ def tangent_accuracy(db_url: str | None = None, **filters: Any) -> pd.DataFrame:
     configs = [_config(c) for c in frame["config_json"]]
     for key in ("lr", "epochs"):
         frame[key] = pd.Series([c.get(key, math.nan) for c in configs], index=frame.index, dtype=float)
+    # the schedule (the epochs after which the learning rate is divided, "none": constant) and the learning rates
+    # the method's search chose among (None where it trained at one rate without a search)
+    frame["lr_milestones"] = [_joined(c["lr_milestones"]) if "lr_milestones" in c else None for c in configs]
+    frame["searched_lrs"] = [_searched_lrs(c.get("search_grid")) for c in configs]
     return _finish(frame, TANGENT_ACCURACY_COLUMNS, ["method", "n_shards", "started_at"])
+
+
+def _joined(values: list[Any]) -> str:
+    return "/".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) or "none"
+
+
+def _searched_lrs(grid: list[Any] | None) -> str | None:
+    """The learning rates of a Table 1 search grid (points ``[lr, PT, CLS]`` for TAFT, ``lr`` for the others)."""
+    if not grid or len(grid) < 2:
+        return None
+    return _joined(list(dict.fromkeys(p[0] if isinstance(p, list) else p for p in grid)))
 
 
 def unlearning(db_url: str | None = None, **filters: Any) -> pd.DataFrame:

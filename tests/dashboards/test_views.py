@@ -153,6 +153,11 @@ def test_tangent_accuracy_and_unlearning_curves(filled_store: FilledStore) -> No
     }
     for row in acc.to_dict("records"):
         assert row["test_accuracy"] == _metric(repo, row["run_id"], "test_accuracy")
+    # the filled stage trains at one rate, constant: no search to show, and "none" for the schedule of a run that
+    # records one
+    single = acc[acc["n_shards"] == 1]
+    assert single["searched_lrs"].isna().all()
+    assert set(single["lr_milestones"].dropna()) <= {"none"}
     curves = views.unlearning(url)
     assert set(curves["method"]) == {"taft", "sisa"} and (curves["n_shards"] == 3).all()
     taft = curves[curves["method"] == "taft"]
@@ -236,3 +241,22 @@ def test_membership_and_roc_points(filled_store: FilledStore, tmp_path: Path, mo
     pd.testing.assert_frame_equal(fetched, roc)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other-mlflow.db'}")
     assert views.membership_roc(url, artifact_root=filled_store.home / "nowhere").empty
+
+
+@pytest.mark.parametrize(
+    ("grid", "shown"),
+    [
+        ([[0.001, True, False], [0.0001, True, False]], "0.001/0.0001"),  # TAFT's points: [lr, PT, CLS]
+        ([[0.001, True, True], [0.001, False, True], [0.0001, True, True]], "0.001/0.0001"),  # PT/CLS searched too
+        ([0.001, 0.0001], "0.001/0.0001"),  # NLFT's and FC's points: the rate alone
+        ([0.001], None),  # one point: no search
+        (None, None),
+    ],
+)
+def test_tangent_accuracy_names_the_learning_rates_a_search_chose_among(grid: list | None, shown: str | None) -> None:
+    assert views._searched_lrs(grid) == shown
+
+
+def test_tangent_accuracy_names_the_schedule() -> None:
+    assert views._joined([5, 8]) == "5/8"
+    assert views._joined([]) == "none"

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
+from core.errors import ConfigError
 from pbconfig.claims import Measure, load_claims
 from storage import claim_rows as cr
 from storage import claims as sc
@@ -191,3 +192,39 @@ def test_runs_of_an_older_commit_do_not_vote(monkeypatch: pytest.MonkeyPatch) ->
     result = sc.evaluate_claim(None, claim)
     assert any("attack lira chosen once" in r for r in result.recipes), result.recipes
     assert result.superseded == 6
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # the whole-set AUC: a differently named column measured on the same examples the value reads
+        ({"choose": {"among": "attack", "by": "auc"}}, "'auc' on membership is not a selection column"),
+        # a selection column, but the judged value is not the data it was measured apart from
+        ({"value": "auc"}, "measured apart from the judged auc"),
+        ({"source": "film", "choose": {"among": "attack", "by": "auc_selection"}}, "selection columns of film: none"),
+    ],
+)
+def test_a_choice_on_a_column_not_declared_apart_from_the_value_is_refused(change: dict, named: str) -> None:
+    """The registry checks names only; the store's check reads what each view's selection column was measured apart
+    from (storage.view_columns.SELECTION_COLUMNS), so a renamed or unrelated column cannot pass as a selection."""
+    with pytest.raises(ConfigError, match=named):
+        sc.check_choice(Measure.model_validate(MEASURE | change))
+
+
+def test_every_registered_choice_reads_a_declared_selection_column() -> None:
+    for claim in load_claims():
+        if claim.measure.choose is not None:
+            sc.check_choice(claim.measure)
+
+
+def test_a_refused_choice_stops_the_claim_before_any_row_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    (claim,) = [c for c in load_claims() if c.id == "nonprivate-more-exposed"]
+    bad = claim.model_copy(
+        update={
+            "measure": claim.measure.model_copy(
+                update={"choose": claim.measure.choose.model_copy(update={"by": "auc"})}
+            )
+        }
+    )
+    with pytest.raises(ConfigError, match="not a selection column"):
+        sc._chosen(pd.DataFrame(), bad.measure, {})
