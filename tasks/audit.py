@@ -363,7 +363,6 @@ def audit_unlearning(
     them by subtraction (Sect. 3.3), attacked by the loss threshold: members (the training images) against
     non-members (the test images) before, and the forgotten images against non-members after, with a
     two-sample test (Kolmogorov-Smirnov and Mann-Whitney) of their statistics."""
-    from dataclasses import replace
 
     from core.attacks.audit import audit_groups
     from core.attacks.membership import two_sample_test
@@ -371,6 +370,7 @@ def audit_unlearning(
     from core.tangent.compose import compose, remove_component
     from core.tangent.experiments import logits_of, shard_index
     from tasks.tangent import cache_features, load_features, tangent_model, train_config
+    from tasks.tangent_inputs import shortened
 
     torch.set_num_threads(tangent.threads_per_worker)
     n_shards = tangent.fig1_n_shards
@@ -393,7 +393,7 @@ def audit_unlearning(
         f = load_features(inputs.features_path)
         split = shard_index(inputs.n_train, n_shards, tangent.seed)
         model = tangent_model(inputs, tangent)
-        tcfg = replace(train_config(tangent, "taft"), epochs=cfg.unlearning_epochs or tangent.epochs)
+        tcfg = shortened(train_config(tangent, "taft"), cfg.unlearning_epochs or tangent.epochs)
         t0 = time.perf_counter()  # the tangent stage's shard training (shard j: seed + j), shard by shard
         deltas = train_shards(lambda: tangent_model(inputs, tangent), f["train_h"], f["train_y"], split, tcfg)
         train_s = time.perf_counter() - t0

@@ -3,7 +3,7 @@ config of each method (:func:`train_config`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.tangent.train import TangentTrainConfig
 from pbconfig.tangent import TangentConfig
@@ -34,6 +34,12 @@ class ShardJob:
     @property
     def technique(self) -> str:
         return f"{self.kind}-shard"
+
+
+def shortened(tcfg: TangentTrainConfig, epochs: int) -> TangentTrainConfig:
+    """``tcfg`` trained for ``epochs`` instead (e.g. the membership audit's shorter TAFT composition), keeping the
+    learning-rate milestones that still fall inside the shorter schedule (``[5, 8]`` at 3 epochs: none)."""
+    return replace(tcfg, epochs=epochs, lr_milestones=tuple(m for m in tcfg.lr_milestones if m < epochs))
 
 
 def train_config(cfg: TangentConfig, kind: str) -> TangentTrainConfig:

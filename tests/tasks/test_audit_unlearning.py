@@ -34,3 +34,28 @@ def test_unlearning_audit_records_before_and_after(home: Path, prepared: dict[st
         "on r.id = a.run_id where r.technique = 'mia-unlearning' and r.status = 'finished'"
     )
     assert len(rows) == 4 and all(0.0 <= auc <= 1.0 and 0.0 <= lo <= hi for _, auc, lo, hi in rows)
+
+
+def test_a_shorter_audit_keeps_only_the_milestones_inside_its_epochs() -> None:
+    """The audit trains the composition fewer epochs than the tangent stage; App. A's milestones past its end are
+    dropped (they failed the training config's check before, at the end of a reference run)."""
+    from tasks.tangent_inputs import shortened, train_config
+
+    tangent = _config(epochs=10).tangent.model_copy(update={"lr_milestones": (5, 8)})
+    full = train_config(tangent, "taft")
+    assert full.lr_milestones == (5, 8)
+    assert shortened(full, 3).lr_milestones == () and shortened(full, 3).epochs == 3
+    assert shortened(full, 6).lr_milestones == (5,)
+    assert shortened(full, 10) == full
+
+
+def test_the_unlearning_audit_runs_under_a_stage_schedule_longer_than_its_own(
+    home: Path,
+    prepared: dict[str, str],  # noqa: F811
+) -> None:
+    tangent = _config(epochs=10).tangent.model_copy(update={"lr_milestones": (5, 8)})
+    with record_run(flow="attacks", stage="attacks", technique="flow", config={}, track=False) as parent:
+        pass
+    cfg = AuditConfig(shadows=4, unlearning_epochs=2)
+    out = audit_unlearning.fn(tangent, cfg, prepared["images"], prepared["model"], parent.ref)
+    assert out["n_shards"] == 3
