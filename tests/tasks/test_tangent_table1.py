@@ -39,9 +39,19 @@ def test_the_default_is_one_point_built_from_the_stage_values() -> None:
     assert (taft.lrs, taft.pts, taft.cls, taft.points) == ((0.01,), (False,), (False,), 1)
     assert (nlft.lrs, fc.lrs, nlft.points, fc.points) == ((0.002,), (0.03,), 1, 1)
     assert not cfg.searches_table2
-    for profile in ("quick", "reference"):  # the reduced profiles run no search: Table 1 as before
-        t = load_config(profile).tangent
-        assert t is not None and all(t.method_grid(m).points == 1 for m in TABLE1) and not t.searches_table2
+    quick = load_config("quick").tangent  # the quick profile runs no search: Table 1 at one point per method
+    assert quick is not None and all(quick.method_grid(m).points == 1 for m in TABLE1) and not quick.searches_table2
+
+
+def test_the_reference_profile_searches_the_learning_rates_only() -> None:
+    """App. A's {1e-3, 1e-4} for every method on validation, App. A's schedule scaled to 10 epochs; PT and CLS
+    stay at one value each (cut for the budget, said in the profile)."""
+    t = load_config("reference").tangent
+    assert t is not None and t.epochs == 10 and t.lr_milestones == (5, 8) and t.searches_table2
+    for method in TABLE1:
+        assert set(t.method_grid(method).lrs) == {1e-3, 1e-4}
+    taft = t.method_grid("taft")
+    assert (taft.pts, taft.cls, taft.points) == ((True,), (False,), 2)
 
 
 def test_the_paper_profile_searches_app_a_grid() -> None:
