@@ -201,7 +201,15 @@ class UtilityConfig(FrozenConfig):
         ge=1,
         description="train each LM to a plateau: validation perplexity every this many steps (None: all lm_steps)",
     )
-    lm_patience: int = Field(3, ge=1, description="validation measurements without improvement that end training")
+    lm_patience: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "validation measurements without improvement that end training (None: no early stopping; every LM "
+            "trains all lm_steps, kept at its best validation measurement where lm_eval_every is set: Fairseq's "
+            "checkpoint_best)"
+        ),
+    )
     lm_val_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="training sentences held out for validation when lm_eval_every is set"
     )

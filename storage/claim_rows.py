@@ -69,15 +69,34 @@ def _metric_rows(
     return base.merge(vq.metrics_wide(engine, base["run_id"].tolist(), names), on="run_id", how="left")
 
 
+def _scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool)
+
+
+def _listed(value: list[Any]) -> str | None:
+    """A list of scalars (or of lists of scalars, such as a search grid's points) as one string the scale column can
+    show: ``5/8``, ``0.03,True/0.01,False``; ``none`` for an empty list; None for a list of anything else."""
+    if not value:
+        return "none"
+    if all(_scalar(v) for v in value):
+        return "/".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    if all(isinstance(v, list) and v and all(_scalar(x) for x in v) for v in value):
+        return "/".join(",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) for v in value)
+    return None
+
+
 def flat_config(config: dict[str, Any], prefix: str = "config") -> dict[str, Any]:
-    """A run's config as ``config.<dotted path>`` -> scalar (lists and nulls left out)."""
+    """A run's config as ``config.<dotted path>`` -> scalar; a list of scalars (or of scalar lists) as one string
+    (``_listed``); nulls and lists of anything else left out."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         path = f"{prefix}.{key}"
         if isinstance(value, dict):
             out.update(flat_config(value, path))
-        elif isinstance(value, str | int | float | bool):
+        elif _scalar(value):
             out[path] = value
+        elif isinstance(value, list) and (listed := _listed(value)) is not None:
+            out[path] = listed
     return out
 
 

@@ -218,10 +218,11 @@ def train_lm(
     Linear warmup over ``warmup`` steps then cosine decay to 0. Returns ``{"steps": done, "train_loss": mean
     of the last 50 step losses, "seconds": wall time}``; stops early once ``max_seconds`` have passed.
     ``flush_denormal`` runs the loop under :func:`flush_denormals` (a CPU speed fix). With ``plateau`` the
-    validation perplexity is measured every ``plateau.every`` steps, training stops once it has not improved for
-    ``plateau.patience`` measurements, and the model is left at its best measurement; the result then also has
-    ``best_step``, ``val_perplexity`` (the best), ``val_curve`` (``[(step, perplexity), ...]``) and ``plateaued``
-    (stopped by patience, not by the step or time budget).
+    validation perplexity is measured every ``plateau.every`` steps (and after the last), training stops once it
+    has not improved for ``plateau.patience`` measurements (never, with ``patience=None``: all ``steps`` are
+    trained, Fairseq's ``checkpoint_best``), and the model is left at its best measurement; the result then also
+    has ``best_step``, ``val_perplexity`` (the best), ``val_curve`` (``[(step, perplexity), ...]``) and
+    ``plateaued`` (stopped by patience, not by the step or time budget).
     """
     _check_data(ids, mask)
     _check_train_args(steps, batch_size, lr, warmup)
@@ -266,20 +267,21 @@ def train_lm(
 
 @dataclass(frozen=True)
 class Plateau:
-    """Early stopping on validation perplexity: ``ids (N, T)`` / ``mask (N, T)`` held out from training,
-    measured every ``every`` steps; stop after ``patience`` measurements without a relative improvement of more
-    than ``min_delta``."""
+    """Validation perplexity on ``ids (N, T)`` / ``mask (N, T)`` held out from training, measured every ``every``
+    steps, the model kept at its best measurement: early stopping after ``patience`` measurements without a
+    relative improvement of more than ``min_delta``, or (``patience=None``) none: the whole step budget is trained
+    and the best measurement kept."""
 
     ids: Tensor
     mask: Tensor
     every: int
-    patience: int
+    patience: int | None
     min_delta: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.patience < 1 or self.min_delta < 0:
+        if self.every < 1 or (self.patience is not None and self.patience < 1) or self.min_delta < 0:
             raise ConfigError(
-                f"plateau needs every >= 1, patience >= 1 and min_delta >= 0, got every={self.every}, "
+                f"plateau needs every >= 1, patience >= 1 (or None) and min_delta >= 0, got every={self.every}, "
                 f"patience={self.patience}, min_delta={self.min_delta}"
             )
 
@@ -305,7 +307,7 @@ class _Watch:
             self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
             self.stale += 1
-        self.plateaued = self.stale >= self.plateau.patience
+        self.plateaued = self.plateau.patience is not None and self.stale >= self.plateau.patience
         return self.plateaued
 
     def finish(self, model: nn.Module, steps: int) -> dict:

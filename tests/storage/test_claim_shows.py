@@ -49,3 +49,33 @@ def test_a_claim_that_shows_nothing_adds_nothing() -> None:
     claim = _claim("composition-equals-ensemble")
     assert claim.shows == ()
     assert shown_per_side(pd.DataFrame({"method": ["x"], "lr": [1.0]}), claim) == ()
+
+
+def test_a_list_in_a_runs_config_is_shown_as_one_value() -> None:
+    """A schedule's milestones and a search's grid are lists in a run's config: the scale column shows them (slow
+    reference: the list written out by hand), where before they were dropped; a list of anything else stays out."""
+    from storage.claim_rows import flat_config
+
+    config = {
+        "lr": 0.01,
+        "lr_milestones": [5, 8],
+        "constant": [],
+        "search_grid": [[0.03, True], [0.01, False]],
+        "models": [{"name": "a"}],
+        "search": {"lrs": {"taft": [0.001, 0.0001]}},
+        "none": None,
+    }
+    assert flat_config(config) == {
+        "config.lr": 0.01,
+        "config.lr_milestones": "5/8",
+        "config.constant": "none",
+        "config.search_grid": "0.03,True/0.01,False",
+        "config.search.lrs.taft": "0.001/0.0001",
+    }
+    claim = _claim("taft-forgetting-more-accurate-than-sisa")
+    flat = flat_config({"lr": 0.001, "epochs": 10, "lr_milestones": [5, 8]})
+    rows = pd.DataFrame([{"method": "forget-taft-subtract", **flat}, {"method": "forget-sisa-drop", **flat}])
+    assert shown_per_side(rows, claim) == (
+        "forget-taft-subtract: lr 0.001, epochs 10, lr_milestones 5/8",
+        "forget-sisa-drop: lr 0.001, epochs 10, lr_milestones 5/8",
+    )

@@ -239,6 +239,31 @@ def test_plateau_without_patience_spent_runs_every_step() -> None:
     assert [s for s, _ in fit["val_curve"]] == [5, 7]  # the last step is always measured
 
 
+def test_no_patience_trains_the_whole_budget_and_keeps_the_best_measurement() -> None:
+    """``patience=None`` (a fixed step budget, Fairseq's checkpoint_best): on the memorising case above, where
+    validation gets worse, training still runs every step and the model is left at its best measurement."""
+    g = torch.Generator().manual_seed(0)
+    train = torch.randint(0, V, (4, 16), generator=g)
+    val = torch.randint(0, V, (8, 16), generator=g)
+    ones = torch.ones_like(val, dtype=torch.bool)
+    model = tiny()
+    fit = train_lm(
+        model,
+        train,
+        torch.ones_like(train, dtype=torch.bool),
+        steps=200,
+        batch_size=4,
+        lr=1e-2,
+        plateau=Plateau(val, ones, every=10, patience=None),
+    )
+    assert fit["steps"] == 200 and not fit["plateaued"]
+    assert [s for s, _ in fit["val_curve"]] == list(range(10, 201, 10))
+    best = min(fit["val_curve"], key=lambda c: c[1])
+    assert best[0] < 200  # validation got worse after its best: the case where keeping the best matters
+    assert (fit["best_step"], fit["val_perplexity"]) == best
+    assert perplexity(model, val, ones) == pytest.approx(fit["val_perplexity"], rel=1e-6)
+
+
 @pytest.mark.parametrize("bad", [{"every": 0}, {"patience": 0}, {"min_delta": -0.1}])
 def test_plateau_rejects_bad_settings(bad: dict) -> None:
     ids, mask = padded_batch()
