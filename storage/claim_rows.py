@@ -75,13 +75,17 @@ def _scalar(value: Any) -> bool:
 
 def _listed(value: list[Any]) -> str | None:
     """A list of scalars (or of lists of scalars, such as a search grid's points) as one string the scale column can
-    show: ``5/8``, ``0.03,True/0.01,False``; ``none`` for an empty list; None for a list of anything else."""
-    if not value:
-        return "none"
+    show, in brackets so that it never reads as the several values ``/`` joins there: ``[5, 8]``,
+    ``[[0.03, True], [0.01, False]]``, ``[]``; None for a list of anything else. A ``where`` cannot select on it (a
+    list there names the values allowed)."""
+
+    def one(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
     if all(_scalar(v) for v in value):
-        return "/".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-    if all(isinstance(v, list) and v and all(_scalar(x) for x in v) for v in value):
-        return "/".join(",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) for v in value)
+        return "[" + ", ".join(map(one, value)) + "]"
+    if all(isinstance(v, list) and all(_scalar(x) for x in v) for v in value):
+        return "[" + ", ".join("[" + ", ".join(map(one, v)) + "]" for v in value) + "]"
     return None
 
 

@@ -67,15 +67,15 @@ def test_a_list_in_a_runs_config_is_shown_as_one_value() -> None:
     }
     assert flat_config(config) == {
         "config.lr": 0.01,
-        "config.lr_milestones": "5/8",
-        "config.constant": "none",
-        "config.search_grid": "0.03,True/0.01,False",
-        "config.search.lrs.taft": "0.001/0.0001",
+        "config.lr_milestones": "[5, 8]",
+        "config.constant": "[]",
+        "config.search_grid": "[[0.03, True], [0.01, False]]",
+        "config.search.lrs.taft": "[0.001, 0.0001]",
     }
     claim = _claim("taft-forgetting-more-accurate-than-sisa")
     flat = flat_config({"lr": 0.001, "epochs": 10, "lr_milestones": [5, 8]})
     rows = pd.DataFrame([{"method": "forget-taft-subtract", **flat}, {"method": "forget-sisa-drop", **flat}])
     assert shown_per_side(rows, claim) == (
-        "forget-taft-subtract: lr 0.001, epochs 10, lr_milestones 5/8",
-        "forget-sisa-drop: lr 0.001, epochs 10, lr_milestones 5/8",
+        "forget-taft-subtract: lr 0.001, epochs 10, lr_milestones [5, 8]",
+        "forget-sisa-drop: lr 0.001, epochs 10, lr_milestones [5, 8]",
     )
