@@ -137,10 +137,12 @@ def seb_utility_section(utility: pd.DataFrame) -> list[str]:
         "## SEB utility at its size (language models)",
         "",
         (
-            "Each utility language model's test perplexity (the best validation checkpoint where the profile trains to "
-            "a plateau), mean over the seeds with its 95% t-interval, beside its embedding parameters (input module, "
+            "Each utility language model's test perplexity (the best validation checkpoint where the profile measures "
+            "validation), mean over the seeds with its 95% t-interval, beside its embedding parameters (input module, "
             "output tied: counted once) and, for SEB, its FFN hidden width; steps: trained, best step: the checkpoint "
-            "tested (means over the seeds; each model stops at its own plateau, so the arms' budgets can differ). "
+            "tested (means over the seeds; under a patience each model stops at its own plateau, so the arms' budgets "
+            "can differ; without one every arm trains the same steps, and a best step equal to them means the model "
+            "was still improving when the budget ran out). "
             "`-matched` rows narrow SEB's FFN to the widest whose module has no more parameters than the subword table "
             "of the same vocabulary (the subword row's count). Perplexities compare within a dataset and vocabulary "
             "only."
